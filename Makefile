@@ -1,0 +1,23 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both bootstrap .venv on first use.
+PY := .venv/bin/python
+NPROC ?= 2
+
+.PHONY: venv demo test test-slow bench lint format
+
+venv:
+	@scripts/bootstrap.sh
+
+demo: venv
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) examples/train.py --out runs/demo
+
+test: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest -q
+
+test-slow: venv
+	$(PY) -m pytest -q -m slow
+
+format: venv
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .

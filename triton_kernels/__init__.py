@@ -1,0 +1,1 @@
+"""Custom kernels. Each ``<name>.py`` holds a Triton kernel beside its torch reference."""
