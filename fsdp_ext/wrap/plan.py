@@ -15,13 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fsdp_ext.wrap.policy import (
-    GranularityPolicy,
-    default_threshold,
-    granularity_units,
-    select_units,
-)
-from fsdp_ext.wrap.tree import ModuleInfo, module_infos
+from fsdp_ext.wrap.policy import GranularityPolicy, granularity_units, select_units
+from fsdp_ext.wrap.tree import ModuleInfo, module_infos, repeated_blocks
 
 
 class Unit(NamedTuple):
@@ -117,7 +112,8 @@ def resolve_threshold(
     if policy.threshold is not None:
         return policy.threshold
     if policy.memory_budget_bytes is None:
-        return default_threshold(infos)
+        blocks = repeated_blocks(root)[0]
+        return max((infos[b].granularity for b in blocks if infos[b].numel), default=0)
     budget = policy.memory_budget_bytes
     granularities = sorted(
         {info.granularity for info in infos.values() if info.granularity is not None},

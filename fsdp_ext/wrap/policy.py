@@ -18,7 +18,13 @@ import torch
 from torch import nn
 from torch.distributed.fsdp.wrap import _Policy
 
-from fsdp_ext.wrap.tree import ModuleInfo, is_container, is_indivisible, module_infos
+from fsdp_ext.wrap.tree import (
+    ModuleInfo,
+    is_container,
+    is_indivisible,
+    module_infos,
+    repeated_blocks,
+)
 
 
 @dataclass(frozen=True)
@@ -31,9 +37,12 @@ class GranularityPolicy:
     an ``nn.MultiheadAttention``, an MoE block) becomes its own unit.
 
     ``memory_budget_bytes`` instead picks the coarsest threshold whose estimated peak
-    unsharded bytes (see :mod:`fsdp_ext.wrap.plan`) fit. With neither, the threshold is
-    the largest granularity among the children of containers (one unit per repeated
-    block, e.g. per transformer layer), or 0 (every leaf its own unit) without any.
+    unsharded bytes (see :mod:`fsdp_ext.wrap.plan`) fit. With neither, the default is
+    one unit per repeated block: the outermost children of ModuleList/ModuleDict/
+    Sequential containers (transformer layers) are the blocks, the threshold is the
+    largest block granularity, and the blocks' ancestors are always descended into (so
+    the blocks are not swallowed by a coarser ancestor). Without containers: 0, every
+    indivisible module its own unit.
     """
 
     threshold: int | None = None
@@ -55,39 +64,38 @@ class GranularityPolicy:
             )
 
 
-def default_threshold(infos: dict[nn.Module, ModuleInfo]) -> int:
-    """Largest granularity among the repeated blocks (children of containers), else 0."""
-    block_granularities = [
-        infos[child].granularity
-        for module in infos
-        if is_container(module)
-        for child in module.children()
-        if infos[child].granularity is not None
-    ]
-    return max(block_granularities, default=0)
-
-
 def granularity_units(
-    root: nn.Module, threshold: float, infos: dict[nn.Module, ModuleInfo] | None = None
+    root: nn.Module,
+    threshold: float,
+    infos: dict[nn.Module, ModuleInfo] | None = None,
+    descend: frozenset[nn.Module] = frozenset(),
 ) -> list[nn.Module]:
-    """Units below ``root`` for one threshold, in pre-order (roughly forward order)."""
+    """Units below ``root`` for one threshold, in pre-order (roughly forward order).
+
+    Modules in ``descend`` are always descended into, whatever their granularity.
+    """
     infos = infos if infos is not None else module_infos(root)
+
+    def is_unit(module: nn.Module) -> bool:
+        info = infos[module]
+        return (
+            module not in descend
+            and not is_container(module)
+            and (info.granularity <= threshold or is_indivisible(module))
+        )
+
     units: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
-        info = infos[module]
-        if info.numel == 0:
+        if infos[module].numel == 0:
             return
-        if not is_container(module) and (info.granularity <= threshold or is_indivisible(module)):
+        if is_unit(module):
             units.append(module)
             return
         for child in module.children():
             visit(child)
 
-    root_info = infos[root]
-    if root_info.granularity is not None and (
-        root_info.granularity <= threshold or is_indivisible(root)
-    ):
+    if infos[root].numel == 0 or is_unit(root):
         return []
     for child in root.children():
         visit(child)
@@ -158,7 +166,9 @@ def select_units(
 
         infos = module_infos(root)
         threshold = resolve_threshold(root, policy, param_dtype, infos)
-        return granularity_units(root, threshold, infos), threshold
+        is_default = policy.threshold is None and policy.memory_budget_bytes is None
+        descend = repeated_blocks(root)[1] if is_default else frozenset()
+        return granularity_units(root, threshold, infos, descend), threshold
     if isinstance(policy, _Policy):
         targets = policy._run_policy(root, set(), {})
         return _preorder(root, targets), None

@@ -90,3 +90,27 @@ def module_infos(root: nn.Module) -> dict[nn.Module, ModuleInfo]:
 
     visit(root, "")
     return infos
+
+
+def repeated_blocks(root: nn.Module) -> tuple[list[nn.Module], frozenset[nn.Module]]:
+    """The outermost children of containers (e.g. transformer layers) and their ancestors.
+
+    Indivisible modules are not looked into (an MoE block's experts are not blocks).
+    """
+    blocks: list[nn.Module] = []
+    ancestors: set[nn.Module] = set()
+
+    def visit(module: nn.Module, path: list[nn.Module]) -> None:
+        if module is not root and is_indivisible(module):
+            return
+        if is_container(module):
+            children = [c for c in module.children() if any(True for _ in c.parameters())]
+            if children:
+                blocks.extend(children)
+                ancestors.update(path, [module])
+                return
+        for child in module.children():
+            visit(child, [*path, module])
+
+    visit(root, [])
+    return blocks, frozenset(ancestors)
