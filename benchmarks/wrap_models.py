@@ -103,8 +103,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
+        """(..., dim) -> (tokens, dim): a fresh tensor, not a view (FSDP2 hooks want that)."""
+        x = x.reshape(-1, x.shape[-1])
         probs = F.softmax(self.gate(x), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
@@ -115,7 +115,7 @@ class SparseMoeBlock(nn.Module):
                 continue
             out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return (out + shared).reshape(shape)
+        return out + shared
 
 
 class Attention(nn.Module):
@@ -148,7 +148,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x)).view_as(x)
 
 
 class FineMoE(nn.Module):
