@@ -30,12 +30,14 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
+import fsdp_ext
 from examples.data import get_batch, load_corpus, unigram_entropy
 from examples.model import Block, ModelConfig, Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WRAP_POLICIES = {"granularity": fsdp_ext.GranularityPolicy(), "block": {Block}}
 
 
 @dataclass
@@ -51,6 +53,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     param_dtype: str = "fp32"
+    wrap: str = "granularity"  # a key of WRAP_POLICIES
     log_every: int = 25
     val_batches: int = 8
     ckpt_every: int = 0
@@ -96,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default=d.param_dtype)
+    p.add_argument("--wrap", choices=sorted(WRAP_POLICIES), default=d.wrap, help="FSDP units")
     p.add_argument("--log-every", type=_positive_int, default=d.log_every)
     p.add_argument("--val-batches", type=_positive_int, default=d.val_batches)
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="0 disables")
@@ -150,6 +154,7 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
         lr=a.lr,
         warmup_steps=a.warmup_steps,
         param_dtype=a.param_dtype,
+        wrap=a.wrap,
         log_every=a.log_every,
         val_batches=a.val_batches,
         ckpt_every=a.ckpt_every,
@@ -165,15 +170,13 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
 
 
 def shard_model(model: Transformer, cfg: TrainConfig) -> Transformer:
-    """One FSDP unit per transformer block, then the root."""
+    """FSDP units chosen by the --wrap policy (granularity: see docs/wrap.md), then the root."""
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=torch.float32
     )
-    for block in model.modules():
-        if isinstance(block, Block):
-            fully_shard(block, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
-    return model
+    return fsdp_ext.fully_shard(
+        model, auto_wrap_policy=WRAP_POLICIES[cfg.wrap], mp_policy=mp_policy
+    )
 
 
 def lr_lambda(cfg: TrainConfig):
