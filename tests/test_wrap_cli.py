@@ -89,3 +89,21 @@ def test_benchmark_smoke():
     assert block["reduce_scatters_per_step"] == block["units"]
     assert result["losses_identical_except_leaf"] is True
     assert result["granularity_peak_within_budget"] is True
+
+
+def test_train_script_defaults_to_granularity_wrap():
+    import torch
+
+    import fsdp_ext
+    from examples.model import Block, ModelConfig, Transformer
+    from examples.train import WRAP_POLICIES, parse_args
+
+    assert parse_args([]).wrap == "granularity"
+    assert parse_args(["--wrap", "block"]).wrap == "block"
+    with torch.device("meta"):
+        model = Transformer(ModelConfig())
+    units = [u.fqn for u in fsdp_ext.plan_units(model, WRAP_POLICIES["granularity"]).units]
+    blocks = [n for n, m in model.named_modules() if isinstance(m, Block)]
+    # One unit per Block, and the big leaves outside the blocks sharded too.
+    assert set(blocks) < set(units)
+    assert "tok_embeddings" in units and "output" in units

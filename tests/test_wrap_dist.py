@@ -8,9 +8,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
 import fsdp_ext
-from benchmarks.wrap_models import FineMoE, FineMoEConfig, ModelWithFineGrainedBlock
+from benchmarks.wrap_models import FineMoE, FineMoEConfig, MLPBlock, ModelWithFineGrainedBlock
 from tests.dist import run_distributed
 
 WORLD = 2
@@ -30,15 +31,24 @@ def _deepspeed_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 128, generator=g), torch.randint(0, 128, (4,), generator=g)
 
 
-def _train_deepspeed_model(steps: int) -> dict[str, list[float]]:
+def _train_deepspeed_model(steps: int) -> tuple[dict[str, list[float]], dict[str, int]]:
+    from benchmarks.wrap import CollectiveCounter
+
     mesh = init_device_mesh("cpu", (WORLD,))
+    counter = CollectiveCounter()
     policies = {
         "per_module": _is_param_leaf,
         "granularity_100": fsdp_ext.GranularityPolicy(100),
         "granularity_12100": fsdp_ext.GranularityPolicy(12100),
         "granularity_10M": fsdp_ext.GranularityPolicy(10_000_000),
+        "module_wrap": ModuleWrapPolicy({MLPBlock}),
+        # A CustomPolicy dict is passed to that module's fully_shard call.
+        "custom_no_reshard": CustomPolicy(
+            lambda m: {"reshard_after_forward": False} if isinstance(m, MLPBlock) else False
+        ),
     }
     losses: dict[str, list[float]] = {}
+    gathers: dict[str, int] = {}
     for name, policy in policies.items():
         torch.manual_seed(0)
         model = fsdp_ext.fully_shard(
@@ -46,6 +56,7 @@ def _train_deepspeed_model(steps: int) -> dict[str, list[float]]:
         )
         optim = torch.optim.Adam(model.parameters(), lr=1e-3)
         losses[name] = []
+        before = counter.snapshot()["all_gather"]
         for step in range(steps):
             x, y = _deepspeed_batch(dist.get_rank(), step)
             loss = F.cross_entropy(model(x), y)
@@ -53,15 +64,22 @@ def _train_deepspeed_model(steps: int) -> dict[str, list[float]]:
             optim.step()
             optim.zero_grad()
             losses[name].append(loss.item())
-    return losses
+        gathers[name] = (counter.snapshot()["all_gather"] - before) // steps
+    return losses, gathers
 
 
 def test_deepspeed_model_losses_identical_to_per_module_wrap():
     steps = 4
-    per_rank = run_distributed(_train_deepspeed_model, WORLD, steps, timeout=240)
+    results = run_distributed(_train_deepspeed_model, WORLD, steps, timeout=240)
+    per_rank = [losses for losses, _ in results]
     for losses in per_rank:
         for name, values in losses.items():
             assert values == losses["per_module"], name
+    # Root (the coarse Linears) gathers once; 16 MLPBlocks gather in forward and backward,
+    # or only in forward when the CustomPolicy turned their resharding off.
+    gathers = results[0][1]
+    assert gathers["module_wrap"] == 1 + 2 * 16
+    assert gathers["custom_no_reshard"] == 1 + 16
     # And the sharded run matches one process training on both ranks' data.
     torch.manual_seed(0)
     ref = ModelWithFineGrainedBlock()
