@@ -315,7 +315,7 @@ def _fsdp1_units(model: nn.Module, policy) -> list[str]:
 
 def _our_units(model: nn.Module, policy) -> list[str]:
     names = {m: n for n, m in model.named_modules()}
-    return sorted(names[m] for m in select_units(model, policy)[0])
+    return sorted(names[m] for m in select_units(model, policy))
 
 
 def _fsdp1_policies(min_num_params: int):

@@ -159,9 +159,18 @@ def plan_units(
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     param_dtype = param_dtype_of(mp_policy)
-    units, threshold = select_units(module, auto_wrap_policy, param_dtype)
+    infos = module_infos(module)
+    threshold = None
+    if isinstance(auto_wrap_policy, GranularityPolicy):
+        threshold = resolve_threshold(module, auto_wrap_policy, param_dtype, infos)
+        policy = auto_wrap_policy
+        is_default = policy.threshold is None and policy.memory_budget_bytes is None
+        descend = repeated_blocks(module)[1] if is_default else frozenset()
+        units = granularity_units(module, threshold, infos, descend)
+    else:
+        units = select_units(module, auto_wrap_policy)
     description = _describe(auto_wrap_policy, threshold)
-    return _plan_for_units(module, units, module_infos(module), param_dtype, threshold, description)
+    return _plan_for_units(module, units, infos, param_dtype, threshold, description)
 
 
 def _describe(policy: object, threshold: int | None) -> str:

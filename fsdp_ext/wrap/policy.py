@@ -1,7 +1,8 @@
 """Wrap policies: ours (granularity) and adapters that read FSDP1 policies unchanged.
 
-Every policy is reduced to one question, answered by :func:`select_units`: which
-modules below the root become FSDP units? The FSDP1 adapters answer it with FSDP1's own
+Every policy is reduced to one question: which modules below the root become FSDP units?
+:func:`granularity_units` answers it for a resolved threshold, :func:`select_units` for
+every other policy. The FSDP1 adapters answer it with FSDP1's own
 rules (``_Policy._run_policy`` for policy objects; the ``_recursive_wrap`` walk with its
 ``nonwrapped_numel`` bookkeeping for function policies) so a model wraps into the same
 units it had under ``FullyShardedDataParallel``.
@@ -18,13 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp.wrap import _Policy
 
-from fsdp_ext.wrap.tree import (
-    ModuleInfo,
-    is_container,
-    is_indivisible,
-    module_infos,
-    repeated_blocks,
-)
+from fsdp_ext.wrap.tree import ModuleInfo, is_container, is_indivisible, module_infos
 
 
 @dataclass(frozen=True)
@@ -155,23 +150,15 @@ def _preorder(root: nn.Module, selected: Iterable[nn.Module]) -> list[nn.Module]
     return [m for m in root.modules() if m in chosen and m is not root]
 
 
-def select_units(
-    root: nn.Module, policy: object, param_dtype: torch.dtype | None = None
-) -> tuple[list[nn.Module], int | None]:
-    """Modules below ``root`` that ``policy`` makes units, and the threshold used (if any)."""
-    if policy is None:
-        return [], None
-    if isinstance(policy, GranularityPolicy):
-        from fsdp_ext.wrap.plan import resolve_threshold
+def select_units(root: nn.Module, policy: object) -> list[nn.Module]:
+    """Modules below ``root`` that a non-granularity ``policy`` makes units, in pre-order.
 
-        infos = module_infos(root)
-        threshold = resolve_threshold(root, policy, param_dtype, infos)
-        is_default = policy.threshold is None and policy.memory_budget_bytes is None
-        descend = repeated_blocks(root)[1] if is_default else frozenset()
-        return granularity_units(root, threshold, infos, descend), threshold
+    (A GranularityPolicy needs the peak estimate to resolve; :func:`plan_units` does it.)
+    """
+    if policy is None:
+        return []
     if isinstance(policy, _Policy):
-        targets = policy._run_policy(root, set(), {})
-        return _preorder(root, targets), None
+        return _preorder(root, policy._run_policy(root, set(), {}))
     if isinstance(policy, (set, frozenset, list, tuple)):
         if not policy or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in policy):
             raise ValueError(
@@ -179,7 +166,7 @@ def select_units(
                 f"got {policy!r}"
             )
         classes = tuple(policy)
-        return [m for m in root.modules() if m is not root and isinstance(m, classes)], None
+        return [m for m in root.modules() if m is not root and isinstance(m, classes)]
     if isinstance(policy, functools.partial) or callable(policy):
         if isinstance(policy, type):
             raise ValueError(
@@ -187,8 +174,8 @@ def select_units(
                 "to wrap each instance, or an instance of a policy class"
             )
         if _is_fsdp1_function_policy(policy):
-            return _preorder(root, _fsdp1_function_units(root, policy)), None
-        return [m for m in root.modules() if m is not root and bool(policy(m))], None
+            return _preorder(root, _fsdp1_function_units(root, policy))
+        return [m for m in root.modules() if m is not root and bool(policy(m))]
     raise ValueError(
         "auto_wrap_policy must be a GranularityPolicy, an FSDP1 policy (ModuleWrapPolicy, "
         "CustomPolicy, functools.partial of size_based_auto_wrap_policy / "
