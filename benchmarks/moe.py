@@ -188,12 +188,13 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def compare(reference: dict, run: dict) -> dict:
     grads = max(max_rel_diff(run["grads"][n], g) for n, g in reference["grads"].items())
     norm = max(
-        abs(float(a) - float(b)) / float(b) for a, b in zip(run["norms"], reference["norms"])
+        abs(float(a) - float(b)) / float(b)
+        for a, b in zip(run["norms"], reference["norms"], strict=True)
     )
     first_norm = abs(float(run["norms"][0]) - float(reference["norms"][0])) / float(
         reference["norms"][0]
     )
-    losses = max(abs(a - b) for a, b in zip(run["losses"], reference["losses"]))
+    losses = max(abs(a - b) for a, b in zip(run["losses"], reference["losses"], strict=True))
     return {
         "max_grad_rel_diff": grads,
         "grad_norm_rel_diff": first_norm,

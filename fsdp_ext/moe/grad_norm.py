@@ -97,11 +97,8 @@ def _group_partial(
     norms = torch.stack(
         [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in locals_]
     )
-    if is_inf:
-        # MAX reductions may drop a nan (max(nan, x) can be x); inf survives them.
-        partial = _nan_to_inf(norms.max())
-    else:
-        partial = (norms**norm_type).sum()
+    # MAX reductions may drop a nan (max(nan, x) can be x); an inf survives them.
+    partial = _nan_to_inf(norms.max()) if is_inf else (norms**norm_type).sum()
     if mesh is None:
         return partial
     for dim, placement in enumerate(placements):
