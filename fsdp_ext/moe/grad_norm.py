@@ -107,7 +107,7 @@ def _group_partial(
                 f"gradients must be reduced before clipping; got placement {placement} on "
                 f"mesh dim {dim}"
             )
-        if placement.is_shard():
+        if not placement.is_replicate():  # Shard, or _StridedShard (no is_shard())
             op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
             dist.all_reduce(partial, op=op, group=mesh.get_group(dim))
     return partial
