@@ -94,8 +94,14 @@ def _group_partial(
     """``sum |g|^p`` (or ``max |g|``) over one group's full tensors, reduced over its mesh."""
     is_inf = math.isinf(norm_type)
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in members]
+    # A rank's shard may be empty (uneven sharding); the inf-norm of nothing raises in torch.
     norms = torch.stack(
-        [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in locals_]
+        [torch.zeros((), dtype=torch.float32, device=members[0].device)]
+        + [
+            torch.linalg.vector_norm(t, norm_type, dtype=torch.float32)
+            for t in locals_
+            if t.numel()
+        ]
     )
     # MAX reductions may drop a nan (max(nan, x) can be x); an inf survives them.
     partial = _nan_to_inf(norms.max()) if is_inf else (norms**norm_type).sum()
