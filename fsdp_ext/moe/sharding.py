@@ -45,6 +45,7 @@ def shard_moe_model(
     """
     if "mesh" in fully_shard_kwargs:
         raise TypeError("shard_moe_model picks the meshes from parallel_dims; do not pass mesh=")
+    _select_units(model, auto_wrap_policy)  # a bad policy fails before anything is sharded
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         shard_experts(moe.experts, parallel_dims, **fully_shard_kwargs)
     shard_dense(model, parallel_dims, auto_wrap_policy, **fully_shard_kwargs)
