@@ -6,7 +6,7 @@ any full gradient after step 1, of the clipped grad norm, of the losses over all
 and per layout the tokens/s and the all-to-all bytes each rank sends per step (counted
 from the split sizes of every exchange, forward and backward).
 
-    PYTHONPATH=. python benchmarks/moe.py [--steps 10] [--layouts 2x1,2x2] [--bf16]
+    PYTHONPATH=. python benchmarks/moe.py [--steps 10] [--layouts 2x1,2x2,4x1,4x2,4x4]
 
 The last printed line is ``{"bench": "moe", ...}``.
 """
@@ -203,43 +203,78 @@ def compare(reference: dict, run: dict) -> dict:
     }
 
 
+# Throughput: the example's MoE shape (dim 128, 8 experts of 192, top-2), 16 x 128 tokens.
+THROUGHPUT_CASE = Case(
+    vocab=256,
+    dim=128,
+    hidden_dim=192,
+    shared_hidden_dim=0,
+    num_layers=4,
+    global_batch=16,
+    seq_len=128,
+    steps=2,
+)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--timed-steps", type=int, default=20)
-    parser.add_argument("--layouts", default="2x1,2x2", help="world x ep, comma separated")
-    parser.add_argument("--bf16", action="store_true", help="also run bf16 param dtype")
+    parser.add_argument("--steps", type=int, default=10, help="steps compared with the reference")
+    parser.add_argument("--layouts", default="2x1,2x2,4x1,4x2,4x4", help="world x ep, ...")
+    parser.add_argument("--bf16-layouts", default="2x1,2x2", help="'' to skip bf16")
+    parser.add_argument("--timed-steps", type=int, default=10, help="0 skips throughput")
     args = parser.parse_args(argv)
     from tests.dist import run_distributed
 
     case = Case(steps=args.steps)
     reference = reference_run(case)
-    results, tokens_per_s, a2a = {}, {}, {}
+    invariance, bf16_runs = {}, {}
     for layout in args.layouts.split(","):
         world, ep = (int(v) for v in layout.split("x"))
-        for bf16 in (False, True) if args.bf16 else (False,):
-            name = f"world{world}_ep{ep}" + ("_bf16" if bf16 else "")
-            runs = run_distributed(rank_run, world, case, ep, bf16, args.timed_steps)
-            figures = compare(reference, runs[0])
-            figures["tokens_per_s"] = runs[0].get("tokens_per_s")
-            figures["a2a_bytes_per_step_per_rank"] = max(
-                r.get("a2a_bytes_per_step", 0) for r in runs
+        run = run_distributed(rank_run, world, case, ep)[0]
+        invariance[f"world{world}_ep{ep}"] = compare(reference, run)
+        print(f"world{world}_ep{ep}", json.dumps(invariance[f"world{world}_ep{ep}"]), flush=True)
+    for layout in filter(None, args.bf16_layouts.split(",")):
+        world, ep = (int(v) for v in layout.split("x"))
+        bf16_runs[layout] = run = run_distributed(rank_run, world, case, ep, True)[0]
+        figures = compare(reference, run)
+        dense = [n for n in reference["grads"] if ".experts." not in n and ".router." not in n]
+        figures["max_dense_grad_rel_diff"] = max(
+            max_rel_diff(run["grads"][n], reference["grads"][n]) for n in dense
+        )
+        invariance[f"world{world}_ep{ep}_bf16_vs_fp32"] = figures
+        print(f"world{world}_ep{ep}_bf16_vs_fp32", json.dumps(figures), flush=True)
+    if len(bf16_runs) > 1:
+        (first, base), *others = bf16_runs.items()
+        for layout, run in others:
+            name = f"bf16_{layout}_vs_{first}"
+            invariance[name] = compare(base, run)
+            print(name, json.dumps(invariance[name]), flush=True)
+
+    tokens_per_s, a2a_bytes = {}, {}
+    if args.timed_steps:
+        tokens = THROUGHPUT_CASE.global_batch * THROUGHPUT_CASE.seq_len
+        for ep in (1, 2):
+            runs = run_distributed(rank_run, 2, THROUGHPUT_CASE, ep, False, args.timed_steps)
+            tokens_per_s[f"ep{ep}"] = round(runs[0]["tokens_per_s"], 1)
+            a2a_bytes[f"ep{ep}"] = max(r["a2a_bytes_per_step"] for r in runs)
+            print(
+                f"throughput world2 ep{ep}: {tokens_per_s[f'ep{ep}']} tokens/s "
+                f"({tokens} tokens/step), all-to-all {a2a_bytes[f'ep{ep}'] / 1e6:.3f} MB "
+                "sent per rank per step",
+                flush=True,
             )
-            results[name] = figures
-            if not bf16:
-                tokens_per_s[name] = round(figures["tokens_per_s"], 1)
-                a2a[name] = figures["a2a_bytes_per_step_per_rank"]
-            print(name, json.dumps({k: v for k, v in figures.items()}), flush=True)
-    fp32 = [v for k, v in results.items() if not k.endswith("bf16")]
+
+    fp32 = [v for k, v in invariance.items() if "bf16" not in k]
     summary = {
         "bench": "moe",
-        "case": asdict(case),
-        "layouts": results,
         "max_grad_rel_diff": max(v["max_grad_rel_diff"] for v in fp32),
         "grad_norm_rel_diff": max(v["grad_norm_rel_diff"] for v in fp32),
         "max_loss_abs_diff": max(v["max_loss_abs_diff"] for v in fp32),
         "tokens_per_s": tokens_per_s,
-        "a2a_bytes_per_step": a2a,
+        "a2a_bytes_per_step_per_rank": a2a_bytes,
+        "invariance": invariance,
+        "case": asdict(case),
+        "throughput_case": asdict(THROUGHPUT_CASE),
         "machine": "2-core CPU, gloo",
     }
     print(json.dumps(summary))
