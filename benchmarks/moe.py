@@ -6,7 +6,7 @@ any full gradient after step 1, of the clipped grad norm, of the losses over all
 and per layout the tokens/s and the all-to-all bytes each rank sends per step (counted
 from the split sizes of every exchange, forward and backward).
 
-    PYTHONPATH=. python benchmarks/moe.py [--steps 10] [--layouts 2x1,2x2,4x1,4x2,4x4]
+    PYTHONPATH=. python benchmarks/moe.py [--steps 10] [--layouts 2x1,2x2,4x1,4x2,4x4] [--quick]
 
 The last printed line is ``{"bench": "moe", ...}``.
 """
@@ -119,12 +119,14 @@ def reference_run(case: Case) -> dict:
     return out
 
 
-def rank_run(case: Case, ep: int, bf16: bool = False, timed_steps: int = 0) -> dict:
+def rank_run(
+    case: Case, ep: int, bf16: bool = False, timed_steps: int = 0, dp_replicate: int = 1
+) -> dict:
     """One rank of a layout: same init, its slice of each global batch, FSDP + EP."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     world = dist.get_world_size()
-    dims = ParallelDims(world, ep=ep)
+    dims = ParallelDims(world, dp_replicate=dp_replicate, ep=ep)
     dims.build_mesh("cpu")
     model = build_model(case)
     apply_expert_parallel(model, dims)
@@ -219,20 +221,30 @@ THROUGHPUT_CASE = Case(
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="steps compared with the reference")
-    parser.add_argument("--layouts", default="2x1,2x2,4x1,4x2,4x4", help="world x ep, ...")
+    parser.add_argument(
+        "--layouts",
+        default="2x1,2x2,4x1,4x2,4x4,4x1x2,4x2x2",
+        help="world x ep [x dp_replicate], comma separated",
+    )
     parser.add_argument("--bf16-layouts", default="2x1,2x2", help="'' to skip bf16")
     parser.add_argument("--timed-steps", type=int, default=10, help="0 skips throughput")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 steps, 2x2 only")
     args = parser.parse_args(argv)
+    throughput_case = THROUGHPUT_CASE
+    if args.quick:
+        args.steps, args.layouts, args.bf16_layouts, args.timed_steps = 2, "2x2", "", 1
+        throughput_case = Case(steps=1)
     from tests.dist import run_distributed
 
     case = Case(steps=args.steps)
     reference = reference_run(case)
     invariance, bf16_runs = {}, {}
     for layout in args.layouts.split(","):
-        world, ep = (int(v) for v in layout.split("x"))
-        run = run_distributed(rank_run, world, case, ep)[0]
-        invariance[f"world{world}_ep{ep}"] = compare(reference, run)
-        print(f"world{world}_ep{ep}", json.dumps(invariance[f"world{world}_ep{ep}"]), flush=True)
+        world, ep, replicate = ([int(v) for v in layout.split("x")] + [1])[:3]
+        run = run_distributed(rank_run, world, case, ep, False, 0, replicate)[0]
+        name = f"world{world}_ep{ep}" + (f"_hsdp{replicate}" if replicate > 1 else "")
+        invariance[name] = compare(reference, run)
+        print(name, json.dumps(invariance[name]), flush=True)
     for layout in filter(None, args.bf16_layouts.split(",")):
         world, ep = (int(v) for v in layout.split("x"))
         bf16_runs[layout] = run = run_distributed(rank_run, world, case, ep, True)[0]
@@ -252,9 +264,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     tokens_per_s, a2a_bytes = {}, {}
     if args.timed_steps:
-        tokens = THROUGHPUT_CASE.global_batch * THROUGHPUT_CASE.seq_len
+        tokens = throughput_case.global_batch * throughput_case.seq_len
         for ep in (1, 2):
-            runs = run_distributed(rank_run, 2, THROUGHPUT_CASE, ep, False, args.timed_steps)
+            runs = run_distributed(rank_run, 2, throughput_case, ep, False, args.timed_steps)
             tokens_per_s[f"ep{ep}"] = round(runs[0]["tokens_per_s"], 1)
             a2a_bytes[f"ep{ep}"] = max(r["a2a_bytes_per_step"] for r in runs)
             print(
@@ -274,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
         "a2a_bytes_per_step_per_rank": a2a_bytes,
         "invariance": invariance,
         "case": asdict(case),
-        "throughput_case": asdict(THROUGHPUT_CASE),
+        "throughput_case": asdict(throughput_case),
         "machine": "2-core CPU, gloo",
     }
     print(json.dumps(summary))

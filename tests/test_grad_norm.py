@@ -155,41 +155,48 @@ def test_any_split_across_meshes_gives_the_single_process_norm():
     assert all(r == results[0] for r in results)  # the same total on every rank
 
 
-def _check_pipeline_stages(norm_type):
+def _check_pipeline_stages():
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     stage = mesh["pp"].get_local_rank()
     torch.manual_seed(0)
     stage_grads = [[torch.randn(6, 3), torch.randn(5)], [torch.randn(4, 4) * 3]]
-    params = []
-    for i, full in enumerate(stage_grads[stage]):
-        placement = Shard(0) if i % 2 == 0 else Replicate()
-        p = torch.nn.Parameter(torch.zeros_like(full))
-        p.grad = distribute_tensor(full, mesh["dp"], [placement])
-        params.append(p)
-    total = clip_grad_norm_(params, 1e9, norm_type, pp_mesh=mesh["pp"])
     everything = torch.cat([g.flatten() for grads in stage_grads for g in grads])
-    return float(total), float(torch.linalg.vector_norm(everything, norm_type))
+    out = []
+    for norm_type in (2.0, math.inf):
+        params = []
+        for i, full in enumerate(stage_grads[stage]):
+            placement = Shard(0) if i % 2 == 0 else Replicate()
+            p = torch.nn.Parameter(torch.zeros_like(full))
+            p.grad = distribute_tensor(full.clone(), mesh["dp"], [placement])
+            params.append(p)
+        total = clip_grad_norm_(params, 1e9, norm_type, pp_mesh=mesh["pp"])
+        out.append((float(total), float(torch.linalg.vector_norm(everything, norm_type))))
+    return out
 
 
-@pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_pipeline_stages_combine_over_pp(norm_type):
-    for total, expected in run_distributed(_check_pipeline_stages, 4, norm_type):
-        assert abs(total - expected) <= 1e-6 * expected
+def test_pipeline_stages_combine_over_pp():
+    for rank_results in run_distributed(_check_pipeline_stages, 4):
+        for total, expected in rank_results:
+            assert abs(total - expected) <= 1e-6 * expected
 
 
-def _non_finite_on_one_rank(norm_type):
+def _non_finite_on_one_rank():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    full = torch.arange(8.0)
-    full[5] = float("nan")  # lives on rank 1 only
-    p = torch.nn.Parameter(torch.zeros(8))
-    p.grad = distribute_tensor(full, mesh, [Shard(0)])
-    before = p.grad.to_local().clone()
-    total = clip_grad_norm_([p], 1.0, norm_type)
-    return float(total), torch.equal(p.grad.to_local().nan_to_num(-1), before.nan_to_num(-1))
+    out = []
+    for norm_type in (2.0, math.inf):
+        full = torch.arange(8.0)
+        full[5] = float("nan")  # lives on rank 1 only
+        p = torch.nn.Parameter(torch.zeros(8))
+        p.grad = distribute_tensor(full, mesh, [Shard(0)])
+        before = p.grad.to_local().clone()
+        total = clip_grad_norm_([p], 1.0, norm_type)
+        after = p.grad.to_local()
+        out.append((float(total), torch.equal(after.nan_to_num(-1), before.nan_to_num(-1))))
+    return out
 
 
-@pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_non_finite_shard_on_one_rank_makes_every_total_non_finite(norm_type):
-    for total, unchanged in run_distributed(_non_finite_on_one_rank, 2, norm_type):
-        assert not math.isfinite(total)
-        assert unchanged
+def test_non_finite_shard_on_one_rank_makes_every_total_non_finite():
+    for rank_results in run_distributed(_non_finite_on_one_rank, 2):
+        for total, unchanged in rank_results:
+            assert not math.isfinite(total)
+            assert unchanged

@@ -11,20 +11,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_benchmark_smoke():
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "moe.py"),
-            "--steps", "2",
-            "--layouts", "2x2",
-            "--bf16-layouts", "",
-            "--timed-steps", "1",
-        ],
+        [sys.executable, str(REPO / "benchmarks" / "moe.py"), "--quick"],
         capture_output=True,
         text=True,
         timeout=300,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         cwd=REPO,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert last["bench"] == "moe"

@@ -13,7 +13,9 @@ from benchmarks.moe import Case, compare, max_rel_diff, rank_run, reference_run
 from tests.dist import run_distributed
 
 CASE = Case(steps=10)
-LAYOUTS = [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]
+# (world, ep, dp_replicate): FSDP layouts, and HSDP with and without an efsdp reduce-scatter
+LAYOUTS = [(2, 1, 1), (2, 2, 1), (4, 1, 1), (4, 2, 1), (4, 4, 1), (4, 1, 2), (4, 2, 2)]
+LAYOUT_IDS = [f"world{w}-ep{e}" + (f"-hsdp{r}" if r > 1 else "") for w, e, r in LAYOUTS]
 
 
 @functools.cache
@@ -22,13 +24,13 @@ def _reference():
 
 
 @functools.cache
-def _layout(world, ep, bf16=False):
-    return run_distributed(rank_run, world, CASE, ep, bf16)
+def _layout(world, ep, bf16=False, dp_replicate=1):
+    return run_distributed(rank_run, world, CASE, ep, bf16, 0, dp_replicate)
 
 
-@pytest.mark.parametrize(("world", "ep"), LAYOUTS, ids=[f"world{w}-ep{e}" for w, e in LAYOUTS])
-def test_layout_matches_single_process(world, ep):
-    reference, runs = _reference(), _layout(world, ep)
+@pytest.mark.parametrize(("world", "ep", "dp_replicate"), LAYOUTS, ids=LAYOUT_IDS)
+def test_layout_matches_single_process(world, ep, dp_replicate):
+    reference, runs = _reference(), _layout(world, ep, False, dp_replicate)
     for rank, run in enumerate(runs):
         assert run["grads"].keys() == reference["grads"].keys()
         for name, expected in reference["grads"].items():
@@ -52,7 +54,7 @@ def test_layout_matches_single_process(world, ep):
 
 def test_expert_grads_do_not_scale_with_ep():
     """The bug this guards against: experts averaged over dp/ep ranks come out ep x too big."""
-    by_ep = {ep: _layout(4, ep)[0]["grads"] for ep in (1, 2, 4)}
+    by_ep = {ep: _layout(4, ep, False, 1)[0]["grads"] for ep in (1, 2, 4)}
     for name, grad in by_ep[1].items():
         if ".experts." in name:
             for ep in (2, 4):
@@ -79,7 +81,7 @@ def _routed(name):
 
 
 def test_bf16_layouts_agree_with_each_other():
-    ep1, ep2 = _layout(2, 1, True)[0], _layout(2, 2, True)[0]
+    ep1, ep2 = _layout(2, 1, True, 1)[0], _layout(2, 2, True, 1)[0]
     figures = compare(ep1, ep2)
     assert figures["max_grad_rel_diff"] < BF16_LAYOUT_GRAD_REL, figures
     assert figures["grad_norm_rel_diff_all_steps"] < BF16_LAYOUT_NORM_REL, figures
@@ -88,7 +90,7 @@ def test_bf16_layouts_agree_with_each_other():
 
 @pytest.mark.parametrize("ep", [1, 2])
 def test_bf16_stays_near_fp32_reference(ep):
-    reference, run = _reference(), _layout(2, ep, True)[0]
+    reference, run = _reference(), _layout(2, ep, True, 1)[0]
     for name, expected in reference["grads"].items():
         if not _routed(name):
             assert max_rel_diff(run["grads"][name], expected) < BF16_VS_FP32_DENSE_GRAD_REL, name
