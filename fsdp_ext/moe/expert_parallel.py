@@ -4,7 +4,9 @@ Dispatch on each rank of an ep group (``E_local = num_experts / ep`` experts per
   1. all-to-all of per-expert token counts, so each rank learns how many rows it will get
      from every peer for each of its experts (``received[r, e]``);
   2. autograd all-to-all of the expert-sorted rows (uneven splits, zero allowed; its
-     backward is the transposed all-to-all; bytes are counted both ways);
+     backward is the transposed all-to-all). It is a small autograd Function over
+     ``dist.all_to_all_single`` rather than funcol's ``all_to_all_single_autograd`` (which
+     works on gloo too) so that the bytes of the backward exchanges can be counted;
   3. gather into expert-major order with ``triton_kernels.permute_indices``;
   4. the grouped expert compute on local experts;
   5. the inverse gather, and the combine all-to-all back to the token owners.

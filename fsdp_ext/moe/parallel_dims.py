@@ -147,9 +147,11 @@ class ParallelDims:
         """The FSDP mesh for dense modules: 1-D ``dp_shard``, or 2-D HSDP."""
         if self.dp_replicate == 1:
             return self.view("dp_shard")
-        return self.view("dp")._unflatten(
-            0, (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
-        )
+        if hasattr(DeviceMesh, "_unflatten"):
+            return self.view("dp")._unflatten(
+                0, (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
+            )
+        return self.world_mesh["dp_replicate", "dp_shard"]  # torch without _unflatten
 
     @property
     def edp_mesh(self) -> DeviceMesh:
