@@ -45,6 +45,17 @@ def test_ep2_trains_like_ep1(tmp_path):
     assert abs(ep1["val_loss"] - ep2["val_loss"]) <= 1e-5
 
 
+def test_ep2_resumes_bitwise_exact(tmp_path):
+    """DCP saves and loads expert DTensors on the (efsdp, ep) mesh like any other state."""
+    cfg = replace(TINY, ep=2, steps=6)
+    straight = run_distributed(_train, 2, replace(cfg, out=str(tmp_path / "a")))[0]
+    first = replace(cfg, stop_after=3, ckpt_every=3, out=str(tmp_path / "b"))
+    head = run_distributed(_train, 2, first)[0]
+    tail = run_distributed(_train, 2, replace(first, stop_after=0, resume=True))[0]
+    assert tail["start_step"] == 3
+    assert head["losses"] + tail["losses"] == straight["losses"]
+
+
 @pytest.mark.parametrize(
     ("argv", "world", "needle"),
     [
