@@ -29,7 +29,10 @@ class Unit(NamedTuple):
 
 @dataclass
 class WrapPlan:
-    """Units in forward order, the root (fqn ``""``) first; ``str(plan)`` is a table."""
+    """Units in forward order, the root (fqn ``""``) first; ``str(plan)`` is a table.
+
+    ``modules`` holds the unit modules below the root, in the order of ``units[1:]``.
+    """
 
     units: list[Unit]
     unit_bytes: list[int]
