@@ -39,7 +39,6 @@ from fsdp_ext import (
     ParallelDims,
     apply_expert_parallel,
     clip_grad_norm_,
-    plan_units,
     shard_moe_model,
 )
 
@@ -190,15 +189,13 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
 
 
 def shard_model(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Transformer:
-    """Experts over ep, then one FSDP unit per expert group, the --wrap policy's dense units
-    (planned before expert parallel changes the experts; docs/wrap.md), the root."""
+    """Experts over ep, one FSDP unit per expert group, the --wrap policy's units, the root."""
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=torch.float32
     )
-    dense_units = set(plan_units(model, WRAP_POLICIES[cfg.wrap], mp_policy=mp_policy).modules)
     apply_expert_parallel(model, dims)
     return shard_moe_model(
-        model, dims, auto_wrap_policy=lambda m: m in dense_units, mp_policy=mp_policy
+        model, dims, auto_wrap_policy=WRAP_POLICIES[cfg.wrap], mp_policy=mp_policy
     )
 
 

@@ -48,7 +48,19 @@ def _with_custom_reduce_scatter():
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
     lm_loss(model, inputs[rows], targets[rows]).backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    return {"calls": {n: c.calls for n, c in comms.items()}, "experts": kinds, "grads": grads}
+    # A unit that manages no parameters of its own (the root, once every parameterised
+    # child is a unit) has nothing to reduce.
+    owns_params = {
+        (name or "<root>"): m._get_fsdp_state()._fsdp_param_group is not None
+        for name, m in model.named_modules()
+        if isinstance(m, FSDPModule)
+    }
+    return {
+        "calls": {n: c.calls for n, c in comms.items()},
+        "experts": kinds,
+        "owns_params": owns_params,
+        "grads": grads,
+    }
 
 
 def test_custom_reduce_scatter_on_expert_and_dense_units():
@@ -59,8 +71,11 @@ def test_custom_reduce_scatter_on_expert_and_dense_units():
         for name, calls in run["calls"].items():
             if run["experts"][name]:
                 assert calls == [(2, "RedOpType.SUM")], name  # efsdp group, SUM then / dp
-            else:
+            elif run["owns_params"][name]:
                 assert calls == [(4, "RedOpType.AVG")], name
+            else:
+                assert calls == [], name
+        assert sum(run["owns_params"].values()) > CASE.num_layers
         for name, p in reference.named_parameters():
             atol = 1e-7 * float(p.grad.abs().max())
             torch.testing.assert_close(run["grads"][name], p.grad, rtol=1e-5, atol=atol, msg=name)

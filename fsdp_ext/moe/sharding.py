@@ -24,10 +24,12 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fsdp_ext.moe.layer import MoE
 from fsdp_ext.moe.parallel_dims import ParallelDims
+from fsdp_ext.wrap import GranularityPolicy, fully_shard, plan_units
 
 
 def shard_moe_model(
@@ -38,58 +40,27 @@ def shard_moe_model(
 ) -> nn.Module:
     """Apply FSDP bottom-up: each MoE's experts, then the dense units, then the root.
 
-    ``auto_wrap_policy`` picks the dense units: ``None`` wraps every child of an
-    ``nn.ModuleList`` (the transformer blocks); a set of module classes or a callable
-    ``(module) -> bool`` selects modules. ``fully_shard_kwargs`` (``mp_policy``,
-    ``reshard_after_forward``, ...) go to every ``fully_shard`` call; ``mesh`` is ours.
+    ``auto_wrap_policy`` picks the dense units, as in :func:`fsdp_ext.fully_shard`
+    (default: ``GranularityPolicy()``, one unit per transformer block); the expert units
+    exist already when it runs, so no dense unit counts or re-wraps them.
+    ``fully_shard_kwargs`` (``mp_policy``, ``reshard_after_forward``, ...) go to every
+    ``fully_shard`` call; ``mesh`` is ours.
     """
     if "mesh" in fully_shard_kwargs:
         raise TypeError("shard_moe_model picks the meshes from parallel_dims; do not pass mesh=")
-    _select_units(model, auto_wrap_policy)  # a bad policy fails before anything is sharded
+    policy = GranularityPolicy() if auto_wrap_policy is None else auto_wrap_policy
+    plan_units(model, policy)  # a bad policy fails before anything is sharded
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         shard_experts(moe.experts, parallel_dims, **fully_shard_kwargs)
-    shard_dense(model, parallel_dims, auto_wrap_policy, **fully_shard_kwargs)
-    return model
+    return fully_shard(
+        model, auto_wrap_policy=policy, mesh=parallel_dims.dp_mesh, **fully_shard_kwargs
+    )
 
 
 def shard_experts(experts: nn.Module, parallel_dims: ParallelDims, **kwargs: Any) -> FSDPModule:
     """One FSDP unit per grouped-experts module, on the expert-data-parallel mesh."""
-    fully_shard(experts, mesh=parallel_dims.edp_mesh, **kwargs)
+    torch_fully_shard(experts, mesh=parallel_dims.edp_mesh, **kwargs)
     experts.set_gradient_divide_factor(float(parallel_dims.dp))
     if parallel_dims.efsdp > 1:
         experts.set_force_sum_reduction_for_comms(True)
     return experts
-
-
-def shard_dense(
-    model: nn.Module, parallel_dims: ParallelDims, auto_wrap_policy: Any = None, **kwargs: Any
-) -> nn.Module:
-    """FSDP units on the dense dp mesh for the modules the policy selects, then the root."""
-    mesh = parallel_dims.dp_mesh
-    units = [m for m in _select_units(model, auto_wrap_policy) if not isinstance(m, FSDPModule)]
-    for module in reversed(units):  # children before parents
-        fully_shard(module, mesh=mesh, **kwargs)
-    fully_shard(model, mesh=mesh, **kwargs)
-    return model
-
-
-def _select_units(model: nn.Module, policy: Any) -> list[nn.Module]:
-    """Modules that become dense FSDP units, in ``model.modules()`` order (parents first)."""
-    if policy is None:
-        return [
-            block
-            for module in model.modules()
-            if isinstance(module, nn.ModuleList)
-            for block in module
-        ]
-    if isinstance(policy, (set, frozenset, tuple, list)) and all(
-        isinstance(c, type) and issubclass(c, nn.Module) for c in policy
-    ):
-        classes = tuple(policy)
-        return [m for m in model.modules() if m is not model and isinstance(m, classes)]
-    if callable(policy):
-        return [m for m in model.modules() if m is not model and policy(m)]
-    raise TypeError(
-        "auto_wrap_policy must be None, a set of nn.Module classes or a callable "
-        f"(module) -> bool, got {policy!r}"
-    )

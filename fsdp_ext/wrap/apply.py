@@ -111,6 +111,8 @@ def fully_shard(module: nn.Module, *, auto_wrap_policy: object = None, **kwargs:
         overrides = auto_wrap_policy._run_policy(module, set(), {})
     tied: set[nn.Module] = set()
     for unit in [*reversed(units), module]:
+        if unit is not module and isinstance(unit, FSDPModule):
+            continue  # sharded already, by the caller (e.g. experts on their own mesh)
         moe_blocks = [m for m in unit.modules() if has_expert_child(m)]
         if moe_blocks and not NATIVE_UNUSED_PARAM_REDUCE_SCATTER:
             # Registered before fully_shard so it runs before FSDP resharding the unit.

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from fsdp_ext.wrap.policy import GranularityPolicy, granularity_units, select_units
 from fsdp_ext.wrap.tree import ModuleInfo, module_infos, repeated_blocks
@@ -172,8 +173,21 @@ def plan_units(
         units = granularity_units(module, threshold, infos, descend)
     else:
         units = select_units(module, auto_wrap_policy)
+    units = _with_existing_units(module, units)
     description = _describe(auto_wrap_policy, threshold)
     return _plan_for_units(module, units, infos, param_dtype, threshold, description)
+
+
+def _with_existing_units(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """Add submodules that are FSDP units already (e.g. experts on their own mesh).
+
+    They manage their own parameters, so the units around them must not count them, and
+    they are unsharded in turn like any other unit: both matter to the peak estimate.
+    """
+    selected = set(units)
+    return [
+        m for m in root.modules() if m is not root and (m in selected or isinstance(m, FSDPModule))
+    ]
 
 
 def _describe(policy: object, threshold: int | None) -> str:
