@@ -195,8 +195,9 @@ def run_config(cfg: FineMoEConfig, budget_layers: float, steps: int, warmup: int
             policies["granularity"]["median_step_ms"] / policies["block"]["median_step_ms"], 3
         ),
         "losses_identical": identical(policies),
-        # Extra unit boundaries at fan-out points (q/k/v, experts) reorder autograd's
-        # gradient sums, so leaf can differ in the last bits; see docs/wrap.md.
+        # Leaf makes each RMSNorm a unit; FSDP2's node on its input sums the norm's two
+        # gradients before the residual's, so leaf can differ in the last bits; see
+        # docs/wrap.md and test_leaf_differs_from_block_only_by_the_gradient_sums_at_norm_inputs.
         "losses_identical_except_leaf": identical([n for n in policies if n != "leaf"]),
         "max_rel_loss_diff_vs_block": max_rel_loss_diff,
         "granularity_peak_within_budget": policies["granularity"]["est_peak_unsharded_bytes"]

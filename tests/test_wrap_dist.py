@@ -11,7 +11,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
 import fsdp_ext
-from benchmarks.wrap_models import FineMoE, FineMoEConfig, MLPBlock, ModelWithFineGrainedBlock
+from benchmarks.wrap_models import (
+    DecoderLayer,
+    FineMoE,
+    FineMoEConfig,
+    MLPBlock,
+    ModelWithFineGrainedBlock,
+    RMSNorm,
+)
 from tests.dist import run_distributed
 
 WORLD = 2
@@ -271,3 +278,87 @@ def test_hf_qwen2_moe_and_mixtral_plan_and_train_on_2_ranks():
             assert len(result["losses"]) == 3
             torch.testing.assert_close(result["losses"], result["ref_losses"], rtol=1e-4, atol=1e-5)
     assert ranks[0]["qwen2_moe"]["losses"] != ranks[1]["qwen2_moe"]["losses"]
+
+
+# ------------------------------------------------ leaf vs block: where the last bits go
+
+_LEAF_CFG = FineMoEConfig(
+    vocab_size=64,
+    dim=16,
+    n_layers=2,
+    n_heads=2,
+    num_experts=4,
+    expert_hidden=8,
+    top_k=2,
+    shared_hidden=8,
+)
+
+
+class _SumGradsHere(torch.autograd.Function):
+    """Identity whose backward node sums its output's gradients first, as FSDP2's
+    ``RegisterPostBackwardFunction`` does for a unit's inputs."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _GroupedInputRMSNorm(RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(_SumGradsHere.apply(x))
+
+
+def _leaf_and_block_rank(group_norm_inputs: bool, steps: int) -> dict:
+    mesh = init_device_mesh("cpu", (WORLD,))
+    out = {}
+    for name, policy in (("block", {DecoderLayer}), ("leaf", _is_param_leaf)):
+        torch.manual_seed(0)
+        model = FineMoE(_LEAF_CFG)
+        if group_norm_inputs:
+            for layer in model.layers:
+                layer.input_layernorm = _GroupedInputRMSNorm(_LEAF_CFG.dim)
+                layer.post_attention_layernorm = _GroupedInputRMSNorm(_LEAF_CFG.dim)
+        fsdp_ext.fully_shard(model, auto_wrap_policy=policy, mesh=mesh)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, grads = [], {}
+        for step in range(steps):
+            tokens = _hf_tokens(dist.get_rank(), step)[:, :9]
+            loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            if step == 0:
+                grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        out[name] = {"losses": losses, "grads": grads}
+    return out
+
+
+def test_leaf_differs_from_block_only_by_the_gradient_sums_at_norm_inputs():
+    """Leaf's last-bit difference from block is FSDP2's input node on each RMSNorm unit.
+
+    The residual stream ``x`` gets three gradients: the residual add's and, inside the
+    norm, ``x * rsqrt(..)``'s and ``x.pow(2)``'s. Block sums them in one buffer,
+    ``(add + mul) + pow``; a norm unit's input node sums its two first,
+    ``add + (mul + pow)``. Grouping them alike in both wraps makes leaf bit-identical.
+    """
+    plain = run_distributed(_leaf_and_block_rank, WORLD, False, 1, timeout=120)
+    last = f"layers.{_LEAF_CFG.n_layers - 1}."
+    for r in plain:
+        block, leaf = r["block"]["grads"], r["leaf"]["grads"]
+        same = {n for n in block if torch.equal(block[n], leaf[n])}
+        # Everything backward reaches before the last layer's residual stream is equal ...
+        before = ["lm_head.weight", "norm.weight", f"{last}post_attention_layernorm.weight"]
+        before += [n for n in block if n.startswith(f"{last}mlp.")]
+        assert set(before) <= same, set(before) - same
+        # ... and the first weight fed by that stream's gradient is not.
+        assert f"{last}self_attn.o_proj.weight" not in same
+    grouped = run_distributed(_leaf_and_block_rank, WORLD, True, 3, timeout=120)
+    for r in grouped:
+        assert r["leaf"]["losses"] == r["block"]["losses"]
+        for n, g in r["block"]["grads"].items():
+            assert torch.equal(r["leaf"]["grads"][n], g), n
