@@ -93,5 +93,5 @@ def test_shard_moe_model_argument_checks():
     model = nn.Sequential(MoE(4, 8, 4, 2))
     with pytest.raises(TypeError, match="mesh"):
         shard_moe_model(model, ParallelDims(1), mesh=None)
-    with pytest.raises(TypeError, match="auto_wrap_policy"):
+    with pytest.raises(ValueError, match="auto_wrap_policy"):
         shard_moe_model(model, ParallelDims(1), auto_wrap_policy=42)
