@@ -31,7 +31,7 @@ FEW = settings(
 @st.composite
 def gradients(draw):
     """Small gradients with outliers, all-zero groups, tiny groups, and NaN/Inf."""
-    group_size = draw(st.sampled_from([2, 4, 32, 64]))
+    group_size = draw(st.sampled_from([2, 4, 32, 64, 128]))
     groups = draw(st.integers(1, 4))
     seed = draw(st.integers(0, 2**16))
     gen = torch.Generator().manual_seed(seed)

@@ -72,6 +72,10 @@ class LoCoReduceScatter(ReduceScatter):
         op: object,
         async_op: bool = False,
     ) -> None:
+        """Reduce ``input_tensor`` (``[W * shard]``, rank-major) into ``output_tensor``.
+
+        Runs synchronously and returns None: FSDP orders it by stream, not by a ``Work``.
+        """
         world_size = group.size()
         shard = output_tensor.numel()
         if input_tensor.numel() != world_size * shard:

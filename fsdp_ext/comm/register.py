@@ -171,5 +171,5 @@ def register_comm_hook(
         if replicate_group is not None:
             hook = LoCoAllReduceHook(config, replicate_group)
             module.set_all_reduce_hook(hook)
-        units[fqn] = _Unit(module, comm, hook, numel, world, device)
+        units[fqn or "<root>"] = _Unit(module, comm, hook, numel, world, device)
     return CommHandle(units)
