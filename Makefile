@@ -8,7 +8,7 @@ venv:
 	@scripts/bootstrap.sh
 
 demo: venv
-	$(PY) examples/train.py --nproc-per-node $(NPROC) --ckpt-every 100 --out runs/demo
+	$(PY) examples/train.py --nproc-per-node $(NPROC) --ep $(NPROC) --ckpt-every 100 --out runs/demo
 
 test: venv
 	$(PY) -m ruff check .

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_ext import MoE
+
 
 @dataclass
 class ModelConfig:
@@ -18,6 +20,10 @@ class ModelConfig:
     hidden_dim: int = 384
     max_seq_len: int = 128
     norm_eps: float = 1e-5
+    num_experts: int = 8  # 0: a dense SwiGLU feed-forward instead of a mixture of experts
+    top_k: int = 2
+    moe_hidden_dim: int = 192  # per expert; top-2 of 192 costs about one dense 384
+    load_balance_coef: float = 0.01
 
 
 class Attention(nn.Module):
@@ -55,7 +61,17 @@ class Block(nn.Module):
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
+        self.feed_forward = (
+            MoE(
+                cfg.dim,
+                cfg.moe_hidden_dim,
+                cfg.num_experts,
+                cfg.top_k,
+                load_balance_coef=cfg.load_balance_coef,
+            )
+            if cfg.num_experts > 0
+            else FeedForward(cfg.dim, cfg.hidden_dim)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -63,8 +79,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig | None = None):
         super().__init__()
+        cfg = cfg or ModelConfig()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim)
@@ -80,7 +97,7 @@ class Transformer(nn.Module):
                 continue
             std = (
                 0.02 / (2 * self.cfg.n_layers) ** 0.5
-                if name.endswith(("wo.weight", "w2.weight"))
+                if name.endswith(("wo.weight", "w2.weight", "experts.w2"))
                 else 0.02
             )
             nn.init.normal_(p, mean=0.0, std=std)

@@ -30,13 +30,23 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from examples.data import get_batch, load_corpus, unigram_entropy
 from examples.model import Block, ModelConfig, Transformer
-from fsdp_ext import CommHandle, LoCoConfig, register_comm_hook
+from fsdp_ext import (
+    CommHandle,
+    GranularityPolicy,
+    LoCoConfig,
+    ParallelDims,
+    apply_expert_parallel,
+    clip_grad_norm_,
+    register_comm_hook,
+    shard_moe_model,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WRAP_POLICIES = {"granularity": GranularityPolicy(), "block": {Block}}
 # gradient reduce-scatter: stock fp32, 4-bit without error feedback (qgZ), 4-bit LoCo
 COMMS = {"default": None, "q4": LoCoConfig(error_feedback=False), "loco": LoCoConfig()}
 
@@ -53,7 +63,9 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    ep: int = 1  # expert-parallel degree: experts split over this many ranks
     param_dtype: str = "fp32"
+    wrap: str = "granularity"  # dense FSDP units: a key of WRAP_POLICIES
     comm: str = "loco"
     log_every: int = 25
     val_batches: int = 8
@@ -97,9 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-layers", type=_positive_int, default=m.n_layers)
     p.add_argument("--n-heads", type=_positive_int, default=m.n_heads)
     p.add_argument("--hidden-dim", type=_positive_int, default=m.hidden_dim)
+    p.add_argument("--num-experts", type=int, default=m.num_experts, help="0: dense feed-forward")
+    p.add_argument("--ep", type=_positive_int, default=d.ep, help="expert-parallel degree")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default=d.param_dtype)
+    p.add_argument("--wrap", choices=sorted(WRAP_POLICIES), default=d.wrap, help="FSDP units")
     p.add_argument(
         "--comm", choices=list(COMMS), default=d.comm, help="gradient reduce-scatter codec"
     )
@@ -141,12 +156,21 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
         )
     if a.dim % a.n_heads:
         parser.error(f"argument --n-heads: {a.n_heads} does not divide --dim {a.dim}")
+    if a.num_experts < 0:
+        parser.error(f"argument --num-experts: must be >= 0, got {a.num_experts}")
+    if a.ep > 1 and (a.num_experts < 1 or a.num_experts % a.ep):
+        parser.error(f"argument --ep: {a.ep} does not divide --num-experts {a.num_experts}")
+    try:
+        ParallelDims(world_size, ep=a.ep)
+    except ValueError as exc:
+        parser.error(f"argument --ep: {exc}")
     model = ModelConfig(
         dim=a.dim,
         n_layers=a.n_layers,
         n_heads=a.n_heads,
         hidden_dim=a.hidden_dim,
         max_seq_len=a.seq_len,
+        num_experts=a.num_experts,
     )
     cfg = TrainConfig(
         device=a.device,
@@ -155,8 +179,10 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
         seq_len=a.seq_len,
         model=model,
         lr=a.lr,
+        ep=a.ep,
         warmup_steps=a.warmup_steps,
         param_dtype=a.param_dtype,
+        wrap=a.wrap,
         comm=a.comm,
         log_every=a.log_every,
         val_batches=a.val_batches,
@@ -172,16 +198,15 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
     return cfg
 
 
-def shard_model(model: Transformer, cfg: TrainConfig) -> Transformer:
-    """One FSDP unit per transformer block, then the root."""
+def shard_model(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Transformer:
+    """Experts over ep, one FSDP unit per expert group, the --wrap policy's units, the root."""
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=torch.float32
     )
-    for block in model.modules():
-        if isinstance(block, Block):
-            fully_shard(block, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
-    return model
+    apply_expert_parallel(model, dims)
+    return shard_moe_model(
+        model, dims, auto_wrap_policy=WRAP_POLICIES[cfg.wrap], mp_policy=mp_policy
+    )
 
 
 def attach_comm(model: Transformer, cfg: TrainConfig) -> CommHandle | None:
@@ -267,7 +292,9 @@ def train(cfg: TrainConfig) -> dict:
 
     torch.manual_seed(cfg.seed)
     model = Transformer(cfg.model).to(device)
-    shard_model(model, cfg)
+    dims = ParallelDims(world, ep=cfg.ep)
+    dims.build_mesh(device.type)
+    shard_model(model, cfg, dims)
     comm = attach_comm(model, cfg)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
@@ -300,7 +327,7 @@ def train(cfg: TrainConfig) -> dict:
         x, y = (t[rank * local : (rank + 1) * local].to(device) for t in (x, y))
         loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()

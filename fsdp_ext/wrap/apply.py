@@ -1,0 +1,126 @@
+"""``fully_shard`` with an ``auto_wrap_policy``: torch's fully_shard, bottom-up.
+
+The plan is checked before anything is sharded, so a wrap FSDP2 cannot run (a unit
+without a forward, a unit inside ``nn.MultiheadAttention``, a unit per routed expert)
+fails here with a ValueError instead of later with a DTensor error or a hang.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp.wrap import CustomPolicy
+
+from fsdp_ext.wrap.plan import plan_units
+from fsdp_ext.wrap.tree import (
+    EXPERT_NAME,
+    EXPERTS_ALWAYS_RUN_ATTR,
+    FORCE_LEAF_TYPES,
+    has_expert_child,
+    is_container,
+)
+
+# Torch versions before ``set_reduce_scatter_unused_params`` get the autograd fallback.
+NATIVE_UNUSED_PARAM_REDUCE_SCATTER = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+
+
+def _check_units(root: nn.Module, units: list[nn.Module]) -> None:
+    names = {m: n for n, m in root.named_modules()}
+    for unit in units:
+        fqn = names[unit]
+        if isinstance(unit, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"auto_wrap_policy selected {fqn!r}, a {type(unit).__name__}: it has no "
+                "forward, so FSDP2 would never gather its parameters; select its children"
+            )
+        for path, ancestor in _ancestors(root, fqn):
+            if isinstance(ancestor, FORCE_LEAF_TYPES):
+                raise ValueError(
+                    f"auto_wrap_policy selected {fqn!r} inside {type(ancestor).__name__} "
+                    f"{path!r}, whose forward reads its children's weights directly (FSDP2 "
+                    "fails with mixed Tensor/DTensor); wrap the whole module instead"
+                )
+            if (
+                is_container(ancestor)
+                and EXPERT_NAME in path.rsplit(".", 1)[-1].lower()
+                and not getattr(ancestor, EXPERTS_ALWAYS_RUN_ATTR, False)
+            ):
+                raise ValueError(
+                    f"auto_wrap_policy selected {fqn!r}, inside the routed experts "
+                    f"{path!r}: an expert that gets no tokens on one rank skips its forward "
+                    "there, so its all-gather and reduce-scatter run on some ranks only and "
+                    "the job hangs. Wrap the MoE block as one unit (GranularityPolicy does), "
+                    "or, if every expert runs on every rank, set "
+                    f"{path}.{EXPERTS_ALWAYS_RUN_ATTR} = True"
+                )
+
+
+def _ancestors(root: nn.Module, fqn: str) -> list[tuple[str, nn.Module]]:
+    """(path, module) for every module strictly between ``root`` and ``fqn``."""
+    parts = fqn.split(".")
+    out = []
+    module = root
+    for i, part in enumerate(parts[:-1]):
+        module = getattr(module, part)
+        out.append((".".join(parts[: i + 1]), module))
+    return out
+
+
+def _tie_params_to_output(module: nn.Module) -> None:
+    """Add ``0 * sum(params)`` to the output so every parameter gets a (zero) gradient."""
+
+    def hook(mod: nn.Module, args: Any, output: Any) -> Any:
+        params = [p for p in mod.parameters() if p.requires_grad]
+        if not torch.is_grad_enabled() or not params:
+            return output
+        zero = torch.stack([p.sum() for p in params]).sum() * 0
+        if isinstance(output, torch.Tensor):
+            return output + zero.to(output.dtype)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (output[0] + zero.to(output[0].dtype), *output[1:])
+        raise TypeError(
+            f"{type(mod).__name__} returns {type(output).__name__}; zero gradients for idle "
+            "experts need it to return a Tensor (or a tuple starting with one)"
+        )
+
+    module.register_forward_hook(hook)
+
+
+def fully_shard(module: nn.Module, *, auto_wrap_policy: object = None, **kwargs: Any) -> nn.Module:
+    """Apply torch's ``fully_shard`` to each unit ``auto_wrap_policy`` selects, then the root.
+
+    ``auto_wrap_policy``: a :class:`GranularityPolicy`; an FSDP1 policy
+    (``ModuleWrapPolicy``, ``CustomPolicy``, ``functools.partial`` of
+    ``size_based_auto_wrap_policy`` / ``transformer_auto_wrap_policy``), which makes the
+    units FSDP1 would; a set of module classes; a callable ``(module) -> bool``; or None
+    (the root alone, as torch's fully_shard). ``kwargs`` go to every fully_shard call; a
+    ``CustomPolicy`` returning a dict adds those fully_shard kwargs for that module.
+
+    Units holding an MoE block reduce-scatter every parameter, with zeros for experts
+    that got no tokens on a rank: FSDP2 otherwise skips gradient-less parameters, and
+    ranks whose routing differs would send reduce-scatters of different lengths.
+    """
+    units = plan_units(module, auto_wrap_policy, mp_policy=kwargs.get("mp_policy")).modules
+    _check_units(module, units)
+    overrides: dict[nn.Module, dict[str, Any]] = {}
+    if isinstance(auto_wrap_policy, CustomPolicy):
+        overrides = auto_wrap_policy._run_policy(module, set(), {})
+    tied: set[nn.Module] = set()
+    for unit in [*reversed(units), module]:
+        if unit is not module and isinstance(unit, FSDPModule):
+            continue  # sharded already, by the caller (e.g. experts on their own mesh)
+        moe_blocks = [m for m in unit.modules() if has_expert_child(m)]
+        if moe_blocks and not NATIVE_UNUSED_PARAM_REDUCE_SCATTER:
+            # Registered before fully_shard so it runs before FSDP resharding the unit.
+            for block in moe_blocks:
+                if block not in tied:
+                    _tie_params_to_output(block)
+                    tied.add(block)
+        torch_fully_shard(unit, **{**kwargs, **overrides.get(unit, {})})
+        if moe_blocks and NATIVE_UNUSED_PARAM_REDUCE_SCATTER:
+            unit.set_reduce_scatter_unused_params(True, recurse=False)
+    return module

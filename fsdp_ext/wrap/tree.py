@@ -1,0 +1,116 @@
+"""Module-tree facts the wrap planner needs: subtree sizes, DeepSpeed granularity, leaves.
+
+Granularity follows DeepSpeed ZeRO-3 (``stage3_module_granularity_threshold``): the
+parameters in a module's subtree divided by the parameterised, non-container modules in
+that subtree (the module itself included). Containers are not counted and modules
+without parameters are ignored, so the number says how many parameters each real layer
+in the subtree holds on average. Small means fine-grained: many modules, each too small
+to be worth its own hook, all-gather and reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+CONTAINER_TYPES: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+# Modules whose forward reads a child's weight directly, so the child can never be a
+# unit of its own (FSDP1 keeps the same set in size_based_auto_wrap_policy).
+FORCE_LEAF_TYPES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+EXPERT_NAME = "expert"
+# Set to True on an experts container whose MoE calls every expert on every step (idle
+# ones on an empty slice): then per-expert units are safe and fully_shard allows them.
+EXPERTS_ALWAYS_RUN_ATTR = "experts_always_run"
+
+
+@dataclass
+class ModuleInfo:
+    """Sizes of one module's subtree; ``granularity`` is None for containers."""
+
+    fqn: str
+    module: nn.Module
+    numel: int
+    layers: int
+    granularity: int | None
+    is_leaf: bool
+
+
+def is_container(module: nn.Module) -> bool:
+    # Exact types: a subclass of Sequential with its own forward is still a container
+    # in DeepSpeed's sense (it only chains children), so isinstance is right here.
+    return isinstance(module, CONTAINER_TYPES)
+
+
+def has_expert_child(module: nn.Module) -> bool:
+    """An MoE block: it owns a child named like ``experts`` that holds parameters.
+
+    Routing calls only the experts that received tokens, and on each rank a different
+    set, so nothing under such a child may be a unit of its own (its all-gather would
+    run on some ranks only). HF (``mlp.experts``), torchtitan (``moe.experts``) and
+    DeepSpeed (``deepspeed_moe.experts``) all use this name.
+    """
+    return any(
+        EXPERT_NAME in name.lower() and any(True for _ in child.parameters())
+        for name, child in module.named_children()
+    )
+
+
+def is_indivisible(module: nn.Module) -> bool:
+    """Never split: no parameterised child, a force-leaf type, or an MoE block."""
+    if isinstance(module, FORCE_LEAF_TYPES):
+        return True
+    if not any(True for child in module.children() for _ in child.parameters()):
+        return True
+    return has_expert_child(module)
+
+
+def module_infos(root: nn.Module) -> dict[nn.Module, ModuleInfo]:
+    """Granularity of every module under ``root`` (shared modules counted once)."""
+    infos: dict[nn.Module, ModuleInfo] = {}
+
+    def visit(module: nn.Module, fqn: str) -> tuple[set[torch.nn.Parameter], int]:
+        params: set[torch.nn.Parameter] = set(module.parameters(recurse=False))
+        layers = 0
+        children = list(module.named_children())
+        for name, child in children:
+            if child in infos:
+                continue
+            child_params, child_layers = visit(child, f"{fqn}.{name}" if fqn else name)
+            params |= child_params
+            layers += child_layers
+        numel = sum(p.numel() for p in params)
+        container = is_container(module)
+        if numel > 0 and not container:
+            layers += 1
+        granularity = numel // layers if numel > 0 and not container else None
+        infos[module] = ModuleInfo(fqn, module, numel, layers, granularity, not children)
+        return params, layers
+
+    visit(root, "")
+    return infos
+
+
+def repeated_blocks(root: nn.Module) -> tuple[list[nn.Module], frozenset[nn.Module]]:
+    """The outermost children of containers (e.g. transformer layers) and their ancestors.
+
+    Indivisible modules are not looked into (an MoE block's experts are not blocks).
+    """
+    blocks: list[nn.Module] = []
+    ancestors: set[nn.Module] = set()
+
+    def visit(module: nn.Module, path: list[nn.Module]) -> None:
+        if module is not root and is_indivisible(module):
+            return
+        if is_container(module):
+            children = [c for c in module.children() if any(True for _ in c.parameters())]
+            if children:
+                blocks.extend(children)
+                ancestors.update(path, [module])
+                return
+        for child in module.children():
+            visit(child, [*path, module])
+
+    visit(root, [])
+    return blocks, frozenset(ancestors)

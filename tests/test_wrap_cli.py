@@ -1,0 +1,109 @@
+"""``python -m fsdp_ext.wrap`` and a smoke run of ``benchmarks/wrap.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_cli_prints_plan_for_a_factory():
+    out = _run(
+        "-m",
+        "fsdp_ext.wrap",
+        "benchmarks.wrap_models:ModelWithFineGrainedBlock",
+        "--threshold",
+        "12100",
+        "--param-dtype",
+        "bfloat16",
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].endswith("-> threshold 12100")
+    rows = {line.split()[0]: line.split()[1:] for line in lines[3:-1]}
+    assert rows == {
+        "<root>": ["0", "15437", "0"],
+        "coarse_grained_layer1": ["132096", "132096", "264192"],
+        "coarse_grained_layer2": ["131200", "131200", "262400"],
+        "fine_grained_layer": ["786432", "12098", "1572864"],
+    }
+    assert "estimated peak unsharded bytes: 1835264" in lines[-1]
+
+
+def test_cli_rejects_bad_factory_and_budget():
+    out = _run("-m", "fsdp_ext.wrap", "no_colon_here", timeout=120)
+    assert out.returncode != 0 and "MODULE:FACTORY" in out.stderr
+    out = _run(
+        "-m",
+        "fsdp_ext.wrap",
+        "benchmarks.wrap_models:ModelWithFineGrainedBlock",
+        "--budget",
+        "10",
+        timeout=120,
+    )
+    assert out.returncode != 0 and "memory_budget_bytes" in out.stderr
+
+
+def test_benchmark_smoke():
+    out = _run(
+        "benchmarks/wrap.py",
+        "--quick",
+        "--layers",
+        "2",
+        "--experts",
+        "4",
+        "--steps",
+        "2",
+        "--warmup",
+        "0",
+        "--seq",
+        "9",
+        "--budget-layers",
+        "2.5",
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "wrap"
+    assert set(result["policies"]) == {"leaf", "block", "granularity", "fsdp1_transformer"}
+    leaf, block = result["policies"]["leaf"], result["policies"]["block"]
+    # 2 layers x (4 attn + 2 norms + router + 4 experts x 3 + 3 shared + gate) + 3 + root.
+    assert leaf["units"] == 2 * 23 + 3 + 1
+    assert block["units"] == 3
+    # A unit gathers in forward and again in backward, and reduce-scatters once; the root
+    # stays unsharded after forward (one gather), and under leaf it holds no parameters.
+    assert leaf["all_gathers_per_step"] == 2 * (leaf["units"] - 1)
+    assert leaf["reduce_scatters_per_step"] == leaf["units"] - 1
+    assert block["all_gathers_per_step"] == 2 * (block["units"] - 1) + 1
+    assert block["reduce_scatters_per_step"] == block["units"]
+    assert result["losses_identical_except_leaf"] is True
+    assert result["granularity_peak_within_budget"] is True
+
+
+def test_train_script_defaults_to_granularity_wrap():
+    import torch
+
+    import fsdp_ext
+    from examples.model import Block, ModelConfig, Transformer
+    from examples.train import WRAP_POLICIES, parse_args
+
+    assert parse_args([]).wrap == "granularity"
+    assert parse_args(["--wrap", "block"]).wrap == "block"
+    with torch.device("meta"):
+        model = Transformer(ModelConfig())
+    units = [u.fqn for u in fsdp_ext.plan_units(model, WRAP_POLICIES["granularity"]).units]
+    blocks = [n for n, m in model.named_modules() if isinstance(m, Block)]
+    # One unit per Block, and the big leaves outside the blocks sharded too.
+    assert set(blocks) < set(units)
+    assert "tok_embeddings" in units and "output" in units

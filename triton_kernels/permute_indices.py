@@ -1,0 +1,105 @@
+"""Gather indices that put all-to-all-received tokens into expert-major order.
+
+After the dispatch all-to-all, a rank holds its tokens grouped by *source rank*, and
+within each source rank by local expert: blocks ``(r, e)`` laid out row-major over a
+``counts[num_ranks, experts_per_rank]`` table. The grouped expert compute wants them
+grouped by *expert*, and within each expert by source rank: blocks ``(e, r)``.
+
+``permute_indices(counts)[i]`` is the received-buffer row that goes to row ``i`` of the
+expert-major buffer, so ``x[permute_indices(counts)]`` does the reorder. A zero count is a
+legal, empty block. Same contract as torchtitan's ``generate_permute_indices`` without
+the alignment padding (our expert compute loops over experts and needs none).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without triton still get the reference
+    triton = None
+
+
+def _check_counts(counts: torch.Tensor) -> None:
+    if not isinstance(counts, torch.Tensor) or counts.dim() != 2:
+        raise ValueError(
+            f"counts must be a 2-D [num_ranks, experts_per_rank] tensor, got {counts!r}"
+        )
+    if counts.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"counts must be int32 or int64, got {counts.dtype}")
+
+
+def permute_indices_reference(counts: torch.Tensor) -> torch.Tensor:
+    """The spec, in vectorised torch: int64 indices of length ``counts.sum()``."""
+    _check_counts(counts)
+    counts = counts.to(torch.int64)
+    if (counts < 0).any():
+        raise ValueError("counts must be non-negative")
+    src_start = (counts.flatten().cumsum(0) - counts.flatten()).view_as(counts)
+    by_expert = counts.t().flatten()  # blocks in destination order (e, r)
+    total = int(by_expert.sum())
+    block = torch.repeat_interleave(torch.arange(by_expert.numel()), by_expert)
+    dst_start = by_expert.cumsum(0) - by_expert
+    offset_in_block = torch.arange(total) - dst_start[block]
+    return src_start.t().flatten()[block] + offset_in_block
+
+
+if triton is not None:
+
+    @triton.jit
+    def _permute_indices_kernel(
+        counts_ptr,
+        out_ptr,
+        num_ranks,
+        experts_per_rank,
+        NUM_BLOCKS_P2: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # One program per local expert: it writes that expert's contiguous output segment.
+        expert = tl.program_id(0)
+        flat = tl.arange(0, NUM_BLOCKS_P2)  # row-major block id r * E + e
+        valid = flat < num_ranks * experts_per_rank
+        all_counts = tl.load(counts_ptr + flat, mask=valid, other=0).to(tl.int64)
+        # Destination start: every token of a lower-numbered expert comes first.
+        dst = tl.sum(tl.where((flat % experts_per_rank) < expert, all_counts, 0), axis=0)
+        for rank in range(num_ranks):
+            block_id = rank * experts_per_rank + expert
+            src = tl.sum(tl.where(flat < block_id, all_counts, 0), axis=0)
+            count = tl.load(counts_ptr + block_id).to(tl.int64)
+            for start in range(0, count, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                tl.store(out_ptr + dst + offs, src + offs, mask=offs < count)
+            dst += count
+
+
+def permute_indices_triton(counts: torch.Tensor) -> torch.Tensor:
+    """Triton launcher; same contract as :func:`permute_indices_reference`."""
+    if triton is None:
+        raise RuntimeError("permute_indices_triton needs triton installed")
+    _check_counts(counts)
+    counts = counts.contiguous()
+    if (counts < 0).any():
+        raise ValueError("counts must be non-negative")
+    num_ranks, experts_per_rank = counts.shape
+    total = int(counts.sum())
+    out = torch.empty(total, dtype=torch.int64, device=counts.device)
+    if total == 0:
+        return out
+    _permute_indices_kernel[(experts_per_rank,)](
+        counts,
+        out,
+        num_ranks,
+        experts_per_rank,
+        NUM_BLOCKS_P2=triton.next_power_of_2(num_ranks * experts_per_rank),
+        BLOCK=128,
+    )
+    return out
+
+
+def permute_indices(counts: torch.Tensor) -> torch.Tensor:
+    """Expert-major gather indices: the Triton kernel on GPU, the reference elsewhere."""
+    if counts.is_cuda and triton is not None:
+        return permute_indices_triton(counts)
+    return permute_indices_reference(counts)
