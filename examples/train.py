@@ -35,15 +35,20 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from examples.data import get_batch, load_corpus, unigram_entropy
 from examples.model import Block, ModelConfig, Transformer
 from fsdp_ext import (
+    CommHandle,
     GranularityPolicy,
+    LoCoConfig,
     ParallelDims,
     apply_expert_parallel,
     clip_grad_norm_,
+    register_comm_hook,
     shard_moe_model,
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WRAP_POLICIES = {"granularity": GranularityPolicy(), "block": {Block}}
+# gradient reduce-scatter: stock fp32, 4-bit without error feedback (qgZ), 4-bit LoCo
+COMMS = {"default": None, "q4": LoCoConfig(error_feedback=False), "loco": LoCoConfig()}
 
 
 @dataclass
@@ -61,6 +66,7 @@ class TrainConfig:
     ep: int = 1  # expert-parallel degree: experts split over this many ranks
     param_dtype: str = "fp32"
     wrap: str = "granularity"  # dense FSDP units: a key of WRAP_POLICIES
+    comm: str = "loco"
     log_every: int = 25
     val_batches: int = 8
     ckpt_every: int = 0
@@ -109,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default=d.param_dtype)
     p.add_argument("--wrap", choices=sorted(WRAP_POLICIES), default=d.wrap, help="FSDP units")
+    p.add_argument(
+        "--comm", choices=list(COMMS), default=d.comm, help="gradient reduce-scatter codec"
+    )
     p.add_argument("--log-every", type=_positive_int, default=d.log_every)
     p.add_argument("--val-batches", type=_positive_int, default=d.val_batches)
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="0 disables")
@@ -174,6 +183,7 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
         warmup_steps=a.warmup_steps,
         param_dtype=a.param_dtype,
         wrap=a.wrap,
+        comm=a.comm,
         log_every=a.log_every,
         val_batches=a.val_batches,
         ckpt_every=a.ckpt_every,
@@ -197,6 +207,12 @@ def shard_model(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Tra
     return shard_moe_model(
         model, dims, auto_wrap_policy=WRAP_POLICIES[cfg.wrap], mp_policy=mp_policy
     )
+
+
+def attach_comm(model: Transformer, cfg: TrainConfig) -> CommHandle | None:
+    """Compressed gradient reduce-scatter on every FSDP unit (none for `--comm default`)."""
+    config = COMMS[cfg.comm]
+    return None if config is None else register_comm_hook(model, config)
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -279,16 +295,19 @@ def train(cfg: TrainConfig) -> dict:
     dims = ParallelDims(world, ep=cfg.ep)
     dims.build_mesh(device.type)
     shard_model(model, cfg, dims)
+    comm = attach_comm(model, cfg)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     state = TrainState(model, optimizer, scheduler)
+    # LoCo's error buffers are checkpointed with the rest, so a resume is exact
+    app_state = {"train": state} if comm is None else {"train": state, "comm": comm}
     if cfg.resume:
         path = latest_checkpoint(cfg.checkpoint_root)
         if path is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.checkpoint_root}")
-        dcp.load({"train": state}, checkpoint_id=str(path))
+        dcp.load(app_state, checkpoint_id=str(path))
         log(f"resumed from {path} at step {state.step}")
 
     local = cfg.batch_size // world
@@ -325,7 +344,7 @@ def train(cfg: TrainConfig) -> dict:
             )
         if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
             dcp.save(
-                {"train": state},
+                app_state,
                 checkpoint_id=str(checkpoint_path(cfg.checkpoint_root, state.step)),
             )
 
@@ -342,6 +361,7 @@ def train(cfg: TrainConfig) -> dict:
         "step_ms": median_ms,
         "tokens_per_s": tokens_per_step / median_ms * 1e3,
         "world_size": world,
+        "comm_stats": None if comm is None else asdict(comm.stats),
     }
 
 

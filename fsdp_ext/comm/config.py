@@ -1,0 +1,59 @@
+"""Configuration of the compressed gradient communication."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ERROR_DTYPES = (torch.int8, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class LoCoConfig:
+    """Settings of 4-/8-bit LoCo gradient compression (ZeRO++ qgZ with LoCo error feedback).
+
+    ``err_beta`` and ``reset_interval`` are ZeRO++'s ``zeropp_loco_param = {err_beta, reset_T}``.
+    ``error_feedback=False`` turns LoCo off and leaves plain absmax quantisation (qgZ).
+    ``intra_node_size=k`` reduces in full precision inside groups of ``k`` consecutive ranks
+    and quantises only the exchange between those groups.
+    """
+
+    bits: int = 4
+    group_size: int = 128
+    err_beta: float = 0.8
+    reset_interval: int = 1024
+    error_dtype: torch.dtype = torch.int8
+    intra_node_size: int | None = None
+    error_feedback: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits!r}")
+        gs = self.group_size
+        if not isinstance(gs, int) or isinstance(gs, bool) or gs < 32 or gs & (gs - 1):
+            raise ValueError(f"group_size must be a power of two >= 32, got {gs!r}")
+        beta = self.err_beta
+        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not 0 <= beta < 1:
+            raise ValueError(f"err_beta must be a number with 0 <= err_beta < 1, got {beta!r}")
+        ri = self.reset_interval
+        if not isinstance(ri, int) or isinstance(ri, bool) or ri < 1:
+            raise ValueError(f"reset_interval must be an int >= 1, got {ri!r}")
+        if self.error_dtype not in ERROR_DTYPES:
+            raise ValueError(
+                f"error_dtype must be one of torch.int8, torch.bfloat16, torch.float32, "
+                f"got {self.error_dtype!r}"
+            )
+        k = self.intra_node_size
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"intra_node_size must be None or an int >= 1, got {k!r}")
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"error_feedback must be a bool, got {self.error_feedback!r}")
+
+    def check_group_size(self, process_group_size: int) -> None:
+        """``intra_node_size`` must divide the size of the process group it splits."""
+        k = self.intra_node_size
+        if k is not None and process_group_size % k:
+            raise ValueError(
+                f"intra_node_size must divide the process group size {process_group_size}, got {k}"
+            )

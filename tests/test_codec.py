@@ -1,0 +1,208 @@
+"""The gradient codec kernels: Triton (interpreted on CPU) against the torch reference, and
+the codec's own guarantees (round-trip bound, error bookkeeping, non-finite groups)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from triton_kernels.codec_common import qmax
+from triton_kernels.dequantize_reduce import (
+    dequantize_reduce,
+    dequantize_reduce_reference,
+    dequantize_reduce_triton,
+    dequantize_reference,
+)
+from triton_kernels.quantize_ef import quantize_ef, quantize_ef_reference, quantize_ef_triton
+
+# numpy, under the Triton interpreter, warns on the NaN arithmetic of non-finite groups
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:invalid value encountered"),
+    pytest.mark.filterwarnings("ignore:All-NaN slice encountered"),
+]
+
+ERROR_DTYPES = [None, torch.int8, torch.bfloat16, torch.float32]
+FEW = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+
+
+@st.composite
+def gradients(draw):
+    """Small gradients with outliers, all-zero groups, tiny groups, and NaN/Inf."""
+    group_size = draw(st.sampled_from([2, 4, 32, 64, 128]))
+    groups = draw(st.integers(1, 4))
+    seed = draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(groups * group_size, generator=gen) * draw(st.sampled_from([1e-6, 1.0, 1e4]))
+    flat = x.view(groups, group_size)
+    kinds = draw(
+        st.lists(
+            st.sampled_from(["plain", "zero", "outlier", "nan", "inf", "tiny"]),
+            min_size=groups,
+            max_size=groups,
+        )
+    )
+    for g, kind in enumerate(kinds):
+        pos = int(torch.randint(group_size, (1,), generator=gen))
+        if kind == "zero":
+            flat[g] = 0
+        elif kind == "outlier":
+            flat[g, pos] = 1e6
+        elif kind == "nan":
+            flat[g, pos] = float("nan")
+        elif kind == "inf":
+            flat[g, pos] = float("-inf") if pos % 2 else float("inf")
+        elif kind == "tiny":
+            flat[g] *= 1e-30
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    return x.to(dtype), group_size, seed
+
+
+def _error_state(dtype, numel, group_size, seed):
+    gen = torch.Generator().manual_seed(seed + 1)
+    if dtype is None:
+        return None, None
+    if dtype == torch.int8:
+        e = torch.randint(-127, 128, (numel,), generator=gen, dtype=torch.int8)
+        return e, torch.rand(numel // group_size, generator=gen) * 0.01
+    return (torch.randn(numel, generator=gen) * 0.1).to(dtype), None
+
+
+def _same(a, b):
+    """Same dtype and shape, equal values, NaN exactly where the other has NaN."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+@FEW
+@given(
+    gradients(),
+    st.sampled_from(ERROR_DTYPES),
+    st.sampled_from([4, 8]),
+    st.sampled_from([0.0, 0.8, 0.95]),
+)
+def test_quantize_ef_triton_matches_reference(grad, error_dtype, bits, beta):
+    x, group_size, seed = grad
+    e_ref, s_ref = _error_state(error_dtype, x.numel(), group_size, seed)
+    e_tri = None if e_ref is None else e_ref.clone()
+    s_tri = None if s_ref is None else s_ref.clone()
+    kw = dict(group_size=group_size, bits=bits, beta=beta)
+    packed_ref, scales_ref = quantize_ef_reference(x, e_ref, s_ref, **kw)
+    packed_tri, scales_tri = quantize_ef_triton(x, e_tri, s_tri, **kw)
+    assert torch.equal(packed_ref, packed_tri)
+    assert _same(scales_ref, scales_tri)
+    if e_ref is not None:
+        assert _same(e_ref, e_tri)
+    if s_ref is not None:
+        assert _same(s_ref, s_tri)
+
+
+@FEW
+@given(
+    gradients(),
+    st.integers(1, 3),
+    st.sampled_from([4, 8]),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.sampled_from([1.0, 0.5, 1 / 3]),
+)
+def test_dequantize_reduce_triton_matches_reference(grad, chunks, bits, out_dtype, out_scale):
+    x, group_size, _ = grad
+    rows = [
+        quantize_ef_reference(x.roll(i), group_size=group_size, bits=bits) for i in range(chunks)
+    ]
+    packed = torch.stack([p for p, _ in rows])
+    scales = torch.stack([s for _, s in rows])
+    kw = dict(group_size=group_size, bits=bits, out_scale=out_scale, out_dtype=out_dtype)
+    ref = dequantize_reduce_reference(packed, scales, **kw)
+    tri = dequantize_reduce_triton(packed, scales, **kw)
+    assert _same(ref, tri)
+
+
+@FEW
+@given(gradients(), st.sampled_from([4, 8]))
+def test_round_trip_error_at_most_half_a_step(grad, bits):
+    x, group_size, _ = grad
+    packed, scales = quantize_ef(x, group_size=group_size, bits=bits)
+    back = dequantize_reduce(
+        packed.view(1, -1), scales.view(1, -1), group_size=group_size, bits=bits
+    ).view(-1, group_size)
+    h = x.float().view(-1, group_size)
+    finite = torch.isfinite(h).all(dim=1)
+    # scale/2 of exact arithmetic, plus the fp32 rounding of q * s and of h / s
+    bound = scales.view(-1, 1) / 2 * (1 + 2**-20) + h.abs() * 2**-22
+    err = (back - h).abs()
+    assert bool((err[finite] <= bound[finite]).all()), float((err - bound)[finite].max())
+    # a group holding NaN/Inf dequantises to non-finite everywhere, never a finite value
+    assert not torch.isfinite(back[~finite]).any()
+
+
+@FEW
+@given(gradients(), st.sampled_from([4, 8]))
+def test_beta_zero_error_is_the_residual_exactly(grad, bits):
+    x, group_size, _ = grad
+    error = torch.zeros(x.numel())
+    packed, scales = quantize_ef(x, error, group_size=group_size, bits=bits, beta=0.0)
+    deq = dequantize_reference(
+        packed.view(1, -1), scales.view(1, -1), group_size=group_size, bits=bits
+    ).view(-1)
+    h = x.float()
+    finite = torch.isfinite(h.view(-1, group_size)).all(dim=1).repeat_interleave(group_size)
+    # bookkeeping: e == h - deQ(q) exactly, so h == deQ(q) + e up to one fp32 rounding
+    assert torch.equal(error[finite], (h - deq)[finite])
+    assert torch.allclose((deq + error)[finite], h[finite], rtol=2**-23, atol=0)
+    # the error of a non-finite group is reset
+    assert bool((error[~finite] == 0).all())
+
+
+def test_error_feedback_accumulates_across_calls():
+    """h = g + e: the second call quantises the gradient plus the stored error."""
+    g = torch.linspace(-1, 1, 64)
+    error = torch.zeros(64)
+    quantize_ef(g, error, group_size=32, beta=0.0)
+    first = error.clone()
+    packed, scales = quantize_ef(g, error, group_size=32, beta=0.0)
+    expected_packed, expected_scales = quantize_ef(g + first, group_size=32)
+    assert torch.equal(packed, expected_packed) and torch.equal(scales, expected_scales)
+
+
+@pytest.mark.parametrize("error_dtype", [torch.int8, torch.bfloat16])
+def test_compact_error_storage_tracks_fp32_error(error_dtype):
+    g = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    e32 = torch.zeros(256)
+    e = torch.zeros(256, dtype=error_dtype)
+    scales = torch.zeros(2) if error_dtype == torch.int8 else None
+    quantize_ef(g, e32, group_size=128, beta=0.5)
+    quantize_ef(g, e, scales, group_size=128, beta=0.5)
+    decoded = e.float() * (scales.repeat_interleave(128) if scales is not None else 1)
+    step = e32.abs().max() / (127 if error_dtype == torch.int8 else 2**7)
+    assert (decoded - e32).abs().max() <= step
+
+
+def test_nibble_layout_is_documented_one():
+    x = torch.tensor([7.0, -7.0, 0.0, 1.0] + [0.0] * 28)
+    packed, scales = quantize_ef(x, group_size=32)
+    assert scales[0] == 1.0
+    # element 2i -> low nibble, 2i + 1 -> high nibble, value q stored as q + 8
+    assert packed[0] == (7 + 8) | ((-7 + 8) << 4)
+    assert packed[1] == (0 + 8) | ((1 + 8) << 4)
+    assert qmax(4) == 7 and qmax(8) == 127
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(group_size=48), "group_size"),
+        (dict(group_size=32, bits=3), "bits"),
+        (dict(group_size=32, error=torch.zeros(64, dtype=torch.int8)), "error_scales"),
+        (dict(group_size=32, error=torch.zeros(64, dtype=torch.float16)), "error.dtype"),
+    ],
+)
+def test_quantize_ef_rejects_bad_arguments(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        quantize_ef(torch.zeros(64), **kwargs)

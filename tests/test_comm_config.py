@@ -1,0 +1,88 @@
+"""LoCoConfig validation and register_comm_hook's refusals: every error names its argument."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
+
+from fsdp_ext import LoCoConfig, register_comm_hook
+from tests.dist import run_distributed
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("bits", 2),
+        ("bits", True),
+        ("group_size", 16),
+        ("group_size", 96),
+        ("group_size", 128.0),
+        ("err_beta", 1.0),
+        ("err_beta", -0.1),
+        ("reset_interval", 0),
+        ("error_dtype", torch.float16),
+        ("intra_node_size", 0),
+        ("error_feedback", 1),
+    ],
+)
+def test_config_names_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        LoCoConfig(**{field: value})
+
+
+def test_config_defaults_and_intra_node_divisibility():
+    cfg = LoCoConfig()
+    assert (cfg.bits, cfg.group_size, cfg.err_beta, cfg.reset_interval) == (4, 128, 0.8, 1024)
+    assert cfg.error_dtype == torch.int8 and cfg.intra_node_size is None
+    LoCoConfig(intra_node_size=2).check_group_size(4)
+    with pytest.raises(ValueError, match="intra_node_size"):
+        LoCoConfig(intra_node_size=3).check_group_size(4)
+
+
+def _refusals():
+    errors = {}
+    with pytest.raises(ValueError, match="no FSDP unit") as e:
+        register_comm_hook(nn.Linear(4, 4))
+    errors["unsharded"] = str(e.value)
+    with pytest.raises(TypeError, match="config"):
+        register_comm_hook(fully_shard(nn.Linear(4, 4)), {"bits": 4})
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    hsdp = fully_shard(nn.Linear(4, 4), mesh=mesh)
+    with pytest.raises(ValueError, match="dp_shard mesh only"):
+        register_comm_hook(hsdp, replicate_group=mesh["dp_replicate"].get_group())
+    with pytest.raises(ValueError, match="intra_node_size"):
+        register_comm_hook(fully_shard(nn.Linear(4, 4)), LoCoConfig(intra_node_size=3))
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import (
+            FSDPMeshInfo,
+            ShardPlacementResult,
+        )
+    except ImportError:  # per-parameter meshes are newer than torch 2.11
+        return errors
+    # a second process group over the same ranks makes a second param group
+    other_mesh = DeviceMesh.from_group(dist.new_group([0, 1]), "cpu")
+    other = FSDPMeshInfo(mesh=other_mesh, shard_mesh_dim=0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(
+        model,
+        shard_placement_fn=lambda p: (
+            ShardPlacementResult(Shard(0), other) if p is model[1].weight else None
+        ),
+    )
+    with pytest.raises(ValueError, match="several param groups"):
+        register_comm_hook(model)
+    errors["groups"] = True
+    dist.barrier()
+    return errors
+
+
+def test_register_refuses_what_it_cannot_serve():
+    import torch.distributed.fsdp._fully_shard._fsdp_common as common
+
+    for errors in run_distributed(_refusals, 2):
+        assert "fully_shard" in errors["unsharded"]
+        # the several-param-groups refusal ran wherever torch has per-parameter meshes
+        assert bool(errors.get("groups")) == hasattr(common, "ShardPlacementResult")
