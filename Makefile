@@ -8,6 +8,7 @@ venv:
 	@scripts/bootstrap.sh
 
 demo: venv
+	rm -rf runs/demo
 	$(PY) examples/train.py --nproc-per-node $(NPROC) --ep $(NPROC) --ckpt-every 100 --out runs/demo
 
 test: venv

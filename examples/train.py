@@ -195,6 +195,12 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
     )
     if cfg.resume and latest_checkpoint(cfg.checkpoint_root) is None:
         parser.error(f"argument --resume: no complete checkpoint under {cfg.checkpoint_root}")
+    if not cfg.resume and any(cfg.checkpoint_root.glob("step-*")):
+        # A fresh run must not mix its checkpoints with an older run's, nor overwrite them.
+        parser.error(
+            f"argument --out: {cfg.checkpoint_root} holds checkpoints of an earlier run; "
+            "pass --resume to continue it, or choose another --out"
+        )
     return cfg
 
 

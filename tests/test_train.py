@@ -72,10 +72,12 @@ def _cli(args, **env):
         (["--nproc-per-node", "3"], {}, "--batch-size: 16 is not divisible by the world size 3"),
         (["--steps", "0"], {}, "argument --steps: must be a positive integer"),
         (["--resume", "--out", "{tmp}"], {}, "argument --resume: no complete checkpoint"),
+        (["--out", "{tmp}/old"], {}, "holds checkpoints of an earlier run; pass --resume"),
     ],
 )
 def test_bad_arguments_fail_in_one_line(tmp_path, args, env, needle):
     args = [a.format(tmp=tmp_path) for a in args]
+    (tmp_path / "old" / "checkpoints" / "step-0000010").mkdir(parents=True)
     proc = _cli(args, **env)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
