@@ -12,6 +12,11 @@ bytes, final loss. Steps of the policies are interleaved so machine load hits al
 
     python benchmarks/wrap.py --quick          # 4 layers x 64 experts, < 3 min
     python benchmarks/wrap.py                  # 8 layers; growth over 16/64/128 experts
+    python benchmarks/wrap.py --quick --norm decomposed   # leaf's last bits differ
+
+The model's RMSNorm is fused (one backward node) by default. ``--norm decomposed`` uses
+the eager form, whose input gets two gradients; FSDP2's node on a norm unit's input then
+regroups a float sum, so ``leaf`` differs from the others in the last bits (docs/wrap.md).
 """
 
 from __future__ import annotations
@@ -195,9 +200,7 @@ def run_config(cfg: FineMoEConfig, budget_layers: float, steps: int, warmup: int
             policies["granularity"]["median_step_ms"] / policies["block"]["median_step_ms"], 3
         ),
         "losses_identical": identical(policies),
-        # Leaf makes each RMSNorm a unit; FSDP2's node on its input sums the norm's two
-        # gradients before the residual's, so leaf can differ in the last bits; see
-        # docs/wrap.md and test_leaf_differs_from_block_only_by_the_gradient_sums_at_norm_inputs.
+        "norm": "fused" if cfg.fused_norm else "decomposed",
         "losses_identical_except_leaf": identical([n for n in policies if n != "leaf"]),
         "max_rel_loss_diff_vs_block": max_rel_loss_diff,
         "granularity_peak_within_budget": policies["granularity"]["est_peak_unsharded_bytes"]
@@ -210,7 +213,7 @@ def _print_table(result: dict) -> None:
         f"\nlayers={result['layers']}  experts/layer={result['num_experts']}  "
         f"model={result['model_bytes']} B  "
         f"budget={result['budget_bytes']} B  granularity threshold="
-        f"{result['granularity_threshold']}"
+        f"{result['granularity_threshold']}  norm={result['norm']}"
     )
     print(
         f"{'policy':<18} {'units':>6} {'AG/step':>8} {'RS/step':>8} {'step ms':>9} "
@@ -270,6 +273,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="granularity's memory budget, in decoder layers' parameter bytes",
     )
     parser.add_argument("--sweep", type=int, nargs="+", default=[16, 64, 128])
+    parser.add_argument(
+        "--norm",
+        choices=("fused", "decomposed"),
+        default="fused",
+        help="RMSNorm with one backward node (as on GPUs) or the decomposed eager form",
+    )
     parser.add_argument("--plot", default="docs/wrap_growth.png")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -277,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
     layers = args.layers or (4 if args.quick else 8)
 
     def measure(experts: int) -> dict:
-        cfg = FineMoEConfig(n_layers=layers, num_experts=experts)
+        cfg = FineMoEConfig(n_layers=layers, num_experts=experts, fused_norm=args.norm == "fused")
         return run_config(cfg, args.budget_layers, args.steps, args.warmup, args.seq)
 
     main_result = measure(args.experts)

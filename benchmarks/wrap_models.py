@@ -63,15 +63,45 @@ class FineMoEConfig:
     # HF-style routing calls only experts that got tokens; False calls every expert
     # (idle ones on an empty slice), which per-expert FSDP units need.
     skip_idle_experts: bool = False
+    # One backward node per norm, as on GPUs; False keeps the decomposed eager norm.
+    fused_norm: bool = True
+
+
+class _FusedRMSNormFunction(torch.autograd.Function):
+    """RMSNorm as one autograd node, the way a fused kernel runs it (torch's CUDA
+    ``_fused_rms_norm``, apex, Liger): the input gets one gradient, not two."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return x * rstd * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x * rstd
+        grad_x_hat = grad * weight
+        grad_x = rstd * (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True))
+        grad_weight = (grad * x_hat).reshape(-1, x.shape[-1]).sum(0)
+        return grad_x, grad_weight, None
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    """``fused=False`` is the decomposed eager form (HF's ``Qwen2RMSNorm``, torch's
+    ``nn.RMSNorm`` on CPU), whose input gets two gradients, through ``x * rsqrt(..)``
+    and through ``x.pow(2)``. At a unit boundary FSDP2 sums those two before the
+    residual's, so the wrap changes the last bits of training (docs/wrap.md)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, fused: bool = True):
         super().__init__()
         self.eps = eps
+        self.fused = fused
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return _FusedRMSNormFunction.apply(x, self.weight, self.eps)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
@@ -141,9 +171,9 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: FineMoEConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.dim)
+        self.input_layernorm = RMSNorm(cfg.dim, fused=cfg.fused_norm)
         self.self_attn = Attention(cfg.dim, cfg.n_heads)
-        self.post_attention_layernorm = RMSNorm(cfg.dim)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, fused=cfg.fused_norm)
         self.mlp = SparseMoeBlock(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +188,7 @@ class FineMoE(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.n_layers)])
-        self.norm = RMSNorm(cfg.dim)
+        self.norm = RMSNorm(cfg.dim, fused=cfg.fused_norm)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,9 @@ def test_benchmark_smoke():
     assert leaf["reduce_scatters_per_step"] == leaf["units"] - 1
     assert block["all_gathers_per_step"] == 2 * (block["units"] - 1) + 1
     assert block["reduce_scatters_per_step"] == block["units"]
-    assert result["losses_identical_except_leaf"] is True
+    # Fused norms by default: every policy, leaf included, trains to the same bits.
+    assert result["norm"] == "fused"
+    assert result["losses_identical"] is True
     assert result["granularity_peak_within_budget"] is True
 
 

@@ -282,16 +282,19 @@ def test_hf_qwen2_moe_and_mixtral_plan_and_train_on_2_ranks():
 
 # ------------------------------------------------ leaf vs block: where the last bits go
 
-_LEAF_CFG = FineMoEConfig(
-    vocab_size=64,
-    dim=16,
-    n_layers=2,
-    n_heads=2,
-    num_experts=4,
-    expert_hidden=8,
-    top_k=2,
-    shared_hidden=8,
-)
+
+def _leaf_cfg(fused_norm: bool) -> FineMoEConfig:
+    return FineMoEConfig(
+        vocab_size=64,
+        dim=16,
+        n_layers=2,
+        n_heads=2,
+        num_experts=4,
+        expert_hidden=8,
+        top_k=2,
+        shared_hidden=8,
+        fused_norm=fused_norm,
+    )
 
 
 class _SumGradsHere(torch.autograd.Function):
@@ -308,20 +311,24 @@ class _SumGradsHere(torch.autograd.Function):
 
 
 class _GroupedInputRMSNorm(RMSNorm):
+    def __init__(self, dim: int):
+        super().__init__(dim, fused=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(_SumGradsHere.apply(x))
 
 
-def _leaf_and_block_rank(group_norm_inputs: bool, steps: int) -> dict:
+def _leaf_and_block_rank(fused_norm: bool, group_norm_inputs: bool, steps: int) -> dict:
     mesh = init_device_mesh("cpu", (WORLD,))
+    cfg = _leaf_cfg(fused_norm)
     out = {}
     for name, policy in (("block", {DecoderLayer}), ("leaf", _is_param_leaf)):
         torch.manual_seed(0)
-        model = FineMoE(_LEAF_CFG)
+        model = FineMoE(cfg)
         if group_norm_inputs:
             for layer in model.layers:
-                layer.input_layernorm = _GroupedInputRMSNorm(_LEAF_CFG.dim)
-                layer.post_attention_layernorm = _GroupedInputRMSNorm(_LEAF_CFG.dim)
+                layer.input_layernorm = _GroupedInputRMSNorm(cfg.dim)
+                layer.post_attention_layernorm = _GroupedInputRMSNorm(cfg.dim)
         fsdp_ext.fully_shard(model, auto_wrap_policy=policy, mesh=mesh)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses, grads = [], {}
@@ -346,8 +353,8 @@ def test_leaf_differs_from_block_only_by_the_gradient_sums_at_norm_inputs():
     ``(add + mul) + pow``; a norm unit's input node sums its two first,
     ``add + (mul + pow)``. Grouping them alike in both wraps makes leaf bit-identical.
     """
-    plain = run_distributed(_leaf_and_block_rank, WORLD, False, 1, timeout=120)
-    last = f"layers.{_LEAF_CFG.n_layers - 1}."
+    plain = run_distributed(_leaf_and_block_rank, WORLD, False, False, 1, timeout=120)
+    last = f"layers.{_leaf_cfg(False).n_layers - 1}."
     for r in plain:
         block, leaf = r["block"]["grads"], r["leaf"]["grads"]
         same = {n for n in block if torch.equal(block[n], leaf[n])}
@@ -357,8 +364,18 @@ def test_leaf_differs_from_block_only_by_the_gradient_sums_at_norm_inputs():
         assert set(before) <= same, set(before) - same
         # ... and the first weight fed by that stream's gradient is not.
         assert f"{last}self_attn.o_proj.weight" not in same
-    grouped = run_distributed(_leaf_and_block_rank, WORLD, True, 3, timeout=120)
-    for r in grouped:
+    grouped = run_distributed(_leaf_and_block_rank, WORLD, False, True, 3, timeout=120)
+    _assert_bit_identical(grouped)
+
+
+def test_leaf_is_bit_identical_to_block_with_a_fused_norm():
+    """With one backward node per norm (as fused GPU kernels have) nothing is left for
+    FSDP2's input nodes to regroup: every wrap gives the same bits."""
+    _assert_bit_identical(run_distributed(_leaf_and_block_rank, WORLD, True, False, 3, timeout=120))
+
+
+def _assert_bit_identical(ranks: list[dict]) -> None:
+    for r in ranks:
         assert r["leaf"]["losses"] == r["block"]["losses"]
         for n, g in r["block"]["grads"].items():
             assert torch.equal(r["leaf"]["grads"][n], g), n
