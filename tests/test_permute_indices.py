@@ -1,5 +1,6 @@
 """The expert-major permutation kernel equals its reference (Triton via the interpreter)."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,6 +38,7 @@ counts_strategy = st.integers(1, 4).flatmap(
 )
 
 
+@pytest.mark.usefixtures("triton_interpreter")
 @settings(max_examples=25, deadline=None)
 @given(counts=counts_strategy, int32=st.booleans())
 def test_triton_equals_reference_and_loops(counts, int32):

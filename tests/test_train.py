@@ -1,5 +1,6 @@
 """The main job: it learns, it resumes exactly, and bad arguments fail in one line."""
 
+import json
 import os
 import subprocess
 import sys
@@ -84,3 +85,29 @@ def test_bad_arguments_fail_in_one_line(tmp_path, args, env, needle):
     assert len(lines) == 1, proc.stderr
     assert needle in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_resume_refuses_a_checkpoint_that_cannot_load(tmp_path):
+    """A resume into another model, codec or (with LoCo) world size fails in one line."""
+    out = str(tmp_path / "run")
+    flags = ["--batch-size", "2", "--seq-len", "16", "--dim", "16", "--n-layers", "1"]
+    flags += ["--n-heads", "2", "--hidden-dim", "16", "--num-experts", "2", "--val-batches", "1"]
+    first = _cli([*flags, "--steps", "2", "--ckpt-every", "2", "--out", out])
+    assert first.returncode == 0, first.stderr[-3000:]
+    record = json.loads((tmp_path / "run" / "checkpoints" / "run.json").read_text())
+    assert record["comm"] == "loco" and record["world_size"] == 1
+    assert record["model"]["dim"] == 16 and record["model"]["max_seq_len"] == 16
+    resume = [*flags, "--steps", "4", "--resume", "--out", out]
+    for extra, env, needle in [
+        (["--dim", "32"], {}, "argument --dim: the run in"),
+        (["--seq-len", "8"], {}, "started with --seq-len 16, got 8"),
+        (["--comm", "default"], {}, "started with --comm loco, got default"),
+        ([], {"WORLD_SIZE": "2"}, "started with world size 1, got 2"),
+    ]:
+        proc = _cli([*resume, *extra], **env)
+        assert proc.returncode == 2, (extra, proc.stderr[-2000:])
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], (needle, proc.stderr)
+    again = _cli(resume)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1])["steps"] == 4

@@ -21,7 +21,8 @@ def reduce_op_scale(op: object, world_size: int) -> float:
     """The factor FSDP's ``op`` applies to the sum: AVG -> 1/W, SUM -> 1, PREMUL_SUM(f) -> f."""
     op_type = getattr(op, "op", op)  # a ReduceOp instance wraps its RedOpType
     if op_type == ReduceOp.PREMUL_SUM:
-        return float(op.factor)
+        # (op, factor): the one accessor torch 2.11 has (``op.factor`` came later).
+        return float(op.__getstate__()[1])
     if op_type == ReduceOp.SUM:
         return 1.0
     if op_type == ReduceOp.AVG:

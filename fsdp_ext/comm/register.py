@@ -33,7 +33,8 @@ def _unit_params(unit: FSDPModule) -> list[DTensor]:
 def _shard_layout(params: list[DTensor]) -> tuple[int, int, torch.device]:
     """(reduce-scatter output numel, shard group size, device) of a unit, as FSDP lays it out:
     each gradient padded on dim 0 to a multiple of the shard group size."""
-    world = params[0].device_mesh.size(-1)
+    mesh = params[0].device_mesh
+    world = mesh.size(mesh.ndim - 1)  # the shard dim (torch 2.11 meshes reject -1)
     numel = 0
     for p in params:
         if p.placements[-1].dim != 0:  # Shard(i > 0) requires even sharding
@@ -151,7 +152,8 @@ def register_comm_hook(
                 "replicate_group, shard on the dp_shard mesh only"
             )
         numel, world, device = _shard_layout(params)
-        shard_group = params[0].device_mesh.get_group(-1)
+        mesh = params[0].device_mesh
+        shard_group = mesh.get_group(mesh.ndim - 1)
         config.check_group_size(world)
         groups = None
         if (config.intra_node_size or 1) > 1 and world > 1:

@@ -70,11 +70,29 @@ def _ancestors(root: nn.Module, fqn: str) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _tie_params_to_output(module: nn.Module) -> None:
+def _params_outside_nested_units(block: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, name) of ``block``'s parameters that no FSDP unit inside it manages.
+
+    Names, not tensors: FSDP2 swaps the registered parameters between sharded and
+    unsharded. A nested unit's parameters are sharded again when the block's forward ends,
+    and the nested unit reduce-scatters them itself.
+    """
+    owned, stack = [], [block]
+    while stack:
+        module = stack.pop()
+        if isinstance(module, FSDPModule):
+            continue
+        owned += [(module, name) for name, _ in module.named_parameters(recurse=False)]
+        stack += list(module.children())
+    return owned
+
+
+def _tie_params_to_output(block: nn.Module) -> None:
     """Add ``0 * sum(params)`` to the output so every parameter gets a (zero) gradient."""
+    owned = _params_outside_nested_units(block)
 
     def hook(mod: nn.Module, args: Any, output: Any) -> Any:
-        params = [p for p in mod.parameters() if p.requires_grad]
+        params = [p for p in (getattr(m, n) for m, n in owned) if p.requires_grad]
         if not torch.is_grad_enabled() or not params:
             return output
         zero = torch.stack([p.sum() for p in params]).sum() * 0
@@ -87,7 +105,7 @@ def _tie_params_to_output(module: nn.Module) -> None:
             "experts need it to return a Tensor (or a tuple starting with one)"
         )
 
-    module.register_forward_hook(hook)
+    block.register_forward_hook(hook)
 
 
 def fully_shard(module: nn.Module, *, auto_wrap_policy: object = None, **kwargs: Any) -> nn.Module:
