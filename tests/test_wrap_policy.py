@@ -172,6 +172,58 @@ def test_budget_picks_coarsest_fitting_threshold(spec, budget_fraction):
             assert coarser.peak_bytes > budget
 
 
+@settings(max_examples=30, deadline=None)
+@given(spec=_root, budget_fraction=st.floats(0.05, 1.5))
+def test_budget_folds_units_into_the_root_only_within_the_budget(spec, budget_fraction):
+    model = _model(spec)
+    budget = max(1, int(sum(p.numel() * 4 for p in model.parameters()) * budget_fraction))
+    try:
+        plan = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(memory_budget_bytes=budget))
+    except ValueError:
+        return  # no plan fits: test_budget_picks_coarsest_fitting_threshold covers it
+    # The finest threshold is one below the smallest granularity: -1 for a model of 0s.
+    unfolded = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(max(plan.threshold, 0)))
+    before = {u.fqn: u.numel for u in unfolded.units}
+    kept = [u.fqn for u in plan.units]
+    # Folding only removes units, and what it removes lands in the root.
+    assert sorted(kept[1:] + plan.folded) == sorted(before)[1:]
+    assert plan.units[0].numel == before[""] + sum(before[f] for f in plan.folded)
+    assert {u.fqn: u.numel for u in plan.units[1:]} == {f: before[f] for f in kept[1:]}
+    assert plan.peak_bytes <= budget
+    assert (len(plan.folded) > 0) == (len(plan.units) < len(unfolded.units))
+
+
+def test_budget_folds_the_small_leftovers_of_the_benchmark_model():
+    """2.5 decoder layers of budget: the layers stay units, embeddings, final norm and output
+    layer join the root (two all-gathers and a reduce-scatter fewer each)."""
+    with torch.device("meta"):
+        model = FineMoE(FineMoEConfig(n_layers=4))
+    layer_bytes = sum(p.numel() * 4 for p in model.layers[0].parameters())
+    policy = fsdp_ext.GranularityPolicy(memory_budget_bytes=int(2.5 * layer_bytes))
+    plan = fsdp_ext.plan_units(model, policy)
+    assert [u.fqn for u in plan.units] == ["", *(f"layers.{i}" for i in range(4))]
+    assert plan.folded == ["embed_tokens", "norm", "lm_head"]
+    assert "folded into the root within the budget: 3 (embed_tokens, norm, lm_head)" in str(plan)
+    assert plan.peak_bytes == plan.unit_bytes[0] + 2 * layer_bytes
+
+
+def _plan_with_a_unit_sharded_already() -> tuple[list[str], list[str]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    model = FineMoE(FineMoEConfig(n_layers=2, num_experts=4))
+    torch_fully_shard(model.lm_head, mesh=init_device_mesh("cpu", (1,)))
+    plan = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(memory_budget_bytes=10**9))
+    return [u.fqn for u in plan.units], plan.folded
+
+
+def test_units_sharded_already_are_never_folded():
+    from tests.dist import run_distributed
+
+    units, folded = run_distributed(_plan_with_a_unit_sharded_already, 1)[0]
+    assert units == ["", "lm_head"] and folded == []
+
+
 # ---------------------------------------------------------------- DeepSpeed's fixed cases
 
 

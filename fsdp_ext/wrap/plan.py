@@ -4,6 +4,12 @@ Nothing here touches storage, so a model built on the meta device plans exactly 
 real one. The peak estimate is what FSDP2 holds unsharded at once: the root's leftover
 parameters (the root is not resharded after forward), plus the two largest adjacent
 units in forward order (the one computing and the one prefetched next).
+
+With a memory budget, units that fit the budget's slack are folded into the root,
+smallest first. The root is gathered once per step and kept until backward ends, so a
+folded unit saves two all-gathers, a reduce-scatter and its hooks, and costs its bytes
+for the whole step: DeepSpeed's ``stage3_param_persistence_threshold``, sized by the
+budget the user gave rather than by a parameter count.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class WrapPlan:
     threshold: int | None
     policy: str
     modules: list[nn.Module] = field(repr=False, default_factory=list)
+    folded: list[str] = field(default_factory=list)  # units the budget let the root absorb
 
     def __str__(self) -> str:
         width = max([len("fqn"), *(len(u.fqn or "<root>") for u in self.units)])
@@ -52,6 +59,9 @@ class WrapPlan:
             name = unit.fqn or "<root>"
             lines.append(f"{name:<{width}}  {unit.numel:>12}  {granularity:>12}  {nbytes:>12}")
         dtype = "as stored" if self.param_dtype is None else str(self.param_dtype)
+        if self.folded:
+            shown = ", ".join(self.folded[:6]) + (", ..." if len(self.folded) > 6 else "")
+            lines.append(f"folded into the root within the budget: {len(self.folded)} ({shown})")
         lines.append(
             f"{len(self.units)} units (root included); estimated peak unsharded bytes: "
             f"{self.peak_bytes} (param dtype {dtype})"
@@ -81,6 +91,23 @@ def estimate_peak_bytes(unit_bytes: list[int]) -> int:
     return root_bytes + max(pairs)
 
 
+def fold_into_root(unit_bytes: list[int], foldable: list[bool], budget: int) -> list[bool]:
+    """Which units below the root stay units once the smallest are folded into the root
+    while the estimated peak stays within ``budget`` (``unit_bytes[0]`` is the root's)."""
+    root, rest = unit_bytes[0], unit_bytes[1:]
+    keep = [True] * len(rest)
+    for i in sorted(range(len(rest)), key=rest.__getitem__):
+        if not foldable[i]:
+            continue
+        keep[i] = False
+        trial = [root + rest[i], *(b for b, k in zip(rest, keep, strict=True) if k)]
+        if estimate_peak_bytes(trial) <= budget:
+            root += rest[i]
+        else:
+            keep[i] = True
+    return keep
+
+
 def _plan_for_units(
     root: nn.Module,
     units: list[nn.Module],
@@ -88,6 +115,7 @@ def _plan_for_units(
     param_dtype: torch.dtype | None,
     threshold: int | None,
     policy: str,
+    folded: list[str] | None = None,
 ) -> WrapPlan:
     managed = _managed_params(root, units)
     unit_bytes = [sum(_param_bytes(p, param_dtype) for p in ps) for ps in managed]
@@ -103,6 +131,7 @@ def _plan_for_units(
         threshold=threshold,
         policy=policy,
         modules=list(units),
+        folded=folded or [],
     )
 
 
@@ -175,7 +204,15 @@ def plan_units(
         units = select_units(module, auto_wrap_policy)
     units = _with_existing_units(module, units)
     description = _describe(auto_wrap_policy, threshold)
-    return _plan_for_units(module, units, infos, param_dtype, threshold, description)
+    plan = _plan_for_units(module, units, infos, param_dtype, threshold, description)
+    budget = getattr(auto_wrap_policy, "memory_budget_bytes", None)
+    if budget is None:
+        return plan
+    # Units sharded already (by the caller) cannot be folded back into the root.
+    keep = fold_into_root(plan.unit_bytes, [not isinstance(m, FSDPModule) for m in units], budget)
+    kept = [m for m, k in zip(units, keep, strict=True) if k]
+    folded = [infos[m].fqn for m, k in zip(units, keep, strict=True) if not k]
+    return _plan_for_units(module, kept, infos, param_dtype, threshold, description, folded)
 
 
 def _with_existing_units(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
