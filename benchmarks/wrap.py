@@ -8,7 +8,8 @@ Policies, all through ``fsdp_ext.fully_shard`` on the same model and data:
 
 Per policy: units, all-gathers and reduce-scatters per step (counted by wrapping the
 torch.distributed collectives FSDP2 calls), median step ms, estimated peak unsharded
-bytes, final loss. Steps of the policies are interleaved so machine load hits all alike.
+bytes, final loss. Steps of the policies are interleaved so machine load hits all alike, and
+their order rotates every step, so no policy always runs right after leaf's long step.
 
     python benchmarks/wrap.py --quick          # 4 layers x 64 experts, < 3 min
     python benchmarks/wrap.py                  # 8 layers; growth over 16/64/128 experts
@@ -118,9 +119,12 @@ def _bench_rank(cfg_dict: dict, budget_layers: float, steps: int, warmup: int, s
             "gathers": 0,
             "scatters": 0,
         }
+    names = list(runs)
     for step in range(warmup + steps):
         tokens = _batch(cfg, rank, step, 2, seq)
-        for run in runs.values():
+        shift = step % len(names)
+        for name in names[shift:] + names[:shift]:
+            run = runs[name]
             dist.barrier()
             before = counter.snapshot()
             start = time.perf_counter()
