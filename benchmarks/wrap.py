@@ -273,9 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="4 layers, no sweep (< 3 min)")
     parser.add_argument("--layers", type=int, default=None, help="default 8 (4 with --quick)")
     parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument(
-        "--steps", type=int, default=None, help="timed steps per policy (20; 12 with --quick)"
-    )
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per policy (>= 10)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seq", type=int, default=65, help="tokens per sequence (+1 target)")
     parser.add_argument(
@@ -293,8 +291,6 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--plot", default="docs/wrap_growth.png")
     args = parser.parse_args(argv)
-    if args.steps is None:
-        args.steps = 12 if args.quick else 20
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     layers = args.layers or (4 if args.quick else 8)
