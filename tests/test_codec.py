@@ -208,3 +208,80 @@ def test_nibble_layout_is_documented_one():
 def test_quantize_ef_rejects_bad_arguments(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         quantize_ef(torch.zeros(64), **kwargs)
+
+
+def _loco_fp64(grads, beta, group_size, reset_interval=None):
+    """LoCo re-derived by hand in fp64: h = g + e, 4-bit absmax, e <- beta e + (1-beta)(h - deQ).
+
+    Independent of the library: returns, per step, what is sent (deQ) and the error after it.
+    """
+    e = torch.zeros(grads.shape[1], dtype=torch.float64)
+    sent, errors, half_steps = [], [], []
+    for t, g in enumerate(grads.double()):
+        if reset_interval and t and t % reset_interval == 0:
+            e = torch.zeros_like(e)
+        h = (g + e).view(-1, group_size)
+        s = h.abs().amax(dim=1, keepdim=True) / 7
+        q = torch.floor(h / torch.where(s > 0, s, 1) + 0.5).clamp(-8, 7)
+        d = (q * s).view(-1)
+        e = beta * e + (1 - beta) * (h.view(-1) - d)
+        sent.append(d)
+        errors.append(e.clone())
+        half_steps.append(float(s.max()) / 2)
+    return sent, errors, half_steps
+
+
+def test_beta_point_eight_matches_fp64_derivation_and_running_mean_bound():
+    """beta = 0.8 over many steps: what is sent and the error follow the fp64 formula, and the
+    running mean of what is sent approaches g as C / ((1 - beta) T), C = max half-step."""
+    beta, group = 0.8, 32
+    g = torch.randn(4 * group, generator=torch.Generator().manual_seed(5))
+    g[7] = 9.0  # an outlier, so small entries are badly quantised without feedback
+    steps = 128
+    grads = g.expand(steps, -1)
+    sent64, errors64, half_steps = _loco_fp64(grads, beta, group)
+    error = torch.zeros_like(g)
+    total = torch.zeros_like(g, dtype=torch.float64)
+    for t in range(steps):
+        packed, scales = quantize_ef(g, error, group_size=group, beta=beta)
+        deq = dequantize_reference(
+            packed.view(1, -1), scales.view(1, -1), group_size=group, bits=4
+        ).view(-1)
+        total += deq.double()
+        c_now = max(half_steps[: t + 1])
+        # fp32 arithmetic vs fp64: same codes, values within fp32 rounding
+        assert torch.allclose(deq.double(), sent64[t], rtol=1e-5, atol=1e-6), t
+        drift = float((error.double() - errors64[t]).abs().max())
+        assert drift <= 1e-5 * c_now, (t, drift)
+        if t + 1 in (8, 32, 128):
+            c = max(half_steps[: t + 1])
+            gap = float((total / (t + 1) - g.double()).abs().max())
+            assert gap <= c / ((1 - beta) * (t + 1)) * (1 + 1e-4), (t + 1, gap, c)
+    # without error feedback the same gradient keeps a fixed bias far above that bound
+    packed, scales = quantize_ef(g, group_size=group)
+    plain = dequantize_reference(packed.view(1, -1), scales.view(1, -1), group_size=group, bits=4)
+    assert float((plain.view(-1) - g).abs().max()) > 20 * c / ((1 - beta) * steps)
+
+
+def test_error_resets_exactly_every_reset_interval_reductions():
+    """The library's error buffer, driven reduction by reduction, is zeroed before reductions
+    reset_interval, 2 * reset_interval, ... and only then (checked against the fp64 model)."""
+    from fsdp_ext.comm.config import LoCoConfig
+    from fsdp_ext.comm.error_feedback import ErrorFeedback
+    from fsdp_ext.comm.quantized_exchange import quantize_to_payload
+
+    interval, group = 3, 32
+    config = LoCoConfig(
+        group_size=group, err_beta=0.5, reset_interval=interval, error_dtype=torch.float32
+    )
+    feedback = ErrorFeedback(config)
+    gen = torch.Generator().manual_seed(9)
+    grads = torch.randn(10, 2 * group, generator=gen)
+    _, errors64, _ = _loco_fp64(grads, 0.5, group, reset_interval=interval)
+    _, never_reset, _ = _loco_fp64(grads, 0.5, group)
+    for t, g in enumerate(grads):
+        quantize_to_payload(g.clone(), 1, config, feedback)
+        assert torch.allclose(feedback.error.double(), errors64[t], rtol=1e-4, atol=1e-6), t
+        if t >= interval:  # from the first reset on, the history differs from no reset
+            assert not torch.allclose(feedback.error.double(), never_reset[t], atol=1e-3), t
+    assert feedback.reductions == 10
