@@ -33,13 +33,31 @@ def test_config_names_the_bad_field(field, value):
         LoCoConfig(**{field: value})
 
 
-def test_config_defaults_and_intra_node_divisibility():
+def test_config_defaults_and_node_size(monkeypatch):
     cfg = LoCoConfig()
     assert (cfg.bits, cfg.group_size, cfg.err_beta, cfg.reset_interval) == (4, 128, 0.8, 1024)
     assert cfg.error_dtype == torch.int8 and cfg.intra_node_size is None
-    LoCoConfig(intra_node_size=2).check_group_size(4)
+    assert LoCoConfig(intra_node_size=2).node_size() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert LoCoConfig(intra_node_size="auto").node_size() == 8
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(ValueError, match=r"intra_node_size='auto'.*LOCAL_WORLD_SIZE"):
+        LoCoConfig(intra_node_size="auto").node_size()
     with pytest.raises(ValueError, match="intra_node_size"):
-        LoCoConfig(intra_node_size=3).check_group_size(4)
+        LoCoConfig(intra_node_size="nodes")
+
+
+def test_plan_nodes_cuts_any_group_by_physical_node():
+    from fsdp_ext.comm.hierarchical import plan_nodes
+
+    # the whole job, 2 nodes of 2
+    assert plan_nodes([0, 1, 2, 3], 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    # a strided sub-mesh (e.g. efsdp over ranks 1, 3, 5, 7 with 4 ranks per node)
+    assert plan_nodes([1, 3, 5, 7], 4) == ([[1, 3], [5, 7]], [[1, 5], [3, 7]])
+    # HSDP's shard group inside one node: a single node, nothing to quantise across
+    assert plan_nodes([2, 3], 4) == ([[2, 3]], [[2], [3]])
+    with pytest.raises(ValueError, match="intra_node_size=2"):
+        plan_nodes([0, 1, 2], 2)
 
 
 def _refusals():

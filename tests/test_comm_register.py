@@ -139,8 +139,7 @@ def _resume(path):
     model, optim, handle = _fresh()
     _train(model, optim, 10, 0)
     dcp.save({"app": _App(model, optim), "comm": handle}, checkpoint_id=path)
-    saved_error = handle.state_dict()[f"rank{dist.get_rank()}"]["0"]["reduce_scatter"]
-    saved_error = saved_error["error"].clone()
+    saved_error = handle._units["0"].reduce_scatter.feedback.error.clone()
 
     results = {}
     for load_comm in (True, False):

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_ext.comm.config import LoCoConfig
-from fsdp_ext.comm.error_feedback import ErrorFeedback
+from fsdp_ext.comm.error_feedback import ErrorFeedback, ErrorSubset
+from fsdp_ext.comm.layout import ParamLayout
 from fsdp_ext.comm.quantized_exchange import (
     pad_columns,
     quantize_to_payload,
@@ -24,14 +25,34 @@ from fsdp_ext.comm.quantized_exchange import (
     split_payload,
 )
 from fsdp_ext.comm.stats import CommStats
+from fsdp_ext.comm.unit import UnitBinding
 from triton_kernels.dequantize_reduce import dequantize_reduce
 
 # torch 2.13 renamed the tensor collectives; 2.11 has only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def hold_for_current_stream(tensor: torch.Tensor) -> None:
+    """Tell the caching allocator ``tensor`` is in use on the stream this hook runs on.
+
+    FSDP allocates the reduce-scatter output on its reduce-scatter stream and, under mixed
+    precision, drops it after the cast that follows this hook on the all-reduce stream; without
+    this the next unit's reduce-scatter could reuse the memory while our kernels still run.
+    """
+    if tensor.device.type in ("cpu", "meta"):
+        return  # CPU work is synchronous
+    tensor.record_stream(torch.accelerator.current_stream(tensor.device))
+
+
 class LoCoAllReduceHook:
-    """``hook(reduce_output)``: replace ``reduce_output`` in place by its replica mean."""
+    """``hook(reduce_output)``: replace ``reduce_output`` in place by its replica reduction.
+
+    Each parameter's shard is cut evenly across the replicas (as FSDP cuts parameters), so a
+    replica's slice holds pieces of the same parameters whichever of them are present, and
+    the error stays keyed to parameters. Divides by the replica count unless the unit has a
+    gradient divide factor (``set_gradient_divide_factor``): FSDP has then already applied the
+    whole factor, and the replicas are summed, as native HSDP does.
+    """
 
     def __init__(
         self,
@@ -39,41 +60,86 @@ class LoCoAllReduceHook:
         replicate_group: dist.ProcessGroup,
         *,
         stats: CommStats | None = None,
+        unit: UnitBinding | None = None,
     ):
         self.config = config
         self.replicate_group = replicate_group
         self.stats = stats if stats is not None else CommStats()
+        self.unit = unit
         on = config.error_feedback
         self.scatter_feedback = ErrorFeedback(config) if on else None
         self.gather_feedback = ErrorFeedback(config) if on else None
+        self._anonymous: ParamLayout | None = None
 
-    def slice_numel(self, numel: int) -> int:
-        """Elements of this rank's padded slice of a ``numel``-element gradient."""
-        replicas = self.replicate_group.size()
-        return round_up(-(-numel // replicas), self.config.group_size)
+    def layout(self, numel: int) -> ParamLayout:
+        if self.unit is not None:
+            return self.unit.layout
+        if self._anonymous is None:
+            self._anonymous = ParamLayout(["<input>"], [numel])
+        return self._anonymous
 
-    def materialize(self, numel: int, device: torch.device) -> None:
-        width = self.slice_numel(numel)
-        if self.scatter_feedback is not None:
-            self.scatter_feedback.materialize(self.replicate_group.size() * width, device)
-            self.gather_feedback.materialize(width, device)
+    def slice_width(self, layout: ParamLayout) -> int:
+        """Elements of one replica's padded slice when every parameter is present."""
+        pieces = layout.split(self.replicate_group.size())
+        return round_up(pieces.width, self.config.group_size)
+
+    def materialize(self, device: torch.device) -> None:
+        if self.scatter_feedback is None:
+            return
+        layout = self.unit.layout if self.unit is not None else self._anonymous
+        if layout is None:
+            return
+        width = self.slice_width(layout)
+        self.scatter_feedback.materialize(self.replicate_group.size() * width, device)
+        self.gather_feedback.materialize(width, device)
+
+    def _feedback(self, feedback, rows, layout, present, width, device):
+        if feedback is None:
+            return None
+        pieces = layout.split(self.replicate_group.size())
+        full_width = round_up(pieces.width, self.config.group_size)
+        if present == layout.all_present:
+            feedback.materialize(rows * full_width, device)
+            return feedback
+        return feedback.subset(rows, full_width, pieces.columns(present, device), width)
+
+    def out_scale(self) -> float:
+        factor = None if self.unit is None else self.unit.group.gradient_divide_factor
+        return 1.0 if factor is not None else 1.0 / self.replicate_group.size()
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         replicas = self.replicate_group.size()
         if replicas == 1:
             return
+        hold_for_current_stream(reduce_output)
         numel = reduce_output.numel()
-        width = self.slice_numel(numel)
-        padded = pad_columns(reduce_output.view(1, -1), replicas * width).view(replicas, width)
+        layout = self.layout(numel)
+        present = self.unit.present(numel) if self.unit is not None else layout.all_present
+        if self.unit is None and layout.width != numel:
+            raise RuntimeError(
+                f"LoCoAllReduceHook was built for {layout.width} elements, got {numel}; "
+                "one hook serves one unit"
+            )
+        device = reduce_output.device
+        index = layout.slice_index(present, replicas, device)
+        width = round_up(index.shape[1], self.config.group_size)
+        flat = reduce_output.reshape(-1).float()
+        source = torch.cat([flat, flat.new_zeros(1)])
+        padded = pad_columns(source[index], width)
+        scatter_fb = self._feedback(self.scatter_feedback, replicas, layout, present, width, device)
         reduced, scatter_bytes = quantized_reduce_scatter(
             padded,
             self.replicate_group,
             self.config,
-            self.scatter_feedback,
-            out_scale=1.0 / replicas,
+            scatter_fb,
+            out_scale=self.out_scale(),
             out_dtype=torch.float32,
         )
-        payload = quantize_to_payload(reduced, 1, self.config, self.gather_feedback)
+        gather_fb = self._feedback(self.gather_feedback, 1, layout, present, width, device)
+        payload = quantize_to_payload(reduced, 1, self.config, gather_fb)
+        for fb in (scatter_fb, gather_fb):
+            if isinstance(fb, ErrorSubset):
+                fb.write_back()
         gathered = payload.new_empty(replicas, payload.shape[1])
         _all_gather(gathered.view(-1), payload.view(-1), group=self.replicate_group)
         codes, scales = split_payload(gathered, self.config)
@@ -82,9 +148,12 @@ class LoCoAllReduceHook:
             scales.view(1, -1),
             group_size=self.config.group_size,
             bits=self.config.bits,
-            out_dtype=reduce_output.dtype,
-        )
-        reduce_output.copy_(mean[:numel].view_as(reduce_output))
+            out_dtype=torch.float32,
+        ).view(replicas, width)[:, : index.shape[1]]
+        valid = index < numel
+        result = torch.empty(numel + 1, dtype=torch.float32, device=device)
+        result[index[valid]] = mean[valid]
+        reduce_output.copy_(result[:numel].view_as(reduce_output))
         self.stats.bytes_sent += scatter_bytes + (replicas - 1) * payload.shape[1]
         self.stats.bytes_uncompressed += (
             2 * (replicas - 1) * numel * reduce_output.element_size() // replicas

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +16,10 @@ class LoCoConfig:
 
     ``err_beta`` and ``reset_interval`` are ZeRO++'s ``zeropp_loco_param = {err_beta, reset_T}``.
     ``error_feedback=False`` turns LoCo off and leaves plain absmax quantisation (qgZ).
-    ``intra_node_size=k`` reduces in full precision inside groups of ``k`` consecutive ranks
-    and quantises only the exchange between those groups.
+    ``intra_node_size=k`` reduces in full precision among the ranks of each node (global rank
+    ``g`` sits on node ``g // k``) and quantises only the exchange between nodes;
+    ``"auto"`` takes ``k`` from the launcher's ``LOCAL_WORLD_SIZE``, so a job on a single node
+    sends full precision (there is no scarce link to save).
     """
 
     bits: int = 4
@@ -24,7 +27,7 @@ class LoCoConfig:
     err_beta: float = 0.8
     reset_interval: int = 1024
     error_dtype: torch.dtype = torch.int8
-    intra_node_size: int | None = None
+    intra_node_size: int | str | None = None
     error_feedback: bool = True
 
     def __post_init__(self) -> None:
@@ -45,15 +48,20 @@ class LoCoConfig:
                 f"got {self.error_dtype!r}"
             )
         k = self.intra_node_size
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-            raise ValueError(f"intra_node_size must be None or an int >= 1, got {k!r}")
+        bad_int = not isinstance(k, int) or isinstance(k, bool) or k < 1
+        if k != "auto" and k is not None and bad_int:
+            raise ValueError(f"intra_node_size must be None, 'auto' or an int >= 1, got {k!r}")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"error_feedback must be a bool, got {self.error_feedback!r}")
 
-    def check_group_size(self, process_group_size: int) -> None:
-        """``intra_node_size`` must divide the size of the process group it splits."""
-        k = self.intra_node_size
-        if k is not None and process_group_size % k:
+    def node_size(self) -> int | None:
+        """Ranks per node: ``intra_node_size`` resolved (``"auto"`` reads ``LOCAL_WORLD_SIZE``)."""
+        if self.intra_node_size != "auto":
+            return self.intra_node_size
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local is None or not local.isdigit() or int(local) < 1:
             raise ValueError(
-                f"intra_node_size must divide the process group size {process_group_size}, got {k}"
+                "intra_node_size='auto' needs the launcher's LOCAL_WORLD_SIZE (torchrun sets it), "
+                f"got {local!r}; pass an int instead"
             )
+        return int(local)

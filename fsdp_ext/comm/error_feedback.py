@@ -1,4 +1,4 @@
-"""The LoCo error buffer of one reduction site."""
+"""The LoCo error buffer of one reduction site, kept in the unit's full parameter layout."""
 
 from __future__ import annotations
 
@@ -6,12 +6,17 @@ import torch
 
 from fsdp_ext.comm.config import LoCoConfig
 
+_ERROR_QMAX = 127  # int8 errors: symmetric absmax, as the quantize_ef kernel stores them
+
 
 class ErrorFeedback:
     """Holds ``e`` (and its per-group scales when int8) for one reduction site.
 
-    Allocated on first use; zeroed every ``reset_interval`` reductions, as in ZeRO++
-    (``reset_T``), so a stale error cannot outlive a change in the gradient statistics.
+    The buffer is ``[rows, width]`` in the layout where every trainable parameter of the
+    unit is present; a reduction that leaves parameters out works on :meth:`subset`.
+    Allocated on first use on the device the reduction runs on; zeroed every
+    ``reset_interval`` reductions, as in ZeRO++ (``reset_T``), so a stale error cannot outlive
+    a change in the gradient statistics.
     """
 
     def __init__(self, config: LoCoConfig):
@@ -21,12 +26,18 @@ class ErrorFeedback:
         self.reductions = 0
 
     def materialize(self, numel: int, device: torch.device) -> None:
+        """Allocate (zeros) or check the buffer; move it to ``device`` if it lives elsewhere
+        (a checkpoint loaded on CPU, or a meta placeholder that never held values)."""
+        device = torch.device(device)
         if self.error is not None:
             if self.error.numel() != numel:
                 raise RuntimeError(
                     f"error buffer holds {self.error.numel()} elements but this reduction "
-                    f"needs {numel}: one LoCo comm object must serve one FSDP param group"
+                    f"needs {numel}: one LoCo comm object must serve one FSDP param group "
+                    "(install it with register_comm_hook or LoCoReduceScatter.install)"
                 )
+            if self.error.device != device:
+                self._move(device)
             return
         self.error = torch.zeros(numel, dtype=self.config.error_dtype, device=device)
         if self.config.error_dtype == torch.int8:
@@ -34,19 +45,64 @@ class ErrorFeedback:
                 numel // self.config.group_size, dtype=torch.float32, device=device
             )
 
-    def next(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The buffers to use for the coming reduction (reset first when due)."""
-        self.materialize(numel, device)
+    def _move(self, device: torch.device) -> None:
+        for name in ("error", "error_scales"):
+            t = getattr(self, name)
+            if t is not None:
+                moved = torch.zeros_like(t, device=device) if t.is_meta else t.to(device)
+                setattr(self, name, moved)
+
+    def tick(self) -> None:
+        """Count one reduction; reset first when one is due."""
         if self.reductions and self.reductions % self.config.reset_interval == 0:
             self.reset()
         self.reductions += 1
+
+    def next(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The buffers to use for the coming reduction (reset first when due)."""
+        self.materialize(numel, device)
+        self.tick()
         return self.error, self.error_scales
+
+    def subset(self, rows: int, full_width: int, columns: torch.Tensor, width: int) -> ErrorSubset:
+        """The view of a reduction whose row column ``j`` is full-layout column ``columns[j]``."""
+        return ErrorSubset(self, rows, full_width, columns, width)
+
+    def decoded(self) -> torch.Tensor:
+        """The error as fp32 (a view of the buffer itself when it is fp32)."""
+        if self.error.dtype == torch.float32:
+            return self.error
+        e = self.error.float()
+        if self.error_scales is not None:
+            e = (e.view(-1, self.config.group_size) * self.error_scales.view(-1, 1)).view(-1)
+        return e
+
+    def encode(self, values: torch.Tensor) -> None:
+        """Store fp32 ``values`` back in the buffer's dtype, as the kernel would."""
+        if self.error.dtype == torch.float32:
+            if values.data_ptr() != self.error.data_ptr():
+                self.error.copy_(values)
+            return
+        if self.error_scales is None:
+            self.error.copy_(values)  # round to nearest even, like the kernel
+            return
+        groups = values.view(-1, self.config.group_size)
+        scale = groups.abs().amax(dim=1, keepdim=True) / _ERROR_QMAX
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.floor(groups / safe + 0.5).clamp_(-_ERROR_QMAX, _ERROR_QMAX)
+        self.error.copy_(q.view(-1))
+        self.error_scales.copy_(scale.view(-1))
 
     def reset(self) -> None:
         if self.error is not None:
             self.error.zero_()
         if self.error_scales is not None:
             self.error_scales.zero_()
+
+    def forget(self) -> None:
+        """Drop the buffers and the reduction count (an elastic resume starts afresh)."""
+        self.error = self.error_scales = None
+        self.reductions = 0
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {"reductions": torch.tensor(self.reductions, dtype=torch.int64)}
@@ -62,7 +118,45 @@ class ErrorFeedback:
             if name not in state:
                 continue
             current = getattr(self, name)
-            if current is None:
+            if current is None or current.shape != state[name].shape or current.is_meta:
                 setattr(self, name, state[name].clone())
             elif current is not state[name]:
                 current.copy_(state[name])
+
+
+class ErrorSubset:
+    """The error entries of the parameters one reduction holds, as an fp32 buffer in that
+    reduction's layout. :meth:`write_back` stores the kernel's update in the full layout;
+    parameters absent from the reduction keep their error untouched (up to int8 re-rounding
+    of a group they share with present parameters)."""
+
+    def __init__(
+        self, parent: ErrorFeedback, rows: int, full_width: int, columns: torch.Tensor, width: int
+    ):
+        self.parent = parent
+        self.rows, self.full_width, self.width = rows, full_width, width
+        self.columns = columns
+        self._full: torch.Tensor | None = None
+        self._part: torch.Tensor | None = None
+
+    @property
+    def reductions(self) -> int:
+        return self.parent.reductions
+
+    def next(self, numel: int, device: torch.device) -> tuple[torch.Tensor, None]:
+        if numel != self.rows * self.width:
+            raise RuntimeError(f"error subset holds {self.rows * self.width} elements, not {numel}")
+        self.parent.materialize(self.rows * self.full_width, device)
+        self.parent.tick()
+        self._full = self.parent.decoded().view(self.rows, self.full_width)
+        part = torch.zeros(self.rows, self.width, dtype=torch.float32, device=device)
+        part[:, : self.columns.numel()] = self._full[:, self.columns]
+        self._part = part
+        return part.view(-1), None
+
+    def write_back(self) -> None:
+        if self._part is None:
+            return
+        self._full[:, self.columns] = self._part[:, : self.columns.numel()]
+        self.parent.encode(self._full.view(-1))
+        self._full = self._part = None

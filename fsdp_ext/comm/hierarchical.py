@@ -1,8 +1,11 @@
 """Node groups for hierarchical mode: full precision inside a node, 4-bit LoCo across nodes.
 
-Rank ``r`` of a group of ``W = N * k`` ranks sits on node ``r // k`` at local index ``r % k``.
-The intra-node group holds the ``k`` ranks of its node; the inter-node group holds the ``N``
-ranks with its local index, one per node.
+Global rank ``g`` sits on node ``g // node_size``. A shard group (any set of ranks: the whole
+job, HSDP's shard dim, the experts' efsdp mesh, a pipeline stage's dp mesh) is cut by node;
+every node must hold the same number ``k`` of its ranks. The intra-node group holds this
+rank's ``k`` peers on its node; the inter-node group holds the ``N`` ranks of the shard group
+with this rank's local index, one per node. A shard group inside one node has ``N = 1`` and
+sends full precision only.
 """
 
 from __future__ import annotations
@@ -19,36 +22,62 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 @dataclass(frozen=True)
 class NodeGroups:
     intra_node: dist.ProcessGroup
-    inter_node: dist.ProcessGroup
+    inter_node: dist.ProcessGroup | None
     intra_node_size: int
     num_nodes: int
+    order: tuple[int, ...]  # group indices of the destinations, by (local index, node)
 
 
-def build_node_groups(group: dist.ProcessGroup, intra_node_size: int) -> NodeGroups:
-    """Create the subgroups of ``group``; collective over the default group.
-
-    ``dist.new_group`` must be entered by every rank of the default group in the same
-    order, so ``group`` must span the whole default group (1-D FSDP over all ranks).
-    """
-    ranks = dist.get_process_group_ranks(group)
-    if len(ranks) != dist.get_world_size():
+def plan_nodes(ranks: list[int], node_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(intra-node rank lists by node, inter-node rank lists by local index) of a group."""
+    nodes: dict[int, list[int]] = {}
+    for g in ranks:
+        nodes.setdefault(g // node_size, []).append(g)
+    counts = {len(v) for v in nodes.values()}
+    if len(counts) != 1:
+        per_node = {n: len(v) for n, v in sorted(nodes.items())}
         raise ValueError(
-            "intra_node_size needs the FSDP shard group to span every rank "
-            f"(group has {len(ranks)} of {dist.get_world_size()} ranks)"
+            f"intra_node_size={node_size} puts {per_node} ranks of the shard group {ranks} on "
+            "each node; every node must hold the same number of them"
         )
-    k = intra_node_size
-    num_nodes = len(ranks) // k
-    me = ranks.index(dist.get_rank())
-    intra_node = inter_node = None
-    for node in range(num_nodes):
-        pg = dist.new_group(ranks[node * k : (node + 1) * k])
-        if me // k == node:
-            intra_node = pg
-    for local in range(k):
-        pg = dist.new_group(ranks[local::k])
-        if me % k == local:
-            inter_node = pg
-    return NodeGroups(intra_node, inter_node, k, num_nodes)
+    k = counts.pop()
+    intra = [sorted(v) for _, v in sorted(nodes.items())]
+    inter = [[node[j] for node in intra] for j in range(k)]
+    return intra, inter
+
+
+def build_node_groups(groups: list[list[int]], node_size: int) -> dict[tuple[int, ...], NodeGroups]:
+    """Subgroups of every shard group in ``groups`` (their ranks, in group order).
+
+    ``dist.new_group`` is collective over the default group, so every rank must call this
+    with the same ``groups`` (see :func:`all_shard_groups`). Returns the groups this rank is in.
+    """
+    me = dist.get_rank()
+    out: dict[tuple[int, ...], NodeGroups] = {}
+    for ranks in sorted({tuple(g) for g in groups}):
+        intra, inter = plan_nodes(list(ranks), node_size)
+        mine_intra = mine_inter = None
+        for members in intra:
+            pg = dist.new_group(members)
+            if me in members:
+                mine_intra = pg
+        for members in inter:
+            pg = dist.new_group(members) if len(intra) > 1 else None
+            if me in members:
+                mine_inter = pg
+        if me not in ranks:
+            continue
+        k, n = len(inter), len(intra)
+        order = tuple(ranks.index(intra[node][local]) for local in range(k) for node in range(n))
+        out[ranks] = NodeGroups(mine_intra, mine_inter, k, n, order)
+    return out
+
+
+def all_shard_groups(mine: list[list[int]]) -> list[list[int]]:
+    """The union over every rank of the shard groups each rank needs (one collective)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [list(g) for g in mine])
+    return [g for per_rank in gathered for g in per_rank]
 
 
 def node_local_reduce_scatter(
@@ -56,12 +85,18 @@ def node_local_reduce_scatter(
 ) -> tuple[torch.Tensor, int]:
     """Sum, inside the node, the ``N`` chunks bound for this rank's local index.
 
-    ``input_tensor`` is rank-major ``[N * k * S]``. Returns ``[N, S]`` (row ``n`` is the node
-    sum of chunk ``n * k + local``, still to be reduced across nodes) and the bytes sent.
+    ``input_tensor`` is rank-major ``[W * S]``. Returns ``[N, S]`` (row ``n`` is the node
+    sum of the chunk bound for node ``n``'s rank with this local index, still to be reduced
+    across nodes) and the bytes sent.
     """
     k, n = groups.intra_node_size, groups.num_nodes
-    by_local = input_tensor.view(n, k, -1).transpose(0, 1).contiguous()
-    partial = by_local.new_empty(by_local.shape[1:])
+    rows = input_tensor.view(n * k, -1)
+    order = torch.tensor(groups.order, device=input_tensor.device)
+    by_local = rows.index_select(0, order)
+    partial = by_local.new_empty(n, rows.shape[1])
+    if k == 1:
+        partial.copy_(by_local)
+        return partial, 0
     _reduce_scatter(
         output=partial.view(-1),
         input=by_local.view(-1),

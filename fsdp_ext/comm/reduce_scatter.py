@@ -6,13 +6,21 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from fsdp_ext.comm.config import LoCoConfig
-from fsdp_ext.comm.error_feedback import ErrorFeedback
-from fsdp_ext.comm.hierarchical import NodeGroups, build_node_groups, node_local_reduce_scatter
+from fsdp_ext.comm.error_feedback import ErrorFeedback, ErrorSubset
+from fsdp_ext.comm.hierarchical import (
+    NodeGroups,
+    all_shard_groups,
+    build_node_groups,
+    node_local_reduce_scatter,
+)
+from fsdp_ext.comm.layout import ParamLayout
 from fsdp_ext.comm.quantized_exchange import pad_columns, quantized_reduce_scatter, round_up
 from fsdp_ext.comm.stats import CommStats
+from fsdp_ext.comm.unit import UnitBinding
 
 ReduceOp = dist.ReduceOp
 
@@ -33,10 +41,12 @@ def reduce_op_scale(op: object, world_size: int) -> float:
 class LoCoReduceScatter(ReduceScatter):
     """Quantise each rank's compensated chunks, ``all_to_all`` them, dequantise-reduce.
 
-    Install one instance per FSDP param group (``FSDPModule.set_custom_reduce_scatter``):
-    it owns that unit's error buffer. Each rank's chunk is padded to a multiple of
-    ``group_size`` internally, so a quantisation group never straddles two ranks.
-    FSDP calls it only when the shard group has more than one rank.
+    One instance serves one FSDP unit (:meth:`install`, or :func:`register_comm_hook`): it
+    keeps the error of each of the unit's trainable parameters, and maps every reduction's
+    columns to them, so a parameter left out of a reduction (no gradient) neither receives
+    nor corrupts anyone's error. Each rank's chunk is padded to a multiple of ``group_size``,
+    so a quantisation group never straddles two ranks. FSDP calls it only when the shard
+    group has more than one rank. fp16 gradients are computed in fp32.
     """
 
     def __init__(
@@ -50,6 +60,24 @@ class LoCoReduceScatter(ReduceScatter):
         self.stats = stats if stats is not None else CommStats()
         self.feedback = ErrorFeedback(self.config) if self.config.error_feedback else None
         self._node_groups = node_groups
+        self.unit: UnitBinding | None = None
+        self._anonymous: ParamLayout | None = None
+
+    def bind(self, unit: UnitBinding) -> None:
+        """Serve ``unit`` (and only it): its parameter layout keys the error buffer."""
+        if self.unit is not None and self.unit.group is not unit.group:
+            raise ValueError(
+                f"this LoCoReduceScatter already serves unit {self.unit.fqn or '<root>'}; "
+                f"it cannot also serve {unit.fqn or '<root>'}: its error buffer belongs to one "
+                "unit's parameters, so give every unit its own comm (register_comm_hook does)"
+            )
+        self.unit = unit
+
+    def install(self, module: FSDPModule) -> LoCoReduceScatter:
+        """Bind to ``module``'s FSDP unit and make it the unit's reduce-scatter."""
+        self.bind(UnitBinding.for_module(module))
+        module.set_custom_reduce_scatter(self)
+        return self
 
     def allocate(
         self,
@@ -60,10 +88,34 @@ class LoCoReduceScatter(ReduceScatter):
     ) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def error_numel(self, shard_numel: int, world_size: int) -> int:
-        """Elements of the error buffer for a reduce-scatter of ``world_size * shard_numel``."""
-        k = self.config.intra_node_size or 1
-        return world_size // k * round_up(shard_numel, self.config.group_size)
+    def rows(self, world_size: int) -> int:
+        """Rows of the quantised exchange: destinations, or nodes in hierarchical mode."""
+        groups = self._node_groups
+        return groups.num_nodes if groups is not None else world_size
+
+    def layout(self, shard: int) -> ParamLayout:
+        if self.unit is not None:
+            return self.unit.layout
+        if self._anonymous is None:
+            self._anonymous = ParamLayout(["<input>"], [shard])
+        return self._anonymous
+
+    def _feedback_for(self, shard: int, rows: int, device: torch.device):
+        """The whole error buffer, or the view of the parameters this reduction holds."""
+        layout = self.layout(shard)
+        present = self.unit.present(shard) if self.unit is not None else layout.all_present
+        full_width = round_up(layout.width, self.config.group_size)
+        if present == layout.all_present:
+            if layout.width != shard:
+                raise RuntimeError(
+                    f"error buffer holds rows of {layout.width} elements but this reduction "
+                    f"has {shard}: one LoCo comm object must serve one FSDP param group "
+                    "(install it with register_comm_hook or LoCoReduceScatter.install)"
+                )
+            self.feedback.materialize(rows * full_width, device)
+            return self.feedback
+        width = round_up(shard, self.config.group_size)
+        return self.feedback.subset(rows, full_width, layout.columns(present, device), width)
 
     def __call__(
         self,
@@ -85,27 +137,32 @@ class LoCoReduceScatter(ReduceScatter):
                 f"elements, got {input_tensor.numel()}"
             )
         out_scale = reduce_op_scale(op, world_size)
-        self.config.check_group_size(world_size)
-        k = self.config.intra_node_size or 1
+        wire_input = input_tensor.float() if input_tensor.dtype == torch.float16 else input_tensor
+        out_dtype = torch.float32 if output_tensor.dtype == torch.float16 else output_tensor.dtype
         intra_bytes = 0
-        if k > 1:
+        if self.config.intra_node_size is not None:
             groups = self._groups(group)
-            chunks, intra_bytes = node_local_reduce_scatter(input_tensor, groups)
+            chunks, intra_bytes = node_local_reduce_scatter(wire_input, groups)
             exchange_group = groups.inter_node
         else:
-            chunks = input_tensor.view(world_size, shard)
+            chunks = wire_input.view(world_size, shard)
             exchange_group = group
         if chunks.shape[0] == 1:
-            reduced, sent = (chunks[0].float() * out_scale).to(output_tensor.dtype), 0
+            reduced, sent = (chunks[0].float() * out_scale).to(out_dtype), 0
         else:
+            feedback = None
+            if self.feedback is not None:
+                feedback = self._feedback_for(shard, chunks.shape[0], input_tensor.device)
             reduced, sent = quantized_reduce_scatter(
                 pad_columns(chunks, round_up(shard, self.config.group_size)),
                 exchange_group,
                 self.config,
-                self.feedback,
+                feedback,
                 out_scale=out_scale,
-                out_dtype=output_tensor.dtype,
+                out_dtype=out_dtype,
             )
+            if isinstance(feedback, ErrorSubset):
+                feedback.write_back()
         output_tensor.copy_(reduced[:shard])
         self.stats.bytes_sent += sent
         self.stats.intra_node_bytes += intra_bytes
@@ -115,7 +172,9 @@ class LoCoReduceScatter(ReduceScatter):
 
     def _groups(self, group: dist.ProcessGroup) -> NodeGroups:
         if self._node_groups is None:
-            self._node_groups = build_node_groups(group, self.config.intra_node_size)
+            ranks = dist.get_process_group_ranks(group)
+            built = build_node_groups(all_shard_groups([ranks]), self.config.node_size())
+            self._node_groups = built[tuple(ranks)]
         return self._node_groups
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -2,65 +2,59 @@
 
 from __future__ import annotations
 
+import io
+import logging
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from fsdp_ext.comm.all_reduce_hook import LoCoAllReduceHook
 from fsdp_ext.comm.config import LoCoConfig
-from fsdp_ext.comm.hierarchical import NodeGroups, build_node_groups
+from fsdp_ext.comm.hierarchical import NodeGroups, all_shard_groups, build_node_groups
+from fsdp_ext.comm.quantized_exchange import round_up
 from fsdp_ext.comm.reduce_scatter import LoCoReduceScatter
 from fsdp_ext.comm.stats import CommStats
+from fsdp_ext.comm.unit import (
+    SUPPORTED_REDUCE_DTYPES,
+    UnitBinding,
+    param_group_of,
+    reduce_dtype_of,
+)
 
 try:  # the stock comm; ``remove()`` puts it back
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 except ImportError:  # pragma: no cover - layout of older torch
     DefaultReduceScatter = None
 
-
-def _unit_params(unit: FSDPModule) -> list[DTensor]:
-    """Parameters managed by ``unit`` itself: those not inside a nested FSDP unit."""
-    nested = {
-        id(p)
-        for name, child in unit.named_modules()
-        if name and isinstance(child, FSDPModule)
-        for p in child.parameters()
-    }
-    return [p for p in unit.parameters() if id(p) not in nested and isinstance(p, DTensor)]
-
-
-def _shard_layout(params: list[DTensor]) -> tuple[int, int, torch.device]:
-    """(reduce-scatter output numel, shard group size, device) of a unit, as FSDP lays it out:
-    each gradient padded on dim 0 to a multiple of the shard group size."""
-    mesh = params[0].device_mesh
-    world = mesh.size(mesh.ndim - 1)  # the shard dim (torch 2.11 meshes reject -1)
-    numel = 0
-    for p in params:
-        if p.placements[-1].dim != 0:  # Shard(i > 0) requires even sharding
-            numel += p.numel() // world
-        elif p.shape[0]:
-            numel += -(-p.shape[0] // world) * (p.numel() // p.shape[0])
-    return numel, world, params[0].to_local().device
+logger = logging.getLogger("fsdp_ext.comm")
 
 
 class _Unit:
-    """LoCo state of one FSDP unit: its comm, hook, and the sizes to allocate buffers."""
+    """LoCo state of one FSDP unit: its binding, comm, hook, and shard group size."""
 
-    def __init__(self, module, reduce_scatter, all_reduce_hook, shard_numel, world, device):
+    def __init__(self, module, binding, reduce_scatter, all_reduce_hook, world):
         self.module = module
+        self.binding = binding
         self.reduce_scatter = reduce_scatter
         self.all_reduce_hook = all_reduce_hook
-        self.shard_numel = shard_numel
         self.world = world
-        self.device = device
 
     def materialize(self) -> None:
-        rs = self.reduce_scatter
-        if rs.feedback is not None and self.world > 1:
-            rs.feedback.materialize(rs.error_numel(self.shard_numel, self.world), self.device)
+        """Allocate not-yet-used buffers (on the reduction's device) so a load can fill them."""
+        rs, device = self.reduce_scatter, self.binding.device
+        rows = rs.rows(self.world)
+        if rs.feedback is not None and rows > 1:
+            width = round_up(self.binding.layout.width, rs.config.group_size)
+            rs.feedback.materialize(rows * width, device)
         if self.all_reduce_hook is not None:
-            self.all_reduce_hook.materialize(self.shard_numel, self.device)
+            self.all_reduce_hook.materialize(device)
+
+    def feedbacks(self) -> list:
+        out = [self.reduce_scatter.feedback]
+        if self.all_reduce_hook is not None:
+            out += [self.all_reduce_hook.scatter_feedback, self.all_reduce_hook.gather_feedback]
+        return [f for f in out if f is not None]
 
     def state_dict(self) -> dict:
         state = dict(self.reduce_scatter.state_dict())
@@ -77,12 +71,18 @@ class _Unit:
 class CommHandle:
     """Returned by :func:`register_comm_hook`; a DCP ``Stateful`` holding every error buffer.
 
-    Error buffers differ per rank, so the state is keyed by global rank: a checkpoint
-    resumes on the same world size and rank layout.
+    Each rank saves its own buffers with a header: world size, config, and a signature of
+    every unit's parameter layout. A load checks the header first. A different ``bits`` or
+    ``error_dtype`` always raises (the stored values mean something else). A different world
+    size, node size, group size, ``err_beta`` or layout resets the buffers, with one warning
+    line, since error feedback is an optimisation state and training stays correct; with
+    ``strict=True`` it raises, naming what differs. The same layout resumes bit for bit.
     """
 
-    def __init__(self, units: dict[str, _Unit]):
+    def __init__(self, units: dict[str, _Unit], config: LoCoConfig, *, strict: bool = False):
         self._units = units
+        self._config = config
+        self.strict = strict
         self._removed = False
 
     @property
@@ -101,15 +101,72 @@ class CommHandle:
             if unit.all_reduce_hook is not None:
                 unit.all_reduce_hook.stats = CommStats()
 
+    def header(self) -> dict:
+        """What a saved error state must match to be loaded as is."""
+        cfg = self._config
+        return {
+            "world_size": dist.get_world_size(),
+            "bits": cfg.bits,
+            "error_dtype": str(cfg.error_dtype),
+            "group_size": cfg.group_size,
+            "err_beta": float(cfg.err_beta),
+            "intra_node_size": cfg.node_size() if cfg.intra_node_size is not None else None,
+            "layout": {fqn: u.binding.layout.signature() for fqn, u in self._units.items()},
+        }
+
     def state_dict(self) -> dict:
+        """``{"rank{r}": bytes}``: per-rank bytes, so a checkpoint from another world size or
+        layout still loads through DCP (no size check) and reaches the header check."""
         for unit in self._units.values():
             unit.materialize()
-        return {f"rank{dist.get_rank()}": {f: u.state_dict() for f, u in self._units.items()}}
+        state = {
+            "header": self.header(),
+            "units": {fqn: u.state_dict() for fqn, u in self._units.items()},
+        }
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        return {f"rank{dist.get_rank()}": buffer}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        mine = state_dict[f"rank{dist.get_rank()}"]
+        mine = state_dict.get(f"rank{dist.get_rank()}")
+        if isinstance(mine, io.BytesIO):  # not through DCP: the bytes themselves
+            mine.seek(0)
+            mine = torch.load(mine, weights_only=True)
+        now = self.header()
+        if mine is None:
+            differences = [f"the checkpoint holds no LoCo state for rank {dist.get_rank()}"]
+        else:
+            saved = mine["header"]
+            for key in ("bits", "error_dtype"):
+                if saved[key] != now[key]:
+                    raise ValueError(
+                        f"LoCo checkpoint has {key}={saved[key]}, this run has {key}={now[key]}: "
+                        f"its error buffers cannot be read with another {key}"
+                    )
+            differences = [
+                f"{key} {saved[key]} -> {now[key]}"
+                for key in ("world_size", "intra_node_size", "group_size", "err_beta")
+                if saved[key] != now[key]
+            ]
+            changed = sorted(
+                fqn
+                for fqn in set(saved["layout"]) | set(now["layout"])
+                if saved["layout"].get(fqn) != now["layout"].get(fqn)
+            )
+            if changed:
+                differences.append(f"parameter layout of units {', '.join(changed)}")
+        if differences:
+            message = "LoCo error state does not match this run (" + "; ".join(differences) + ")"
+            if self.strict:
+                raise ValueError(message + "; strict=True refuses to reset it")
+            logger.warning("%s: error buffers reset, training continues", message)
+            for unit in self._units.values():
+                for feedback in unit.feedbacks():
+                    feedback.forget()
+            return
         for fqn, unit in self._units.items():
-            unit.load_state_dict(mine[fqn])
+            unit.load_state_dict(mine["units"][fqn])
 
     def remove(self) -> None:
         """Give every unit back the stock reduce-scatter and no all-reduce hook."""
@@ -119,7 +176,34 @@ class CommHandle:
             unit.module.set_custom_reduce_scatter(DefaultReduceScatter())
             if unit.all_reduce_hook is not None:
                 unit.module.set_all_reduce_hook(None)
+            unit.binding.remove()
         self._removed = True
+
+
+def _fsdp_units(model: torch.nn.Module) -> list[tuple[str, FSDPModule, object]]:
+    """(name, module, param group) per FSDP unit; a unit of several modules appears once,
+    named by its modules' names joined with "+"."""
+    seen: dict[int, list] = {}
+    for fqn, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = param_group_of(module) if _has_one_group(module, fqn) else None
+        key = id(module._get_fsdp_state())
+        if key in seen:
+            seen[key][0].append(fqn or "<root>")
+        else:
+            seen[key] = [[fqn or "<root>"], module, group]
+    return [("+".join(names), module, group) for names, module, group in seen.values()]
+
+
+def _has_one_group(module: FSDPModule, fqn: str) -> bool:
+    groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None)
+    if groups is not None and len(groups) > 1:
+        raise ValueError(
+            f"unit {fqn or '<root>'} has several param groups (per-parameter meshes); "
+            "give each mesh its own fully_shard call to use LoCo"
+        )
+    return True
 
 
 def register_comm_hook(
@@ -127,51 +211,64 @@ def register_comm_hook(
     config: LoCoConfig | None = None,
     *,
     replicate_group: dist.ProcessGroup | None = None,
+    strict: bool = False,
 ) -> CommHandle:
     """Install a :class:`LoCoReduceScatter` on every FSDP unit of ``model``.
 
-    With ``replicate_group`` (HSDP), ``model`` must be sharded on the ``dp_shard`` mesh only;
-    each unit also gets a :class:`LoCoAllReduceHook` that averages over the replicas.
-    Call it on every rank, after ``fully_shard``.
+    Every unit gets its own comm, sized over all of its trainable parameters (a unit of
+    several modules, ``fully_shard([a, b])``, included). With ``replicate_group`` (HSDP),
+    ``model`` must be sharded on the ``dp_shard`` mesh only; each unit also gets a
+    :class:`LoCoAllReduceHook`. ``strict`` governs checkpoint loads (see :class:`CommHandle`).
+    Call it on every rank, after ``fully_shard``; unsupported reduce dtypes are refused here.
     """
     config = config if config is not None else LoCoConfig()
     if not isinstance(config, LoCoConfig):
         raise TypeError(f"config must be a LoCoConfig, got {type(config).__name__}")
-    fsdp_units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if not fsdp_units:
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {strict!r}")
+    units_found = _fsdp_units(model)
+    if not units_found:
         raise ValueError("model has no FSDP unit: call fully_shard before register_comm_hook")
-    node_groups: dict[tuple[int, ...], NodeGroups] = {}
-    units: dict[str, _Unit] = {}
-    for fqn, module in fsdp_units:
-        params = _unit_params(module)
-        if not params:
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    plans = []
+    for fqn, module, group in units_found:
+        if group is None or not any(p.sharded_param.requires_grad for p in group.fsdp_params):
             continue
-        if any(p.device_mesh.ndim != 1 for p in params) and replicate_group is not None:
+        mesh = group.fsdp_params[0].sharded_param.device_mesh
+        if replicate_group is not None and mesh.ndim != 1:
             raise ValueError(
-                f"unit {fqn or '<root>'} is sharded on a 2-D (HSDP) mesh; with "
-                "replicate_group, shard on the dp_shard mesh only"
+                f"unit {fqn} is sharded on a 2-D (HSDP) mesh; with replicate_group, shard on "
+                "the dp_shard mesh only"
             )
-        numel, world, device = _shard_layout(params)
-        mesh = params[0].device_mesh
-        shard_group = mesh.get_group(mesh.ndim - 1)
-        config.check_group_size(world)
-        groups = None
-        if (config.intra_node_size or 1) > 1 and world > 1:
-            key = tuple(dist.get_process_group_ranks(shard_group))
-            if key not in node_groups:
-                node_groups[key] = build_node_groups(shard_group, config.intra_node_size)
-            groups = node_groups[key]
-        comm = LoCoReduceScatter(config, node_groups=groups)
-        try:
-            module.set_custom_reduce_scatter(comm)
-        except ValueError as exc:
+        dtype = reduce_dtype_of(group)
+        if dtype not in SUPPORTED_REDUCE_DTYPES:
             raise ValueError(
-                f"unit {fqn or '<root>'} has several param groups (per-parameter meshes); "
-                "give each mesh its own fully_shard call to use LoCo"
-            ) from exc
+                f"unit {fqn} reduces gradients in {dtype}; LoCo supports reduce dtypes "
+                "torch.float32, torch.bfloat16 and torch.float16 (set MixedPrecisionPolicy."
+                "reduce_dtype)"
+            )
+        shard_group = mesh.get_group(mesh.ndim - 1)
+        plans.append((fqn, module, group, shard_group))
+    node_groups: dict[tuple[int, ...], NodeGroups] = {}
+    if config.intra_node_size is not None:
+        node_size = config.node_size()
+        if dist.get_world_size() % node_size:
+            raise ValueError(
+                f"intra_node_size must divide the world size {dist.get_world_size()} "
+                f"(ranks per node), got {node_size}"
+            )
+        mine = [dist.get_process_group_ranks(pg) for *_, pg in plans if pg.size() > 1]
+        node_groups = build_node_groups(all_shard_groups(mine), node_size)
+    units: dict[str, _Unit] = {}
+    for fqn, module, group, shard_group in plans:
+        binding = UnitBinding(group, names, fqn)
+        key = tuple(dist.get_process_group_ranks(shard_group))
+        comm = LoCoReduceScatter(config, node_groups=node_groups.get(key))
+        comm.bind(binding)
+        module.set_custom_reduce_scatter(comm)
         hook = None
         if replicate_group is not None:
-            hook = LoCoAllReduceHook(config, replicate_group)
+            hook = LoCoAllReduceHook(config, replicate_group, unit=binding)
             module.set_all_reduce_hook(hook)
-        units[fqn or "<root>"] = _Unit(module, comm, hook, numel, world, device)
-    return CommHandle(units)
+        units[fqn] = _Unit(module, binding, comm, hook, shard_group.size())
+    return CommHandle(units, config, strict=strict)

@@ -1,0 +1,117 @@
+"""One FSDP unit as LoCo sees it: its trainable parameters, their layout, and which of them
+got a gradient since the unit's last reduction.
+
+FSDP2 gives the comm only the flat input, not the parameters in it, so each unsharded
+parameter gets a post-accumulate-grad hook that marks it present. The hooks are attached
+after FSDP's own pre-forward (which creates the unsharded parameters on first use).
+Reads FSDP2's per-unit state (``FSDPParamGroup``), the same on torch 2.11 and 2.13.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_ext.comm.layout import ParamLayout, Present
+
+SUPPORTED_REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def param_group_of(module: FSDPModule):
+    """The unit's ``FSDPParamGroup`` (None when it manages no parameter)."""
+    return module._get_fsdp_state()._fsdp_param_group
+
+
+def reduce_dtype_of(group) -> torch.dtype:
+    """The dtype FSDP reduces this unit's gradients in (its mixed-precision policy)."""
+    mp = group.mp_policy
+    trainable = [p for p in group.fsdp_params if p.sharded_param.requires_grad]
+    orig = trainable[0].sharded_param.dtype if trainable else torch.float32
+    return mp.reduce_dtype or mp.param_dtype or orig
+
+
+class UnitBinding:
+    """The layout of one unit's trainable parameters and a record of which got gradients.
+
+    Frozen parameters are never reduced by FSDP, so they are not part of the layout.
+    """
+
+    def __init__(self, group, names: dict[int, str], fqn: str):
+        self.group = group
+        self.fqn = fqn
+        self._fsdp_params = [p for p in group.fsdp_params if p.sharded_param.requires_grad]
+        self.layout = ParamLayout(
+            [names.get(id(p.sharded_param), f"param{i}") for i, p in enumerate(self._fsdp_params)],
+            [p.padded_sharded_param_size.numel() for p in self._fsdp_params],
+        )
+        self.device = group.device
+        self._seen = [False] * len(self._fsdp_params)
+        self._stale = False
+        self._hooked: dict[int, nn.Parameter] = {}
+        self._handles: list = []
+        self._complete = False
+        for module in group.modules:
+            self._handles.append(module.register_forward_pre_hook(self._attach_hook))
+        self.attach()
+
+    @classmethod
+    def for_module(cls, module: FSDPModule, names: dict[int, str] | None = None, fqn: str = ""):
+        group = param_group_of(module)
+        if group is None:
+            raise ValueError(f"unit {fqn or '<root>'} manages no parameter")
+        if names is None:
+            names = {id(p): n for n, p in module.named_parameters()}
+        return cls(group, names, fqn)
+
+    def _attach_hook(self, *_: object) -> None:
+        if not self._complete:
+            self.attach()
+
+    def attach(self) -> None:
+        """Hook every unsharded parameter that exists by now (FSDP creates them lazily)."""
+        for i, fsdp_param in enumerate(self._fsdp_params):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is None or self._hooked.get(i) is unsharded:
+                continue
+            self._hooked[i] = unsharded
+            self._handles.append(
+                unsharded.register_post_accumulate_grad_hook(lambda _, i=i: self._mark(i))
+            )
+        self._complete = len(self._hooked) == len(self._fsdp_params)
+
+    def _mark(self, index: int) -> None:
+        if self._stale:  # first gradient after a reduction: a new accumulation window
+            self._seen = [False] * len(self._seen)
+            self._stale = False
+        self._seen[index] = True
+
+    def present(self, shard: int) -> Present:
+        """The parameters in a reduction of ``shard`` elements per rank (checked against it).
+
+        Every read marks the window closed: the next gradient starts a new one. The
+        reduce-scatter and the all-reduce hook of the same reduction read the same set.
+        """
+        if getattr(self.group, "reduce_scatter_unused_params", False):
+            present = tuple(i for i in range(len(self._seen)) if i in self._hooked)
+        else:
+            present = tuple(i for i, seen in enumerate(self._seen) if seen)
+        self._stale = True
+        if self.layout.width_of(present) == shard:
+            return present
+        if self.layout.width == shard:  # every parameter (e.g. hooks attached late)
+            return self.layout.all_present
+        raise RuntimeError(
+            f"LoCo on unit {self.fqn or '<root>'}: a reduction of {shard} elements per rank "
+            f"matches neither the parameters that got gradients "
+            f"({', '.join(self.layout.names_of(present)) or 'none'}; "
+            f"{self.layout.width_of(present)} elements) nor the whole unit "
+            f"({self.layout.width}); was requires_grad changed after register_comm_hook?"
+        )
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._hooked.clear()
+        self._complete = True
