@@ -1,0 +1,116 @@
+"""LoCo under the settings real jobs use: HSDP with a gradient divide factor, stream safety of
+the all-reduce hook, buffers on the reduction's device (meta init), fp16 gradients."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+import fsdp_ext.comm.all_reduce_hook as all_reduce_hook
+from fsdp_ext import LoCoConfig, register_comm_hook
+from tests.dist import run_distributed
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+
+
+def _loss(model, rank, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(50 + rank)
+    x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 32, generator=gen)
+    out = model(x.to(dtype))
+    return nn.functional.mse_loss(out.float(), y)
+
+
+def _exact(world, divide):
+    model = _net()
+    for rank in range(world):
+        _loss(model, rank).backward()
+    return [p.grad / divide for p in model.parameters()]
+
+
+def _rel(grads, ref):
+    return max(float((g.float() - r).norm() / r.norm()) for g, r in zip(grads, ref, strict=True))
+
+
+def _hsdp_divide_factor():
+    held = []
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = _net()
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh["dp_shard"])
+    register_comm_hook(
+        model,
+        LoCoConfig(group_size=32, bits=8),
+        replicate_group=mesh["dp_replicate"].get_group(),
+    )
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(4.0)  # S * R: the mean over all four ranks
+    original = all_reduce_hook.hold_for_current_stream
+    all_reduce_hook.hold_for_current_stream = lambda t: (held.append(t), original(t))
+    try:
+        _loss(model, dist.get_rank()).backward()
+    finally:
+        all_reduce_hook.hold_for_current_stream = original
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    # the tensors the hook held are the very buffers FSDP turned into the sharded gradients
+    grad_ptrs = {p.grad.to_local().untyped_storage().data_ptr() for p in model.parameters()}
+    held_ptrs = {t.untyped_storage().data_ptr() for t in held}
+    return grads, len(held), held_ptrs == grad_ptrs
+
+
+def test_hsdp_hook_honours_gradient_divide_factor_and_holds_its_buffer():
+    exact = _exact(4, 4.0)
+    for grads, held, same in run_distributed(_hsdp_divide_factor, 4):
+        assert _rel(grads, exact) < 0.05  # sum / 4, as set (it was sum / 8)
+        assert held == 2 and same  # one reduce output per unit, kept alive on its stream
+
+
+def _meta_init_and_fp16():
+    rank = dist.get_rank()
+    out = {}
+    with torch.device("meta"):
+        model = _net()
+    for layer in (model[0], model[2], model):
+        fully_shard(layer)
+    handle = register_comm_hook(model, LoCoConfig(group_size=32))
+    handle.state_dict()  # a load before to_empty allocates the buffers (where the reduction runs)
+    out["devices"] = sorted(
+        {str(f.error.device) for u in handle._units.values() for f in u.feedbacks()}
+    )
+    model.to_empty(device="cpu")
+    reference = _net()
+    with torch.no_grad():
+        for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+            p.copy_(torch.distributed.tensor.distribute_tensor(r, p.device_mesh, p.placements))
+    _loss(model, rank).backward()
+    out["meta_grads"] = [p.grad.full_tensor() for p in model.parameters()]
+    # fp16 gradients: reduced in fp32 inside the comm, written back in fp16
+    model = _net()
+    mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mp_policy=mp)
+    register_comm_hook(model, LoCoConfig(group_size=32))
+    _loss(model, rank, torch.float16).backward()
+    out["fp16_grads"] = [p.grad.full_tensor() for p in model.parameters()]
+    # a reduce dtype the codec cannot take is refused at registration, not mid-backward
+    model = _net().double()
+    fully_shard(model)
+    with pytest.raises(ValueError, match="reduce_dtype") as exc:
+        register_comm_hook(model, LoCoConfig(group_size=32))
+    out["float64"] = str(exc.value)
+    return out
+
+
+def test_meta_init_buffers_follow_the_reduction_and_fp16_is_supported():
+    exact = _exact(2, 2.0)
+    for out in run_distributed(_meta_init_and_fp16, 2):
+        assert out["devices"] == ["cpu"]  # not meta, the local shards' device
+        assert _rel(out["meta_grads"], exact) < 0.25
+        assert all(g.dtype == torch.float32 for g in out["fp16_grads"])
+        assert _rel(out["fp16_grads"], exact) < 0.25
+        assert "torch.float64" in out["float64"]
