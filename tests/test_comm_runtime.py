@@ -103,6 +103,14 @@ def _meta_init_and_fp16():
     with pytest.raises(ValueError, match="reduce_dtype") as exc:
         register_comm_hook(model, LoCoConfig(group_size=32))
     out["float64"] = str(exc.value)
+    # "auto" on one node (the harness sets LOCAL_WORLD_SIZE to the world): full precision
+    model = _net()
+    for layer in (model[0], model[2], model):
+        fully_shard(layer)
+    handle = register_comm_hook(model, LoCoConfig(group_size=32, intra_node_size="auto"))
+    _loss(model, rank).backward()
+    out["auto_grads"] = [p.grad.full_tensor() for p in model.parameters()]
+    out["auto_bytes"] = (handle.stats.bytes_sent, handle.stats.intra_node_bytes)
     return out
 
 
@@ -114,3 +122,56 @@ def test_meta_init_buffers_follow_the_reduction_and_fp16_is_supported():
         assert all(g.dtype == torch.float32 for g in out["fp16_grads"])
         assert _rel(out["fp16_grads"], exact) < 0.25
         assert "torch.float64" in out["float64"]
+        assert out["auto_bytes"][0] == 0 and out["auto_bytes"][1] > 0
+        assert _rel(out["auto_grads"], exact) < 1e-5
+
+
+def _hierarchical_sub_meshes(node_size):
+    """HSDP 2 x 2 (shard groups inside a node) and ep=2 x efsdp=2 (experts on a sub-mesh),
+    with nodes of ``node_size`` ranks (None: flat)."""
+    from fsdp_ext import ParallelDims
+
+    rank = dist.get_rank()
+    cfg = LoCoConfig(group_size=32, intra_node_size=node_size)
+    out = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = _net()
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh["dp_shard"])
+    handle = register_comm_hook(model, cfg, replicate_group=mesh["dp_replicate"].get_group())
+    _loss(model, rank).backward()
+    out["hsdp"] = [p.grad.full_tensor() for p in model.parameters()]
+    out["hsdp_rs_bytes"] = sum(u.reduce_scatter.stats.bytes_sent for u in handle._units.values())
+    dims = ParallelDims(4, ep=2)
+    dims.build_mesh("cpu")
+    model = _net()
+    fully_shard(model[2], mesh=dims.efsdp_mesh)  # an "expert" on its own sub-mesh
+    fully_shard(model, mesh=dims.dp_mesh)
+    handle = register_comm_hook(model, cfg)
+    _loss(model, rank).backward()
+    out["ep"] = [p.grad.full_tensor() for p in model.parameters()]
+    out["efsdp_ranks"] = dist.get_process_group_ranks(dims.efsdp_mesh.get_group())
+    out["ep_intra_bytes"] = handle.stats.intra_node_bytes
+    return out
+
+
+def test_hierarchical_on_sub_meshes_within_the_flat_bound():
+    flat = run_distributed(_hierarchical_sub_meshes, 4, None)
+    hier = run_distributed(_hierarchical_sub_meshes, 4, 2)
+    exact = _exact(4, 4.0)
+    for rank, (f, h) in enumerate(zip(flat, hier, strict=True)):
+        # HSDP: each shard group sits inside one node, so its reduce-scatter is full precision
+        assert h["hsdp_rs_bytes"] == 0 and f["hsdp_rs_bytes"] > 0
+        assert _rel(h["hsdp"], exact) <= 1.05 * _rel(f["hsdp"], exact) + 1e-3
+        # experts: reduced over the efsdp group only; dense params over all four ranks
+        group = h["efsdp_ranks"]
+        assert rank in group and len(group) == 2
+        model = _net()
+        for r in group:
+            _loss(model, r).backward()
+        expert_exact = [p.grad / 2 for p in model[2].parameters()]
+        for key in ("ep",):
+            assert _rel(h[key][:2], exact[:2]) <= 1.05 * _rel(f[key][:2], exact[:2]) + 0.02
+            assert _rel(h[key][2:], expert_exact) <= 1.05 * _rel(f[key][2:], expert_exact) + 0.02
+            assert _rel(h[key], exact[:2] + expert_exact) < 0.25
+        assert h["ep_intra_bytes"] > 0
