@@ -18,7 +18,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `examples` importable
@@ -77,6 +77,7 @@ class TrainConfig:
     param_dtype: str = "fp32"
     wrap: str = "granularity"  # dense FSDP units: a key of WRAP_POLICIES
     comm: str = "loco"
+    intra_node_size: int | None = None  # set: LoCo emulates nodes of this many ranks
     log_every: int = 25
     val_batches: int = 8
     ckpt_every: int = 0
@@ -127,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wrap", choices=sorted(WRAP_POLICIES), default=d.wrap, help="FSDP units")
     p.add_argument(
         "--comm", choices=list(COMMS), default=d.comm, help="gradient reduce-scatter codec"
+    )
+    p.add_argument(
+        "--intra-node-size",
+        type=_positive_int,
+        default=d.intra_node_size,
+        help="ranks per node for LoCo's hierarchical mode (e.g. 2 on 4 ranks emulates 2 nodes)",
     )
     p.add_argument("--log-every", type=_positive_int, default=d.log_every)
     p.add_argument("--val-batches", type=_positive_int, default=d.val_batches)
@@ -194,6 +201,7 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
         param_dtype=a.param_dtype,
         wrap=a.wrap,
         comm=a.comm,
+        intra_node_size=a.intra_node_size,
         log_every=a.log_every,
         val_batches=a.val_batches,
         ckpt_every=a.ckpt_every,
@@ -262,7 +270,11 @@ def shard_model(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Tra
 def attach_comm(model: Transformer, cfg: TrainConfig) -> CommHandle | None:
     """Compressed gradient reduce-scatter on every FSDP unit (none for `--comm default`)."""
     config = COMMS[cfg.comm]
-    return None if config is None else register_comm_hook(model, config)
+    if config is None:
+        return None
+    if cfg.intra_node_size is not None:  # full precision inside a node, 4-bit across nodes
+        config = replace(config, intra_node_size=cfg.intra_node_size)
+    return register_comm_hook(model, config)
 
 
 def lr_lambda(cfg: TrainConfig):
