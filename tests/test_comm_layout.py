@@ -6,10 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_ext import LoCoConfig, LoCoReduceScatter, register_comm_hook
+from fsdp_ext.comm.error_feedback import ErrorFeedback
+from fsdp_ext.comm.layout import ParamLayout
 from tests.dist import run_distributed
 
 WORLD, GROUP, BETA, DIM = 2, 32, 0.8, 32
@@ -207,3 +211,53 @@ def test_grouped_unit_frozen_params_and_one_comm_per_unit(tmp_path):
             exact = dict(ref.named_parameters())[n].grad / WORLD
             assert float((g - exact).norm() / exact.norm()) < 0.25, n
         assert "serves unit" in out["two_units"] and "own comm" in out["two_units"]
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    st.lists(st.integers(1, 70), min_size=1, max_size=6),
+    st.data(),
+    st.integers(1, 4),
+)
+def test_layout_maps_every_present_element_once(lengths, data, parts):
+    """Columns of any subset land in their own parameters' segments, in order; the replica
+    slices of a subset cover each of its elements exactly once and stay inside the full
+    layout's slice of the same parameters."""
+    layout = ParamLayout([f"p{i}" for i in range(len(lengths))], lengths)
+    present = tuple(sorted(data.draw(st.sets(st.integers(0, len(lengths) - 1), min_size=1))))
+    cols = layout.columns(present, torch.device("cpu"))
+    expect = [layout.offsets[i] + j for i in present for j in range(lengths[i])]
+    assert cols.tolist() == expect
+    numel = layout.width_of(present)
+    index = layout.slice_index(present, parts, torch.device("cpu"))
+    real = index[index < numel]
+    assert sorted(real.tolist()) == list(range(numel))
+    pieces = layout.split(parts)
+    assert index.shape == (parts, pieces.width_of(present))
+
+
+def test_int8_error_subset_keeps_absent_parameters():
+    """A reduction holding parameters 0 and 2 of three updates only their error; parameter 1
+    keeps its error (up to the int8 re-rounding of the groups it shares)."""
+    config = LoCoConfig(group_size=32, error_dtype=torch.int8)
+    feedback = ErrorFeedback(config)
+    layout = ParamLayout(["a", "b", "c"], [40, 30, 26])  # 96 = 3 groups per row
+    rows, full_width = 2, 96
+    feedback.materialize(rows * full_width, torch.device("cpu"))
+    start = torch.randn(rows * full_width, generator=torch.Generator().manual_seed(0))
+    feedback.encode(start)
+    before = feedback.decoded().clone().view(rows, full_width)
+    cols = layout.columns((0, 2), torch.device("cpu"))
+    subset = feedback.subset(rows, full_width, cols, 96)
+    part, scales = subset.next(rows * 96, torch.device("cpu"))
+    assert scales is None
+    assert torch.equal(part.view(rows, 96)[:, :66], before[:, cols])  # gathered by parameter
+    part.view(rows, 96)[:, :66] = 5.0  # what the kernel would write
+    subset.write_back()
+    after = feedback.decoded().view(rows, full_width)
+    half_step = feedback.error_scales.view(rows, -1).repeat_interleave(32, dim=1) / 2
+    assert bool(((after[:, cols] - 5.0).abs() <= half_step[:, cols] * (1 + 1e-6)).all())
+    absent = torch.arange(40, 70)
+    drift = (after[:, absent] - before[:, absent]).abs()
+    assert bool((drift <= half_step[:, absent] * (1 + 1e-6)).all())
+    assert feedback.reductions == 1
