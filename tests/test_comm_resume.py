@@ -72,6 +72,7 @@ def _load_elsewhere(path):
     return out
 
 
+@pytest.mark.slow
 def test_other_world_size_resets_with_one_warning_strict_and_dtype_raise(tmp_path):
     path = str(tmp_path / "ckpt")
     saved = run_distributed(_save, 4, path)

@@ -155,6 +155,7 @@ def _hierarchical_sub_meshes(node_size):
     return out
 
 
+@pytest.mark.slow
 def test_hierarchical_on_sub_meshes_within_the_flat_bound():
     flat = run_distributed(_hierarchical_sub_meshes, 4, None)
     hier = run_distributed(_hierarchical_sub_meshes, 4, 2)
