@@ -187,23 +187,18 @@ def _fsdp_units(model: torch.nn.Module) -> list[tuple[str, FSDPModule, object]]:
     for fqn, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        group = param_group_of(module) if _has_one_group(module, fqn) else None
-        key = id(module._get_fsdp_state())
-        if key in seen:
-            seen[key][0].append(fqn or "<root>")
-        else:
-            seen[key] = [[fqn or "<root>"], module, group]
+        state = module._get_fsdp_state()
+        if id(state) in seen:
+            seen[id(state)][0].append(fqn or "<root>")
+            continue
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; 2.11 has one
+        if groups is not None and len(groups) > 1:
+            raise ValueError(
+                f"unit {fqn or '<root>'} has several param groups (per-parameter meshes); "
+                "give each mesh its own fully_shard call to use LoCo"
+            )
+        seen[id(state)] = [[fqn or "<root>"], module, param_group_of(module)]
     return [("+".join(names), module, group) for names, module, group in seen.values()]
-
-
-def _has_one_group(module: FSDPModule, fqn: str) -> bool:
-    groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None)
-    if groups is not None and len(groups) > 1:
-        raise ValueError(
-            f"unit {fqn or '<root>'} has several param groups (per-parameter meshes); "
-            "give each mesh its own fully_shard call to use LoCo"
-        )
-    return True
 
 
 def register_comm_hook(
@@ -234,8 +229,13 @@ def register_comm_hook(
     for fqn, module, group in units_found:
         if group is None or not any(p.sharded_param.requires_grad for p in group.fsdp_params):
             continue
-        mesh = group.fsdp_params[0].sharded_param.device_mesh
-        if replicate_group is not None and mesh.ndim != 1:
+        mesh_info = group.mesh_info
+        if not hasattr(mesh_info, "shard_process_group"):
+            continue  # replicate-only (DDP) units have no reduce-scatter
+        if (
+            replicate_group is not None
+            and getattr(mesh_info, "replicate_mesh_dim", None) is not None
+        ):
             raise ValueError(
                 f"unit {fqn} is sharded on a 2-D (HSDP) mesh; with replicate_group, shard on "
                 "the dp_shard mesh only"
@@ -247,7 +247,7 @@ def register_comm_hook(
                 "torch.float32, torch.bfloat16 and torch.float16 (set MixedPrecisionPolicy."
                 "reduce_dtype)"
             )
-        shard_group = mesh.get_group(mesh.ndim - 1)
+        shard_group = mesh_info.shard_process_group
         plans.append((fqn, module, group, shard_group))
     node_groups: dict[tuple[int, ...], NodeGroups] = {}
     if config.intra_node_size is not None:
