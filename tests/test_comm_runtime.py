@@ -1,6 +1,8 @@
 """LoCo under the settings real jobs use: HSDP with a gradient divide factor, stream safety of
 the all-reduce hook, buffers on the reduction's device (meta init), fp16 gradients."""
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -176,3 +178,41 @@ def test_hierarchical_on_sub_meshes_within_the_flat_bound():
             assert _rel(h[key][2:], expert_exact) <= 1.05 * _rel(f[key][2:], expert_exact) + 0.02
             assert _rel(h[key], exact[:2] + expert_exact) < 0.25
         assert h["ep_intra_bytes"] > 0
+
+
+def _stage(pp_rank):
+    torch.manual_seed(pp_rank)
+    dims = (32, 64, 32) if pp_rank == 0 else (32, 48, 48, 32)  # stages differ in units
+    layers = [nn.Linear(a, b) for a, b in itertools.pairwise(dims)]
+    return nn.Sequential(*layers)
+
+
+def _pipeline_stage_dp_meshes():
+    """pp=2 x dp=2 with the dp groups across the two emulated nodes: every rank registers
+    only its own stage's units, yet the node subgroups of all dp groups are created alike."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    pp_rank = mesh["pp"].get_local_rank()
+    model = _stage(pp_rank)
+    for layer in model:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    handle = register_comm_hook(model, LoCoConfig(group_size=32, intra_node_size=2))
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 32, generator=gen)
+    nn.functional.mse_loss(model(x), y).backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    dp_ranks = dist.get_process_group_ranks(mesh["dp"].get_group())
+    return pp_rank, dp_ranks, grads, handle.stats.bytes_sent
+
+
+@pytest.mark.slow
+def test_hierarchical_on_pipeline_stage_dp_meshes():
+    for pp_rank, dp_ranks, grads, sent in run_distributed(_pipeline_stage_dp_meshes, 4):
+        assert len(dp_ranks) == 2 and dp_ranks[0] // 2 != dp_ranks[1] // 2  # across nodes
+        model = _stage(pp_rank)
+        for r in dp_ranks:
+            gen = torch.Generator().manual_seed(r)
+            x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 32, generator=gen)
+            nn.functional.mse_loss(model(x), y).backward()
+        exact = [p.grad / 2 for p in model.parameters()]
+        assert _rel(grads, exact) < 0.25 and sent > 0  # 4-bit across the nodes
