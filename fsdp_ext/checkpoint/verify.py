@@ -23,7 +23,7 @@ from fsdp_ext.checkpoint.manifest import (
     read_manifest,
 )
 from fsdp_ext.checkpoint.unpickler import load_metadata
-from fsdp_ext.checkpoint.writer import staging_prefix
+from fsdp_ext.checkpoint.writer import rank_done_name, staging_prefix
 
 
 @dataclass
@@ -138,15 +138,23 @@ def _check_coverage(root: Path, metadata, manifest, report: CheckpointReport) ->
 
 
 def _report_unfinished(partial: Path, report: CheckpointReport) -> None:
-    report.problems.append(f"{partial}: an unfinished save (no {METADATA_NAME} / {MANIFEST_NAME})")
+    """Name what a save that never published is missing: ranks, files, metadata."""
+    report.problems.append(f"{partial}: an unfinished save (never published)")
     plan_path = partial / PLAN_NAME
     if not plan_path.is_file():
         return
     expected = json.loads(plan_path.read_text())["files"]
-    by_rank = defaultdict(list)
+    by_rank: dict[int, list[str]] = defaultdict(list)
+    for name, info in sorted(expected.items()):
+        by_rank[info["rank"]].append(name)
+    for rank, names in sorted(by_rank.items()):
+        if not (partial / rank_done_name(rank)).is_file():
+            report.problems.append(
+                f"{partial / rank_done_name(rank)}: missing: rank {rank} did not finish writing "
+                f"{', '.join(names)}"
+            )
     for name, info in sorted(expected.items()):
         if not (partial / name).is_file():
-            by_rank[info["rank"]].append(name)
             report.problems.append(f"{partial / name}: missing (rank {info['rank']})")
     for name in (METADATA_NAME, MANIFEST_NAME):
         if not (partial / name).is_file():

@@ -30,7 +30,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import (
@@ -68,6 +68,10 @@ class _RankFiles:
     staging: str
     files: list[tuple[str, list[tuple]]]  # (file name, item keys)
     layers: dict[str, list[str]]
+
+
+def rank_done_name(rank: int) -> str:
+    return f".done-rank{rank}.json"
 
 
 def staging_prefix(target: Path) -> str:
@@ -276,6 +280,15 @@ class SpreadFileSystemWriter(FileSystemWriter):
                     storage_data=record,
                 )
             )
+        # lets verify_checkpoint tell, after a crash, which ranks finished their files
+        done = [
+            asdict(r.storage_data) for r in results if r.index.fqn.startswith(_FILE_RECORD_PREFIX)
+        ]
+        _write_synced(
+            Path(assignment.staging) / rank_done_name(self.rank or 0),
+            json.dumps(done).encode(),
+            self.sync_files,
+        )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -315,6 +328,8 @@ class SpreadFileSystemWriter(FileSystemWriter):
         )
         _write_synced(staging / MANIFEST_NAME, manifest.to_json().encode(), self.sync_files)
         (staging / PLAN_NAME).unlink()
+        for done in staging.glob(rank_done_name(0).replace("0", "*")):
+            done.unlink()
         _fsync_dir(staging, self.sync_files)
         _publish(staging, target, self.sync_files)
 
