@@ -114,7 +114,9 @@ class VerifiedFileSystemReader(FileSystemReader):
             self._manifest_loaded = True
         return self.manifest
 
-    def read_metadata(self, *args, **kwargs) -> Metadata:
+    def read_metadata(self) -> Metadata:
+        # No **kwargs on purpose: dcp.load then does not retry with per-rank metadata files
+        # (a format we do not write) and repeat the error.
         manifest = self._load_manifest()
         path = Path(self.path) / METADATA_NAME
         if not path.is_file():

@@ -84,8 +84,8 @@ def verify_checkpoint(path) -> CheckpointReport:
         for rec in manifest.files.values():
             report.bytes_per_rank[rec.rank] = report.bytes_per_rank.get(rec.rank, 0) + rec.size
             _check_file(root / rec.name, rec, report)
-        if meta_path.is_file():
-            _check_file(meta_path, manifest.metadata, report)
+        if meta_path.is_file() and not _check_file(meta_path, manifest.metadata, report):
+            return report  # altered metadata: do not even parse it
     if not meta_path.is_file():
         report.problems.append(f"{meta_path}: missing (the save did not finish, or it was deleted)")
         return report
@@ -100,15 +100,17 @@ def verify_checkpoint(path) -> CheckpointReport:
     return report
 
 
-def _check_file(path: Path, record: FileRecord, report: CheckpointReport) -> None:
+def _check_file(path: Path, record: FileRecord, report: CheckpointReport) -> bool:
     if not path.is_file():
         report.problems.append(f"{path}: missing ({record.size} bytes, rank {record.rank})")
-        return
+        return False
     size, checksum = checksum_file(path)
     try:
         check_record(str(path), record, size, checksum)
     except CheckpointIntegrityError as exc:
         report.problems.append(str(exc))
+        return False
+    return True
 
 
 def _check_coverage(root: Path, metadata, manifest, report: CheckpointReport) -> None:
