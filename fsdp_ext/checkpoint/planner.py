@@ -4,8 +4,9 @@ Stock DCP (``_dedup_save_plans.py``) gives each replicated item, in insertion or
 rank that has written the fewest bytes so far and never splits one, so a 1 GB embedding on
 a 128-rank job makes one rank write 8x the mean. Here replicated items go largest first to
 the least-loaded holder (LPT), counting the sharded bytes each rank writes anyway, and a
-replicated tensor that does not fit under the fair share is cut along dim 0 into chunks
-written by different ranks. DCP metadata records chunks, so any reader loads it whole.
+replicated tensor that does not fit under the fair share is cut along dim 0 (or, when
+dim-0 slices are too coarse, the first dim whose slices are fine) into chunks written by
+different ranks. DCP metadata records chunks, so any reader loads it whole.
 """
 
 from __future__ import annotations
@@ -48,21 +49,37 @@ def item_nbytes(item: WriteItem) -> int:
     return math.prod(sizes) * torch._utils._element_size(item.tensor_data.properties.dtype)
 
 
-def _rows(item: WriteItem) -> int:
-    """How many dim-0 slices the item can be cut into (1: it cannot be split)."""
+# A split cuts along dim 0 unless one dim-0 slice is more than this fraction of the fair
+# share; then along the first dim whose slices are that fine (fused MoE experts are
+# [experts, out, in]: 8 slices along dim 0 would be far too coarse at scale).
+SLICE_FRACTION = 0.01
+
+
+def _split_dim(item: WriteItem, fair: float) -> tuple[int, int]:
+    """(dim, slices along it) for cutting ``item``; (0, 1) when it cannot be cut."""
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-        return 1
-    chunk = item.tensor_data.chunk
-    return chunk.sizes[0] if chunk is not None and len(chunk.sizes) > 0 else 1
+        return 0, 1
+    sizes = item.tensor_data.chunk.sizes
+    if len(sizes) == 0:
+        return 0, 1
+    nbytes = item_nbytes(item)
+    for dim, n in enumerate(sizes):
+        if n > 1 and nbytes / n <= SLICE_FRACTION * fair:
+            return dim, n
+    dim = max(range(len(sizes)), key=lambda d: (sizes[d], -d))
+    return dim, sizes[dim]
 
 
-def _slice_rows(item: WriteItem, start: int, rows: int) -> WriteItem:
-    """The write item for rows [start, start + rows) of ``item`` along dim 0."""
-    if start == 0 and rows == _rows(item):
-        return item
+def _slice(item: WriteItem, dim: int, start: int, length: int) -> WriteItem:
+    """The write item for [start, start + length) of ``item`` along ``dim``."""
     data = item.tensor_data
-    offsets = torch.Size([data.chunk.offsets[0] + start, *data.chunk.offsets[1:]])
-    sizes = torch.Size([rows, *data.chunk.sizes[1:]])
+    if start == 0 and length == data.chunk.sizes[dim]:
+        return item
+    offsets = list(data.chunk.offsets)
+    sizes = list(data.chunk.sizes)
+    offsets[dim] += start
+    sizes[dim] = length
+    offsets, sizes = torch.Size(offsets), torch.Size(sizes)
     return WriteItem(
         index=MetadataIndex(item.index.fqn, offsets),
         type=WriteItemType.SHARD,
@@ -98,7 +115,7 @@ def spread_plans(
     (FSDP shards) stay there. Replicated groups go most-constrained first (fewest holders),
     then largest first, to the least-loaded holder; a layer's items follow each other onto
     the same rank while they fit under ``(1 + slack)`` x the fair share. With
-    ``split_replicated`` an item that does not fit is cut along dim 0 and water-filled over
+    ``split_replicated`` an item that does not fit is cut (see ``_split_dim``) and water-filled over
     its least-loaded holders; without it, whole groups go where LPT puts them.
     """
     if slack < 0:
@@ -141,23 +158,23 @@ def spread_plans(
         load[rank] += item_nbytes(item)
 
     def water_fill(item: WriteItem, hs: tuple[int, ...]) -> None:
-        nbytes, rows = item_nbytes(item), _rows(item)
-        row_bytes = nbytes / rows
+        nbytes = item_nbytes(item)
+        dim, slices = _split_dim(item, fair)
+        slice_bytes = nbytes / slices
         order = sorted(hs, key=lambda r: (load[r], r))
-        level = _water_level([load[r] for r in order], nbytes)
-        level = max(level, fair)
+        level = max(_water_level([load[r] for r in order], nbytes), fair)
         start = 0
         for rank in order:
-            if start == rows:
+            if start == slices:
                 break
             want = level - load[rank]
             if want <= 0:
                 continue
-            take = min(rows - start, max(1, math.ceil(want / row_bytes)))
-            put(rank, _slice_rows(item, start, take))
+            take = min(slices - start, max(1, math.ceil(want / slice_bytes)))
+            put(rank, _slice(item, dim, start, take))
             start += take
-        if start < rows:  # rounding left rows over: they go to the least loaded
-            put(least_loaded(hs), _slice_rows(item, start, rows - start))
+        if start < slices:  # rounding left slices over: they go to the least loaded
+            put(least_loaded(hs), _slice(item, dim, start, slices - start))
 
     ordered = sorted(groups.values(), key=lambda g: (len(g.holders), -g.nbytes, g.name, g.holders))
     for group in ordered:
@@ -172,7 +189,7 @@ def spread_plans(
         for item in sorted(group.items, key=lambda i: (-item_nbytes(i), item_key(i.index))):
             if load[rank] + item_nbytes(item) > cap:
                 rank = least_loaded(hs)
-            if load[rank] + item_nbytes(item) <= cap or _rows(item) == 1:
+            if load[rank] + item_nbytes(item) <= cap or _split_dim(item, fair)[1] == 1:
                 put(rank, item)
             else:
                 water_fill(item, hs)
@@ -230,7 +247,7 @@ class SpreadSavePlanner(DefaultSavePlanner):
         self.layer_key = layer_key
         self.split_replicated = split_replicated
         self.slack = slack
-        self._slices: dict[ItemKey, tuple[MetadataIndex, int, int]] = {}
+        self._slices: dict[ItemKey, tuple[MetadataIndex, int, int, int]] = {}
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -255,16 +272,18 @@ class SpreadSavePlanner(DefaultSavePlanner):
             if key in local or item.tensor_data is None:
                 continue
             base = _containing_item(self._local_items, item)
-            start = item.tensor_data.chunk.offsets[0] - base.tensor_data.chunk.offsets[0]
-            self._slices[key] = (base.index, start, item.tensor_data.chunk.sizes[0])
+            piece, whole = item.tensor_data.chunk, base.tensor_data.chunk
+            dim = next(d for d in range(len(piece.sizes)) if piece.sizes[d] != whole.sizes[d])
+            start = piece.offsets[dim] - whole.offsets[dim]
+            self._slices[key] = (base.index, dim, start, piece.sizes[dim])
         return plan
 
     def lookup_object(self, index: MetadataIndex):
         found = self._slices.get(item_key(index))
         if found is None:
             return super().lookup_object(index)
-        base_index, start, rows = found
-        return super().lookup_object(base_index).narrow(0, start, rows)
+        base_index, dim, start, length = found
+        return super().lookup_object(base_index).narrow(dim, start, length)
 
 
 def _containing_item(local_items: list[WriteItem], piece: WriteItem) -> WriteItem:
@@ -273,9 +292,10 @@ def _containing_item(local_items: list[WriteItem], piece: WriteItem) -> WriteIte
         if item.index.fqn != piece.index.fqn or item.tensor_data is None:
             continue
         base = item.tensor_data.chunk
-        if tuple(base.offsets[1:]) != tuple(chunk.offsets[1:]):
-            continue
-        if base.offsets[0] <= chunk.offsets[0] < base.offsets[0] + base.sizes[0]:
+        if all(
+            b <= c and c + n <= b + m
+            for b, m, c, n in zip(base.offsets, base.sizes, chunk.offsets, chunk.sizes, strict=True)
+        ):
             return item
     raise RuntimeError(
         f"the global plan asks this rank to write {piece.index.fqn} at {tuple(chunk.offsets)}, "
