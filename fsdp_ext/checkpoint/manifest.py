@@ -19,6 +19,7 @@ MANIFEST_NAME = ".manifest.json"
 METADATA_NAME = ".metadata"
 PLAN_NAME = ".plan.json"  # written at the start of a save: the files every rank will write
 CHECKSUM = "crc32"
+NO_CHECKSUM = "none"  # SpreadFileSystemWriter(checksums=False): sizes only
 FORMAT = "fsdp_ext.checkpoint/1"
 # Recorded in Metadata.storage_meta.modules: a checkpoint that says this must have a manifest.
 MARKER = "fsdp_ext.checkpoint"
@@ -57,12 +58,13 @@ class Manifest:
     def from_json(cls, text: str, source: str) -> Manifest:
         try:
             raw = json.loads(text)
-            if raw.get("format") != FORMAT or raw.get("checksum") != CHECKSUM:
+            if raw.get("format") != FORMAT or raw.get("checksum") not in (CHECKSUM, NO_CHECKSUM):
                 raise ValueError(f"format {raw.get('format')!r} / checksum {raw.get('checksum')!r}")
             return cls(
                 files={k: FileRecord(**v) for k, v in raw["files"].items()},
                 metadata=FileRecord(**raw["metadata"]),
                 world_size=int(raw["world_size"]),
+                checksum=raw["checksum"],
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointIntegrityError(f"{source}: not a readable manifest ({exc})") from exc
@@ -93,14 +95,17 @@ def read_manifest(directory: str | os.PathLike) -> Manifest | None:
     return Manifest.from_json(path.read_text(), str(path))
 
 
-def check_record(path: str, record: FileRecord, size: int, checksum: str) -> None:
-    """Raise naming the file unless its size and checksum are what the manifest says."""
+def check_record(path: str, record: FileRecord, size: int, checksum: str | None) -> None:
+    """Raise naming the file unless its size and checksum are what the manifest says.
+
+    ``checksum=None``: the manifest records none (written with ``checksums=False``).
+    """
     if size != record.size:
         raise CheckpointIntegrityError(
             f"{path}: size {size} bytes, the manifest expects {record.size} "
             "(truncated or overwritten)"
         )
-    if checksum != record.checksum:
+    if checksum is not None and checksum != record.checksum:
         raise CheckpointIntegrityError(
             f"{path}: {CHECKSUM} {checksum}, the manifest expects {record.checksum} "
             "(the file was altered or corrupted)"

@@ -35,6 +35,7 @@ from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
     MARKER,
     METADATA_NAME,
+    NO_CHECKSUM,
     CheckpointIntegrityError,
     Manifest,
     UnsafeCheckpointError,
@@ -125,9 +126,14 @@ class VerifiedFileSystemReader(FileSystemReader):
             )
         data = path.read_bytes()
         if manifest is not None:
-            check_record(str(path), manifest.metadata, len(data), checksum_bytes(data))
+            check_record(str(path), manifest.metadata, len(data), self._checksum(data))
         metadata = load_metadata(data, str(path))
         modules = getattr(metadata.storage_meta, "modules", None) or []
+        if manifest is not None and manifest.checksum == NO_CHECKSUM:
+            warnings.warn(
+                f"{self.path}: written with checksums=False; verifying file sizes only",
+                stacklevel=2,
+            )
         if manifest is None:
             if MARKER in modules:
                 raise CheckpointIntegrityError(
@@ -161,8 +167,11 @@ class VerifiedFileSystemReader(FileSystemReader):
         if not path.is_file():
             raise CheckpointIntegrityError(f"{path}: missing ({record.size} bytes expected)")
         data = path.read_bytes()
-        check_record(str(path), record, len(data), checksum_bytes(data))
+        check_record(str(path), record, len(data), self._checksum(data))
         return data
+
+    def _checksum(self, data: bytes) -> str | None:
+        return None if self.manifest.checksum == NO_CHECKSUM else checksum_bytes(data)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         return super().read_data(plan, _VettedPlanner(planner, self))

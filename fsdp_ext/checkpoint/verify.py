@@ -14,6 +14,7 @@ from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
     MARKER,
     METADATA_NAME,
+    NO_CHECKSUM,
     PLAN_NAME,
     CheckpointIntegrityError,
     FileRecord,
@@ -83,8 +84,10 @@ def verify_checkpoint(path) -> CheckpointReport:
         report.files = manifest.files
         for rec in manifest.files.values():
             report.bytes_per_rank[rec.rank] = report.bytes_per_rank.get(rec.rank, 0) + rec.size
-            _check_file(root / rec.name, rec, report)
-        if meta_path.is_file() and not _check_file(meta_path, manifest.metadata, report):
+            _check_file(root / rec.name, rec, report, manifest.checksum)
+        if meta_path.is_file() and not _check_file(
+            meta_path, manifest.metadata, report, manifest.checksum
+        ):
             return report  # altered metadata: do not even parse it
     if not meta_path.is_file():
         report.problems.append(f"{meta_path}: missing (the save did not finish, or it was deleted)")
@@ -100,13 +103,13 @@ def verify_checkpoint(path) -> CheckpointReport:
     return report
 
 
-def _check_file(path: Path, record: FileRecord, report: CheckpointReport) -> bool:
+def _check_file(path: Path, record: FileRecord, report: CheckpointReport, kind: str) -> bool:
     if not path.is_file():
         report.problems.append(f"{path}: missing ({record.size} bytes, rank {record.rank})")
         return False
     size, checksum = checksum_file(path)
     try:
-        check_record(str(path), record, size, checksum)
+        check_record(str(path), record, size, None if kind == NO_CHECKSUM else checksum)
     except CheckpointIntegrityError as exc:
         report.problems.append(str(exc))
         return False

@@ -47,9 +47,11 @@ from torch.futures import Future
 
 from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key
 from fsdp_ext.checkpoint.manifest import (
+    CHECKSUM,
     MANIFEST_NAME,
     MARKER,
     METADATA_NAME,
+    NO_CHECKSUM,
     PLAN_NAME,
     FileRecord,
     Manifest,
@@ -325,6 +327,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
             files=records,
             metadata=FileRecord(METADATA_NAME, rank=-1, size=size, checksum=checksum or ""),
             world_size=len(results),
+            checksum=CHECKSUM if self.checksums else NO_CHECKSUM,
         )
         _write_synced(staging / MANIFEST_NAME, manifest.to_json().encode(), self.sync_files)
         (staging / PLAN_NAME).unlink()
