@@ -220,6 +220,12 @@ def test_lpt_bound_without_splitting(all_plans):
     assert max(loads(out)) <= 1.5 * lower + 1e-6
     # nothing is split
     assert sum(len(p.items) for p in out) == len(first)
+    # and the loads are exactly those of textbook LPT: groups largest first, each onto the
+    # least-loaded rank (lowest index on ties), starting from the sharded loads
+    reference = list(sharded)
+    for size in sorted(groups.values(), reverse=True):
+        reference[min(range(world), key=lambda r: (reference[r], r))] += size
+    assert loads(out) == reference
 
 
 @SETTINGS
