@@ -315,7 +315,7 @@ def simulate(worlds=SIM_WORLDS) -> dict:
     for name, sd in real_model_shapes().items():
         for layout, shards in (("replicated", 1), ("hsdp8", 8)):
             rows = out.setdefault(
-                f"{name} {layout}", {"dcp_default": {}, "ours": {}, "seconds": {}}
+                f"{name} {layout}", {"dcp_default": {}, "ours": {}, "bound": {}, "seconds": {}}
             )
             for world in worlds:
                 plans = simulated_plans(sd, world, shards)

@@ -102,7 +102,7 @@ def save_all(root: str, world: int, layouts=LAYOUTS) -> dict:
         path = os.path.join(root, f"{layout}-w{world}")
         dcp.save(
             build_state(layout, world, tensors),
-            storage_writer=SpreadFileSystemWriter(path, thread_count=2),
+            storage_writer=SpreadFileSystemWriter(path, thread_count=2, min_file_bytes=0),
             planner=SpreadSavePlanner(),
         )
     return {}

@@ -50,7 +50,9 @@ def zeros() -> dict:
 
 def save(path: Path, sd: dict | None = None) -> Path:
     dcp.save(
-        sd or state(), storage_writer=SpreadFileSystemWriter(path), planner=SpreadSavePlanner()
+        sd or state(),
+        storage_writer=SpreadFileSystemWriter(path, min_file_bytes=0),  # a file per layer
+        planner=SpreadSavePlanner(),
     )
     return path
 
