@@ -260,3 +260,21 @@ def test_crafted_item_is_refused_and_runs_nothing(tmp_path):
     # the stock reader with the default planner runs it
     dcp.load({**zeros(), "evil": None}, storage_reader=dcp.FileSystemReader(path))
     assert marker.exists()
+
+
+def test_overwrite_publishes_the_new_checkpoint_whole(tmp_path):
+    """Saving over a checkpoint swaps directories: new values, no leftovers beside it."""
+    path = save(tmp_path / "ckpt", state(seed=0))
+    save(path, state(seed=1))
+    loaded = load_ours(path)
+    assert torch.equal(loaded["embed"], state(seed=1)["embed"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert verify_checkpoint(path).ok
+    with pytest.raises(CheckpointException):  # overwrite=False refuses before writing
+        dcp.save(
+            state(seed=2),
+            storage_writer=SpreadFileSystemWriter(path, overwrite=False),
+            planner=SpreadSavePlanner(),
+        )
+    assert torch.equal(load_ours(path)["embed"], state(seed=1)["embed"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
