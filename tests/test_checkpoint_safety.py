@@ -278,3 +278,16 @@ def test_overwrite_publishes_the_new_checkpoint_whole(tmp_path):
         )
     assert torch.equal(load_ours(path)["embed"], state(seed=1)["embed"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_files_are_layer_runs_and_one_per_writer_thread(tmp_path):
+    """min_file_bytes merges layers into runs; thread_count splits until each thread has one."""
+    merged = tmp_path / "merged"
+    dcp.save(state(), storage_writer=SpreadFileSystemWriter(merged), planner=SpreadSavePlanner())
+    assert sorted(verify_checkpoint(merged).files) == ["__0_other..layers.1.distcp"]
+    threaded = tmp_path / "threaded"
+    writer = SpreadFileSystemWriter(threaded, thread_count=3)
+    dcp.save(state(), storage_writer=writer, planner=SpreadSavePlanner())
+    report = verify_checkpoint(threaded)
+    assert report.ok and len(report.files) == 3
+    assert torch.equal(load_ours(threaded)["layers.1.w"], state()["layers.1.w"])
