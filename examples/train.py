@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -39,6 +40,10 @@ from fsdp_ext import (
     GranularityPolicy,
     LoCoConfig,
     ParallelDims,
+    SafeLoadPlanner,
+    SpreadFileSystemWriter,
+    SpreadSavePlanner,
+    VerifiedFileSystemReader,
     apply_expert_parallel,
     clip_grad_norm_,
     register_comm_hook,
@@ -81,6 +86,7 @@ class TrainConfig:
     log_every: int = 25
     val_batches: int = 8
     ckpt_every: int = 0
+    keep: int = 3  # complete checkpoints kept on disk (older ones are removed)
     resume: bool = False
     stop_after: int = 0  # stop this run after so many steps (0: run to `steps`)
     nproc_per_node: int | None = None  # set: launch torchrun with this many ranks
@@ -138,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=_positive_int, default=d.log_every)
     p.add_argument("--val-batches", type=_positive_int, default=d.val_batches)
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="0 disables")
+    p.add_argument("--keep", type=_positive_int, default=d.keep, help="keep the last N checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument(
         "--stop-after",
@@ -205,6 +212,7 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
         log_every=a.log_every,
         val_batches=a.val_batches,
         ckpt_every=a.ckpt_every,
+        keep=a.keep,
         resume=a.resume,
         stop_after=a.stop_after,
         nproc_per_node=a.nproc_per_node,
@@ -317,14 +325,57 @@ class TrainState(Stateful):
         self.step = state["step"]
 
 
+class RNGState(Stateful):
+    """This rank's RNG streams, under a per-rank key (DCP keeps one copy of a shared key)."""
+
+    def __init__(self, device: torch.device):
+        self.key = f"rank{dist.get_rank()}"
+        self.cuda = device.type == "cuda"
+
+    def state_dict(self) -> dict:
+        state = {"cpu": torch.get_rng_state()}
+        if self.cuda:
+            state["cuda"] = torch.cuda.get_rng_state()
+        return {self.key: state}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state[self.key]["cpu"])
+        if self.cuda:
+            torch.cuda.set_rng_state(state[self.key]["cuda"])
+
+
 def checkpoint_path(root: Path, step: int) -> Path:
     return root / f"step-{step:07d}"
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """DCP writes `.metadata` last, so only directories that have it are complete."""
+    """Saves publish a directory by renaming it into place when complete, `.metadata` last."""
     done = sorted(p for p in root.glob("step-*") if (p / ".metadata").is_file())
     return done[-1] if done else None
+
+
+def save_checkpoint(app_state: dict, cfg: TrainConfig, step: int) -> None:
+    """Spread writes over every rank, checksum every file, publish atomically, keep --keep."""
+    dcp.save(
+        app_state,
+        storage_writer=SpreadFileSystemWriter(checkpoint_path(cfg.checkpoint_root, step)),
+        planner=SpreadSavePlanner(),
+    )
+    if dist.get_rank() == 0:
+        done = sorted(p for p in cfg.checkpoint_root.glob("step-*") if (p / ".metadata").is_file())
+        for old in done[: -cfg.keep]:
+            shutil.rmtree(old)
+
+
+def load_checkpoint(app_state: dict, path: Path) -> None:
+    """Verified load: sizes and checksums checked, no pickle executed."""
+    reader = VerifiedFileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    # RNG streams of ranks the saving run did not have stay as seeded (only a resume on
+    # more ranks without LoCo gets here)
+    rng_key = f"rng.{app_state['rng'].key}.cpu"
+    state = app_state if rng_key in saved else {k: v for k, v in app_state.items() if k != "rng"}
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
 
 
 def evaluate(model, data: torch.Tensor, cfg: TrainConfig, device: torch.device) -> float:
@@ -363,13 +414,16 @@ def train(cfg: TrainConfig) -> dict:
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     state = TrainState(model, optimizer, scheduler)
-    # LoCo's error buffers are checkpointed with the rest, so a resume is exact
-    app_state = {"train": state} if comm is None else {"train": state, "comm": comm}
+    # LoCo's error buffers are checkpointed with the rest, so a resume is exact; the data
+    # position is the step (batches are a pure function of seed and step)
+    app_state = {"train": state, "rng": RNGState(device)}
+    if comm is not None:
+        app_state["comm"] = comm
     if cfg.resume:
         path = latest_checkpoint(cfg.checkpoint_root)
         if path is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.checkpoint_root}")
-        dcp.load(app_state, checkpoint_id=str(path))
+        load_checkpoint(app_state, path)
         log(f"resumed from {path} at step {state.step}")
     elif cfg.ckpt_every and rank == 0:
         cfg.checkpoint_root.mkdir(parents=True, exist_ok=True)
@@ -409,10 +463,7 @@ def train(cfg: TrainConfig) -> dict:
                 f"{tokens_per_step / ms * 1e3:8.0f} tok/s | {ms:7.1f} ms/step"
             )
         if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
-            dcp.save(
-                app_state,
-                checkpoint_id=str(checkpoint_path(cfg.checkpoint_root, state.step)),
-            )
+            save_checkpoint(app_state, cfg, state.step)
 
     val_loss = evaluate(model, corpus.val, cfg, device)
     entropy = unigram_entropy(corpus.train)

@@ -1,5 +1,13 @@
 """fsdp-ext: plugins for PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``)."""
 
+from fsdp_ext.checkpoint import CheckpointIntegrityError as CheckpointIntegrityError
+from fsdp_ext.checkpoint import CheckpointReport as CheckpointReport
+from fsdp_ext.checkpoint import SafeLoadPlanner as SafeLoadPlanner
+from fsdp_ext.checkpoint import SpreadFileSystemWriter as SpreadFileSystemWriter
+from fsdp_ext.checkpoint import SpreadSavePlanner as SpreadSavePlanner
+from fsdp_ext.checkpoint import UnsafeCheckpointError as UnsafeCheckpointError
+from fsdp_ext.checkpoint import VerifiedFileSystemReader as VerifiedFileSystemReader
+from fsdp_ext.checkpoint import verify_checkpoint as verify_checkpoint
 from fsdp_ext.comm import CommHandle as CommHandle
 from fsdp_ext.comm import LoCoConfig as LoCoConfig
 from fsdp_ext.comm import LoCoReduceScatter as LoCoReduceScatter

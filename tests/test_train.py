@@ -11,6 +11,7 @@ import pytest
 
 from examples.model import ModelConfig
 from examples.train import TrainConfig, train
+from fsdp_ext import verify_checkpoint
 from tests.dist import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,9 +33,14 @@ def _train(cfg):
 
 def test_resume_is_bitwise_exact(tmp_path):
     straight = run_distributed(_train, 2, replace(TINY, out=str(tmp_path / "a")))[0]
-    first = replace(TINY, stop_after=10, ckpt_every=10, out=str(tmp_path / "b"))
+    first = replace(TINY, stop_after=10, ckpt_every=5, keep=1, out=str(tmp_path / "b"))
     head = run_distributed(_train, 2, first)[0]
-    assert (tmp_path / "b" / "checkpoints" / "step-0000010" / ".metadata").is_file()
+    # saved with SpreadFileSystemWriter: verified, and only the last --keep 1 is left
+    ckpts = tmp_path / "b" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["run.json", "step-0000010"]
+    report = verify_checkpoint(ckpts / "step-0000010")
+    assert report.ok, report.problems
+    assert sorted(report.bytes_per_rank) == [0, 1]
     tail = run_distributed(_train, 2, replace(first, stop_after=0, resume=True))[0]
     assert tail["start_step"] == 10
     assert len(straight["losses"]) == 20

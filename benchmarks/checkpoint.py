@@ -1,0 +1,445 @@
+"""Benchmark DCP save planners and writers on 4 gloo ranks, plus a planner simulation.
+
+Measured (4 gloo ranks, real files, sync_files=True everywhere): a 24-layer model of varied
+layer sizes with a large embedding and output matrix, in three layouts (fully replicated,
+HSDP 2 x 2, FSDP-sharded), saved by
+
+  lowest_rank     stock FileSystemWriter + DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+  dcp_default     stock FileSystemWriter + DefaultSavePlanner()
+  ours            SpreadFileSystemWriter + SpreadSavePlanner (CRC-32 manifest, atomic publish)
+  ours_nocrc      the same without checksums (to measure what they cost)
+
+Per layout and variant: bytes per rank (max/mean, from the files on disk), save seconds
+(median of 3, variants interleaved and their order rotated each round), load seconds (each
+checkpoint loaded back by its own reader and compared with the saved tensors), files.
+
+Simulated (``--simulate`` alone, or as part of every run): global save plans of real model
+shapes built on the meta device (Llama-3-8B, Mixtral-8x7B, Qwen1.5-MoE-A2.7B, bf16), fully
+replicated and HSDP with 8-way sharding, at world sizes 8 to 1024; max/mean bytes per rank
+for stock ``dedup_save_plans`` and for ours.
+
+    python benchmarks/checkpoint.py --quick      # ~90 MB model, < 5 min
+    python benchmarks/checkpoint.py              # ~340 MB model
+    python benchmarks/checkpoint.py --simulate   # planner only, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from fsdp_ext.checkpoint import (
+    SafeLoadPlanner,
+    SpreadFileSystemWriter,
+    SpreadSavePlanner,
+    VerifiedFileSystemReader,
+    spread_plans,
+)
+from fsdp_ext.checkpoint.planner import item_nbytes
+from tests.dist import run_distributed
+
+WORLD = 4
+LAYOUTS = ("replicated", "hsdp", "fsdp")
+VARIANTS = ("lowest_rank", "dcp_default", "ours", "ours_nocrc")
+SIM_WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+# -- the measured model ----------------------------------------------------------------------
+
+
+def model_shapes(dim: int, vocab: int, n_layers: int = 24) -> dict[str, tuple[int, ...]]:
+    """A decoder's weights: big embedding/output, layers whose MLP width cycles 1x..4x dim."""
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, dim)}
+    for i in range(n_layers):
+        ffn = dim * (1 + i % 4)
+        shapes |= {
+            f"layers.{i}.attn.wqkv.weight": (3 * dim, dim),
+            f"layers.{i}.attn.wo.weight": (dim, dim),
+            f"layers.{i}.mlp.w1.weight": (ffn, dim),
+            f"layers.{i}.mlp.w2.weight": (dim, ffn),
+            f"layers.{i}.norm.weight": (dim,),
+        }
+    shapes |= {"norm.weight": (dim,), "output.weight": (vocab, dim)}
+    return shapes
+
+
+def build_state(layout: str, shapes: dict[str, tuple[int, ...]]) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    full = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    if layout == "replicated":
+        return {"model": full, "step": 100}
+    if layout == "hsdp":
+        mesh, placements = init_device_mesh("cpu", (2, WORLD // 2)), [Replicate(), Shard(0)]
+    else:
+        mesh, placements = init_device_mesh("cpu", (WORLD,)), [Shard(0)]
+    return {
+        "model": {k: distribute_tensor(v, mesh, placements) for k, v in full.items()},
+        "step": 100,
+    }
+
+
+def zeros_like_state(state: dict) -> dict:
+    out = {}
+    for k, v in state["model"].items():
+        if isinstance(v, DTensor):
+            local = torch.zeros_like(v.to_local())
+            out[k] = DTensor.from_local(
+                local,
+                v.device_mesh,
+                v.placements,
+                run_check=False,
+                shape=v.shape,
+                stride=v.stride(),
+            )
+        else:
+            out[k] = torch.zeros_like(v)
+    return {"model": out, "step": 0}
+
+
+def same(a: dict, b: dict) -> bool:
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    return a["step"] == b["step"] and all(
+        torch.equal(local(a["model"][k]), local(b["model"][k])) for k in a["model"]
+    )
+
+
+def writer_and_planner(variant: str, path: Path):
+    if variant == "lowest_rank":
+        return dcp.FileSystemWriter(path), DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    if variant == "dcp_default":
+        return dcp.FileSystemWriter(path), DefaultSavePlanner()
+    return SpreadFileSystemWriter(path, checksums=variant == "ours"), SpreadSavePlanner()
+
+
+def reader_and_planner(variant: str, path: Path):
+    if variant.startswith("ours"):
+        return VerifiedFileSystemReader(path), SafeLoadPlanner()
+    return dcp.FileSystemReader(path), None
+
+
+def timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def bytes_per_rank(path: Path) -> list[int]:
+    out = [0] * WORLD
+    for f in path.iterdir():
+        if f.suffix == ".distcp":
+            out[int(f.name.split("_")[2])] += f.stat().st_size
+    return out
+
+
+def _measure(root: str, dim: int, vocab: int, reps: int, load_reps: int) -> dict:
+    rank = dist.get_rank()
+    shapes = model_shapes(dim, vocab)
+    results: dict = {}
+    for layout in LAYOUTS:
+        state = build_state(layout, shapes)
+        save_s: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for rep in range(reps):
+            order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
+            for variant in order:
+                path = Path(root) / f"{layout}-{variant}"
+                if rank == 0 and path.exists():
+                    shutil.rmtree(path)
+                dist.barrier()
+                writer, planner = writer_and_planner(variant, path)
+                save = functools.partial(dcp.save, state, storage_writer=writer, planner=planner)
+                save_s[variant].append(timed(save))
+        layout_out = {}
+        for variant in VARIANTS:
+            path = Path(root) / f"{layout}-{variant}"
+            load_s, correct = [], True
+            for _ in range(load_reps):
+                target = zeros_like_state(state)
+                reader, planner = reader_and_planner(variant, path)
+                load_s.append(
+                    timed(
+                        lambda t=target, r=reader, p=planner: dcp.load(
+                            t, storage_reader=r, planner=p
+                        )
+                    )
+                )
+                correct &= same(target, state)
+            flags = torch.tensor(int(correct))
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            per_rank = bytes_per_rank(path)
+            mean = sum(per_rank) / WORLD
+            layout_out[variant] = {
+                "bytes_per_rank_mb": [round(b / 2**20, 1) for b in per_rank],
+                "max_mean": round(max(per_rank) / mean, 3),
+                "save_s": round(statistics.median(save_s[variant]), 3),
+                "save_s_all": [round(t, 3) for t in save_s[variant]],
+                "load_s": round(statistics.median(load_s), 3),
+                "files": sum(1 for _ in path.iterdir()),
+                "loads_equal": bool(flags),
+            }
+        results[layout] = layout_out
+    total = sum(torch.Size(s).numel() * 4 for s in shapes.values())
+    data = os.urandom(64 << 20)
+    t0 = time.perf_counter()
+    zlib.crc32(data)
+    crc_gbps = len(data) / (time.perf_counter() - t0) / 1e9
+    return (
+        {"model_mb": round(total / 2**20, 1), "crc32_gb_per_s": round(crc_gbps, 2), **results}
+        if rank == 0
+        else {}
+    )
+
+
+# -- the simulation --------------------------------------------------------------------------
+
+
+def real_model_shapes(models: tuple[str, ...] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """State dicts (meta tensors, bf16) of three real architectures, built from configs."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2MoeConfig
+
+    configs = {
+        "Llama-3-8B": LlamaConfig(
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+        ),
+        "Mixtral-8x7B": MixtralConfig(
+            vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+        "Qwen1.5-MoE-A2.7B": Qwen2MoeConfig(
+            vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+            moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+            num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+            num_experts=60, num_experts_per_tok=4,
+        ),
+    }  # fmt: skip
+    unknown = set(models or ()) - set(configs)
+    if unknown:
+        raise ValueError(f"--sim-models: unknown {sorted(unknown)}; choose from {list(configs)}")
+    out = {}
+    for name, cfg in configs.items():
+        if models and name not in models:
+            continue
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        out[name] = dict(model.state_dict())
+    return out
+
+
+def _shard_item(fqn: str, t: torch.Tensor, shard: int, shards: int) -> WriteItem:
+    """Rank ``shard``'s dim-0 chunk of ``t`` (FSDP2's uneven torch.chunk split)."""
+    rows = t.shape[0] if t.dim() else 1
+    per = -(-rows // shards)
+    start = min(rows, shard * per)
+    n = max(0, min(per, rows - start))
+    offsets = torch.Size([start, *[0] * (t.dim() - 1)])
+    sizes = torch.Size([n, *t.shape[1:]])
+    return WriteItem(
+        index=MetadataIndex(fqn, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+            properties=_create_write_items(fqn, t)[0].tensor_data.properties,
+            size=t.shape,
+        ),
+    )
+
+
+def simulated_plans(sd: dict[str, torch.Tensor], world: int, shards: int) -> list[SavePlan]:
+    """Local plans: fully replicated (shards=1) or HSDP with ``shards``-way sharding."""
+    if shards == 1:
+        items = [i for fqn, t in sd.items() for i in _create_write_items(fqn, t)]
+        return [SavePlan(list(items)) for _ in range(world)]
+    per_shard = [
+        [_shard_item(fqn, t, s, shards) for fqn, t in sd.items() if t.dim()] for s in range(shards)
+    ]
+    return [SavePlan(list(per_shard[r % shards])) for r in range(world)]
+
+
+def imbalance(plans: list[SavePlan]) -> float:
+    loads = [sum(item_nbytes(i) for i in p.items) for p in plans]
+    return max(loads) / (sum(loads) / len(loads))
+
+
+def lower_bound(plans: list[SavePlan]) -> float:
+    """The best max/mean any planner can reach: items can only go to ranks that hold them.
+
+    Under HSDP every copy of shard s sits in column s, so that column must write shard s:
+    max/mean >= (largest column's bytes per rank) / (mean bytes per rank). Fully
+    replicated plans form one column, where the bound is 1.
+    """
+    columns: dict[tuple, int] = {}
+    holders: dict[tuple, set] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            holders.setdefault((item.index.fqn, tuple(item.index.offset or ())), set()).add(rank)
+    seen = set()
+    for plan in plans:
+        for item in plan.items:
+            key = (item.index.fqn, tuple(item.index.offset or ()))
+            if key in seen:
+                continue
+            seen.add(key)
+            col = tuple(sorted(holders[key]))
+            columns[col] = columns.get(col, 0) + item_nbytes(item)
+    total = sum(columns.values())
+    return max(b / len(col) for col, b in columns.items()) / (total / len(plans))
+
+
+def simulate(worlds=SIM_WORLDS, models: tuple[str, ...] | None = None) -> dict:
+    out: dict = {}
+    for name, sd in real_model_shapes(models).items():
+        for layout, shards in (("replicated", 1), ("hsdp8", 8)):
+            rows = out.setdefault(
+                f"{name} {layout}", {"dcp_default": {}, "ours": {}, "bound": {}, "seconds": {}}
+            )
+            for world in worlds:
+                plans = simulated_plans(sd, world, shards)
+                rows["dcp_default"][world] = round(imbalance(dedup_save_plans(plans)), 3)
+                t0 = time.perf_counter()
+                rows["ours"][world] = round(imbalance(spread_plans(plans)), 3)
+                rows["seconds"][world] = round(time.perf_counter() - t0, 2)
+                rows["bound"][world] = round(lower_bound(plans), 3)
+    return out
+
+
+def plot_simulation(sim: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, layout in zip(axes, ("replicated", "hsdp8"), strict=True):
+        for i, (key, rows) in enumerate((k, v) for k, v in sim.items() if k.endswith(layout)):
+            color = f"C{i}"
+            worlds = list(rows["ours"])
+            model = key.rsplit(" ", 1)[0]
+            ax.plot(
+                worlds,
+                list(rows["dcp_default"].values()),
+                "--o",
+                color=color,
+                label=f"{model} stock",
+            )
+            ax.plot(worlds, list(rows["ours"].values()), "-s", color=color, label=f"{model} ours")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("world size")
+        ax.set_title("fully replicated" if layout == "replicated" else "HSDP, 8-way shard")
+        ax.axhline(1.05, color="grey", lw=0.8)
+    axes[0].set_ylabel("max / mean bytes written per rank")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="~90 MB model, one load per variant")
+    p.add_argument("--simulate", action="store_true", help="planner simulation only")
+    p.add_argument("--sim-worlds", default=",".join(map(str, SIM_WORLDS)))
+    p.add_argument("--sim-models", default="", help="comma-separated subset (default: all)")
+    p.add_argument("--plot", default=str(DOCS / "checkpoint_sim.png"), help="'' to skip")
+    args = p.parse_args(argv)
+    worlds = tuple(int(w) for w in args.sim_worlds.split(","))
+
+    result: dict = {"bench": "checkpoint"}
+    if not args.simulate:
+        dim, vocab = (256, 16384) if args.quick else (512, 32768)
+        with tempfile.TemporaryDirectory(
+            prefix="fsdp_ext_ckpt_bench_", dir=os.environ.get("CKPT_BENCH_DIR")
+        ) as root:
+            measured = run_distributed(
+                _measure, WORLD, root, dim, vocab, 3, 1 if args.quick else 3, timeout=3000
+            )[0]
+        for layout in LAYOUTS:
+            print(f"{layout}: " + json.dumps(measured[layout]), flush=True)
+        rep = measured["replicated"]
+        result["layouts"] = {
+            layout: {
+                v: {
+                    k: measured[layout][v][k]
+                    for k in ("max_mean", "save_s", "load_s", "files", "loads_equal")
+                }
+                for v in VARIANTS
+            }
+            for layout in LAYOUTS
+        }
+        result["model_mb"] = measured["model_mb"]
+        result["imbalance_ours"] = max(measured[layout]["ours"]["max_mean"] for layout in LAYOUTS)
+        result["imbalance_dcp_default"] = rep["dcp_default"]["max_mean"]
+        result["imbalance_lowest_rank"] = rep["lowest_rank"]["max_mean"]
+        result["save_speedup_vs_lowest_rank"] = round(
+            rep["lowest_rank"]["save_s"] / rep["ours"]["save_s"], 2
+        )
+        result["save_ratio_vs_dcp_default"] = round(
+            rep["ours"]["save_s"] / rep["dcp_default"]["save_s"], 2
+        )
+        result["checksum_cost"] = round(rep["ours"]["save_s"] / rep["ours_nocrc"]["save_s"] - 1, 3)
+        result["crc32_gb_per_s"] = measured["crc32_gb_per_s"]
+        result["crc32_share_of_save"] = round(
+            measured["model_mb"]
+            * 2**20
+            / (measured["crc32_gb_per_s"] * 1e9)
+            / WORLD
+            / rep["ours"]["save_s"],
+            3,
+        )
+    sim = simulate(worlds, tuple(m for m in args.sim_models.split(",") if m) or None)
+    for key, rows in sim.items():
+        print(f"sim {key}: stock {rows['dcp_default']} ours {rows['ours']} bound {rows['bound']}")
+    if args.plot:
+        plot_simulation(sim, Path(args.plot))
+    result["sim"] = {
+        k: {key: v[key] for key in ("dcp_default", "ours", "bound")} for k, v in sim.items()
+    }
+    replicated = [v for k, v in sim.items() if k.endswith("replicated")]
+    # the issue's simulation: fully replicated plans (the bound is 1 there)
+    result["sim_max_imbalance_ours"] = max(max(v["ours"].values()) for v in replicated)
+    result["sim_max_imbalance_dcp_default"] = max(
+        max(v["dcp_default"].values()) for v in replicated
+    )
+    # every layout, HSDP too: how far above the best any planner could do
+    result["sim_max_over_bound_ours"] = round(
+        max(v["ours"][w] / v["bound"][w] for v in sim.values() for w in v["ours"]), 3
+    )
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

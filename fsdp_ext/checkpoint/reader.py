@@ -1,0 +1,196 @@
+"""A FileSystemReader that verifies every file it reads and never runs a stored pickle.
+
+Stock DCP loading trusts the files: a flipped byte in a ``.distcp`` file loads silently,
+``read_metadata`` calls ``pickle.load`` and ``DefaultLoadPlanner.load_bytes`` calls
+``torch.load(weights_only=False)``. Here:
+
+- ``.metadata`` is checked against the manifest, then read by a restricted unpickler;
+- each data file is read once, whole, checked (size, CRC-32) and served from memory, so
+  what was checked is what is loaded;
+- non-tensor items are opened with ``weights_only=True``. Pass ``planner=SafeLoadPlanner()``
+  to ``dcp.load``; with any other planner this reader still vets each item the same way
+  before handing it on.
+
+A checkpoint without a manifest (written by the stock writer) loads with one warning that
+it was not verified; one whose metadata says it was written with a manifest but has none
+is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from fsdp_ext.checkpoint.manifest import (
+    MANIFEST_NAME,
+    MARKER,
+    METADATA_NAME,
+    NO_CHECKSUM,
+    CheckpointIntegrityError,
+    Manifest,
+    UnsafeCheckpointError,
+    check_record,
+    checksum_bytes,
+    read_manifest,
+)
+from fsdp_ext.checkpoint.unpickler import load_metadata
+
+
+def load_object_safely(data: bytes, what: str):
+    """``torch.load(weights_only=True)``, with a refusal that names the item."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        raise UnsafeCheckpointError(
+            f"{what}: refused to unpickle a non-tensor item outside the weights_only allowlist "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "allow its types with torch.serialization.add_safe_globals if you trust them"
+        ) from exc
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """A ``DefaultLoadPlanner`` whose non-tensor items load with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = load_object_safely(value.getvalue(), f"item {read_item.dest_index.fqn}")
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class _VerifiedFileSystem(FileSystem):
+    """Serves each data file from memory after checking it against the manifest."""
+
+    def __init__(self, reader: VerifiedFileSystemReader):
+        self.reader = reader
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        manifest = self.reader.manifest
+        if "r" not in mode or manifest is None:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        yield io.BytesIO(self.reader.verified_bytes(Path(path)))
+
+
+class VerifiedFileSystemReader(FileSystemReader):
+    """Checks size and checksum of every file it reads; unpickles nothing it need not.
+
+    ``dcp.load(state, storage_reader=VerifiedFileSystemReader(path),
+    planner=SafeLoadPlanner())``. Errors: :class:`CheckpointIntegrityError` (missing,
+    truncated or altered file, named with expected and found values) and
+    :class:`UnsafeCheckpointError` (a pickle that would run code).
+    """
+
+    def __init__(self, path: str | os.PathLike, **kwargs) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _VerifiedFileSystem(self)
+        self.manifest: Manifest | None = None
+        self._manifest_loaded = False
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)
+        self.manifest, self._manifest_loaded = None, False
+
+    def _load_manifest(self) -> Manifest | None:
+        if not self._manifest_loaded:
+            directory = Path(self.path)
+            if not directory.is_dir():
+                raise CheckpointIntegrityError(f"{directory}: no such checkpoint directory")
+            self.manifest = read_manifest(directory)
+            self._manifest_loaded = True
+        return self.manifest
+
+    def read_metadata(self) -> Metadata:
+        # No **kwargs on purpose: dcp.load then does not retry with per-rank metadata files
+        # (a format we do not write) and repeat the error.
+        manifest = self._load_manifest()
+        path = Path(self.path) / METADATA_NAME
+        if not path.is_file():
+            raise CheckpointIntegrityError(
+                f"{path}: missing (the save did not finish, or the file was deleted)"
+            )
+        data = path.read_bytes()
+        if manifest is not None:
+            check_record(str(path), manifest.metadata, len(data), self._checksum(data))
+        metadata = load_metadata(data, str(path))
+        modules = getattr(metadata.storage_meta, "modules", None) or []
+        if manifest is not None and manifest.checksum == NO_CHECKSUM:
+            warnings.warn(
+                f"{self.path}: written with checksums=False; verifying file sizes only",
+                stacklevel=2,
+            )
+        if manifest is None:
+            if MARKER in modules:
+                raise CheckpointIntegrityError(
+                    f"{Path(self.path) / MANIFEST_NAME}: missing, but {path} says the "
+                    "checkpoint was written with one; its files cannot be verified"
+                )
+            warnings.warn(
+                f"{self.path}: no {MANIFEST_NAME} (not written by SpreadFileSystemWriter); "
+                "loading without size and checksum verification",
+                stacklevel=2,
+            )
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs):
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        manifest = self._load_manifest()
+        if manifest is None:
+            return
+        for info in self.storage_data.values():
+            if info.relative_path not in manifest.files:
+                raise CheckpointIntegrityError(
+                    f"{Path(self.path) / info.relative_path}: referenced by {METADATA_NAME} "
+                    f"but not listed in {MANIFEST_NAME}"
+                )
+
+    def verified_bytes(self, path: Path) -> bytes:
+        record = self.manifest.files[path.name]
+        if not path.is_file():
+            raise CheckpointIntegrityError(f"{path}: missing ({record.size} bytes expected)")
+        data = path.read_bytes()
+        check_record(str(path), record, len(data), self._checksum(data))
+        return data
+
+    def _checksum(self, data: bytes) -> str | None:
+        return None if self.manifest.checksum == NO_CHECKSUM else checksum_bytes(data)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        return super().read_data(plan, _VettedPlanner(planner, self))
+
+
+class _VettedPlanner:
+    """Wraps any load planner: a non-tensor item must pass ``weights_only`` first."""
+
+    def __init__(self, inner: LoadPlanner, reader: VerifiedFileSystemReader):
+        self._inner = inner
+        self._reader = reader
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        data = value.getvalue()
+        if not isinstance(self._inner, SafeLoadPlanner):
+            info = self._reader.storage_data[read_item.storage_index]
+            where = Path(self._reader.path) / info.relative_path
+            load_object_safely(data, f"{where}: item {read_item.dest_index.fqn}")
+        self._inner.load_bytes(read_item, io.BytesIO(data))

@@ -1,0 +1,40 @@
+"""Smoke tests of benchmarks/checkpoint.py: the simulation (default run) and --quick (slow)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.checkpoint import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_simulation_balances_real_model_shapes(capsys):
+    result = main(["--simulate", "--sim-worlds", "128", "--sim-models", "Llama-3-8B", "--plot", ""])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == json.loads(json.dumps(result))
+    assert last["bench"] == "checkpoint"
+    assert last["sim_max_imbalance_ours"] <= 1.05
+    llama = last["sim"]["Llama-3-8B replicated"]
+    assert llama["dcp_default"]["128"] > 4 * llama["ours"]["128"]  # two 1 GB matrices unsplit
+    assert last["sim_max_over_bound_ours"] <= 1.05
+    assert llama["ours"]["128"] <= 1.05 and llama["bound"]["128"] == 1.0
+
+
+@pytest.mark.slow
+def test_quick_benchmark_runs(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "checkpoint.py"), "--quick", "--plot", ""],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("layouts", "imbalance_ours", "imbalance_dcp_default", "sim_max_imbalance_ours"):
+        assert key in last
+    assert last["imbalance_ours"] <= 1.05
+    assert all(v["loads_equal"] for layout in last["layouts"].values() for v in layout.values())
