@@ -125,14 +125,13 @@ class CommHandle:
         }
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        buffer.seek(0)
-        return {f"rank{dist.get_rank()}": buffer}
+        # plain bytes: DCP pickles the value, and only builtins pass a weights_only load
+        return {f"rank{dist.get_rank()}": buffer.getvalue()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         mine = state_dict.get(f"rank{dist.get_rank()}")
-        if isinstance(mine, io.BytesIO):  # not through DCP: the bytes themselves
-            mine.seek(0)
-            mine = torch.load(mine, weights_only=True)
+        if isinstance(mine, bytes):
+            mine = torch.load(io.BytesIO(mine), weights_only=True)
         now = self.header()
         if mine is None:
             differences = [f"the checkpoint holds no LoCo state for rank {dist.get_rank()}"]
