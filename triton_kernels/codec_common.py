@@ -9,6 +9,16 @@ Wire encoding: a 4-bit value is stored as the nibble ``q + 8``; element ``2i`` g
 low nibble of byte ``i`` and element ``2i + 1`` in the high nibble. An 8-bit value is stored
 as the byte ``q + 128``. Scales are fp32, one per group.
 
+Payload layout (the all-to-all send buffer): ``[W, chunk_bytes]`` uint8, one row per
+destination rank; row ``w`` holds the codes of its ``G`` groups, then their ``G`` fp32 scales,
+so each destination's bytes are contiguous (``chunk_bytes = G * (group_size * bits / 8 + 4)``).
+
+Bit-exactness on a GPU: the kernels are launched with ``enable_fp_fusion=False``, so the
+compiler never contracts ``a * b + c`` into an FMA; every product and sum is rounded on its
+own, as in the torch reference. Passing the option explicitly is also what silences Triton
+3.9's warning about ``TRITON_DEFAULT_FP_FUSION`` (whose default flips in 3.10): the choice is
+ours, not the environment's.
+
 Non-finite groups: a group whose compensated values hold a NaN or Inf is sent with
 ``q = 0`` everywhere and scale ``NaN``. Dequantisation computes ``0 * NaN = NaN`` at every
 position of the group, so the non-finite value reaches the receiver instead of being
@@ -39,6 +49,61 @@ def qmax(bits: int) -> int:
 def bytes_per_group(group_size: int, bits: int) -> int:
     """Packed payload bytes of one group (scale excluded)."""
     return group_size * bits // 8
+
+
+def payload_chunk_bytes(groups: int, group_size: int, bits: int) -> int:
+    """Bytes of one destination's row of the payload: codes then fp32 scales."""
+    return groups * (bytes_per_group(group_size, bits) + 4)
+
+
+def check_payload(
+    payload: torch.Tensor, num_rows: int, groups: int, group_size: int, bits: int
+) -> None:
+    if bytes_per_group(group_size, bits) % 4:
+        raise ValueError(
+            f"group_size * bits / 8 must be a multiple of 4 for the payload layout, got "
+            f"group_size={group_size}, bits={bits}"
+        )
+    want = (num_rows, payload_chunk_bytes(groups, group_size, bits))
+    if payload.dtype != torch.uint8 or tuple(payload.shape) != want or not payload.is_contiguous():
+        raise ValueError(
+            f"payload must be a contiguous uint8 tensor of shape {want}, "
+            f"got {payload.dtype} {tuple(payload.shape)}"
+        )
+
+
+def payload_views(
+    payload: torch.Tensor, groups: int, group_size: int, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[W, G * code_bytes]`` uint8 codes and ``[W, G]`` fp32 scales, both views of ``payload``."""
+    code_bytes = groups * bytes_per_group(group_size, bits)
+    codes = payload[:, :code_bytes]
+    scales = payload.view(torch.float32)[:, code_bytes // 4 :]
+    return codes, scales
+
+
+# Tile table: (groups per program, num_warps) by kernel and group size. A program handles
+# about 4096 elements (quantize_ef, which keeps h, e and q live) or 8192 (dequantize_reduce):
+# enough bytes in flight per SM to stream at copy bandwidth, few enough registers to keep
+# several programs resident. GROUPS * group_size is fixed, so the number of compiled variants
+# does not grow with the table.
+TILE_ELEMENTS = {"quantize_ef": 4096, "dequantize_reduce": 8192}
+GROUP_SIZES = tuple(2**i for i in range(1, 13))  # what the launchers accept: 2 .. 4096
+
+
+def tile_config(kernel: str, group_size: int, bits: int) -> tuple[int, int]:
+    """(groups per program, num_warps) for ``kernel`` on groups of ``group_size``."""
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be a power of two in [2, 4096], got {group_size}")
+    elements = TILE_ELEMENTS[kernel]
+    groups = max(1, elements // group_size)
+    num_warps = 8 if groups * group_size >= 8192 else 4
+    return groups, num_warps
+
+
+def launch_options() -> dict[str, bool]:
+    """Compiler options of every codec launch (see "Bit-exactness on a GPU" above)."""
+    return {"enable_fp_fusion": False}
 
 
 def require_triton() -> None:

@@ -60,12 +60,14 @@ def node_local_reduce_scatter(
     sum of chunk ``n * k + local``, still to be reduced across nodes) and the bytes sent.
     """
     k, n = groups.intra_node_size, groups.num_nodes
-    by_local = input_tensor.view(n, k, -1).transpose(0, 1).contiguous()
-    partial = by_local.new_empty(by_local.shape[1:])
-    _reduce_scatter(
-        output=partial.view(-1),
-        input=by_local.view(-1),
-        op=dist.ReduceOp.SUM,
-        group=groups.intra_node,
-    )
+    by_node = input_tensor.view(n, k, -1)
+    partial = by_node.new_empty(n, by_node.shape[2])
+    # one reduce-scatter per node block reads the input in place (no transposed copy)
+    for node in range(n):
+        _reduce_scatter(
+            output=partial[node],
+            input=by_node[node].view(-1),
+            op=dist.ReduceOp.SUM,
+            group=groups.intra_node,
+        )
     return partial, (k - 1) * partial.numel() * partial.element_size()

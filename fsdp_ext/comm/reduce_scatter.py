@@ -11,7 +11,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.error_feedback import ErrorFeedback
 from fsdp_ext.comm.hierarchical import NodeGroups, build_node_groups, node_local_reduce_scatter
-from fsdp_ext.comm.quantized_exchange import pad_columns, quantized_reduce_scatter, round_up
+from fsdp_ext.comm.quantized_exchange import quantized_reduce_scatter_into, round_up
 from fsdp_ext.comm.stats import CommStats
 
 ReduceOp = dist.ReduceOp
@@ -96,17 +96,18 @@ class LoCoReduceScatter(ReduceScatter):
             chunks = input_tensor.view(world_size, shard)
             exchange_group = group
         if chunks.shape[0] == 1:
-            reduced, sent = (chunks[0].float() * out_scale).to(output_tensor.dtype), 0
+            output_tensor.copy_((chunks[0].float() * out_scale).to(output_tensor.dtype))
+            sent = 0
         else:
-            reduced, sent = quantized_reduce_scatter(
-                pad_columns(chunks, round_up(shard, self.config.group_size)),
+            # padding, quantisation and the write into output_tensor happen in the kernels
+            sent = quantized_reduce_scatter_into(
+                output_tensor,
+                chunks,
                 exchange_group,
                 self.config,
                 self.feedback,
                 out_scale=out_scale,
-                out_dtype=output_tensor.dtype,
             )
-        output_tensor.copy_(reduced[:shard])
         self.stats.bytes_sent += sent
         self.stats.intra_node_bytes += intra_bytes
         self.stats.bytes_uncompressed += (world_size - 1) * shard * input_tensor.element_size()
