@@ -27,6 +27,9 @@ packed away into a finite nibble.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
 try:
@@ -82,23 +85,52 @@ def payload_views(
     return codes, scales
 
 
-# Tile table: (groups per program, num_warps) by kernel and group size. A program handles
-# about 4096 elements (quantize_ef, which keeps h, e and q live) or 8192 (dequantize_reduce):
-# enough bytes in flight per SM to stream at copy bandwidth, few enough registers to keep
-# several programs resident. GROUPS * group_size is fixed, so the number of compiled variants
-# does not grow with the table.
-TILE_ELEMENTS = {"quantize_ef": 4096, "dequantize_reduce": 8192}
-GROUP_SIZES = tuple(2**i for i in range(1, 13))  # what the launchers accept: 2 .. 4096
+# Tile table: (groups per program, num_warps) by kernel and group size. A program of 4 warps
+# handles 2048 elements (quantize_ef, which keeps h, e and q live) or 4096 (dequantize_reduce):
+# every thread then moves at least 16 contiguous bytes of each stream (fp32 or bf16 values,
+# int8 errors, 4-bit codes), so each load is one 16-byte vector (ld.global.v4.b32), and the
+# registers stay low enough for several programs per SM. GROUPS * group_size is fixed per
+# kernel, so the number of compiled variants does not grow with the table.
+TILE_ELEMENTS = {"quantize_ef": 2048, "dequantize_reduce": 4096}
+TILE_WARPS = {"quantize_ef": 4, "dequantize_reduce": 4}
+# Group sizes the Triton codec kernels are built for (each is a compiled variant, all of them
+# compiled ahead of time in the tests); the torch references take any power of two.
+TRITON_GROUP_SIZES = (32, 64, 128, 256)
 
 
 def tile_config(kernel: str, group_size: int, bits: int) -> tuple[int, int]:
     """(groups per program, num_warps) for ``kernel`` on groups of ``group_size``."""
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be a power of two in [2, 4096], got {group_size}")
+    if group_size not in TRITON_GROUP_SIZES:
+        raise ValueError(
+            f"group_size must be one of {TRITON_GROUP_SIZES} for the Triton kernels "
+            f"(the torch reference takes any power of two), got {group_size}"
+        )
     elements = TILE_ELEMENTS[kernel]
     groups = max(1, elements // group_size)
-    num_warps = 8 if groups * group_size >= 8192 else 4
-    return groups, num_warps
+    return groups, TILE_WARPS[kernel]
+
+
+@dataclass(frozen=True)
+class CompileCase:
+    """One compiled variant of a kernel, as its launcher would produce it.
+
+    ``signature`` maps every runtime argument to its Triton type (``"*fp32"``, ``"i32"``...);
+    ``constexprs`` gives the compile-time ones. ``aligned`` names the arguments the runtime
+    specialises as multiples of 16 for aligned tensors and sizes (the common case).
+    """
+
+    kernel: Any
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    num_warps: int
+    aligned: tuple[str, ...] = ()
+    streams: tuple[str, ...] = field(default=())  # the main data streams, for PTX checks
+
+    @property
+    def name(self) -> str:
+        values = ",".join(f"{k}={v}" for k, v in self.constexprs.items())
+        types = ",".join(f"{k}:{v}" for k, v in self.signature.items() if v.startswith("*"))
+        return f"{self.kernel.__name__}[{values}]({types})"
 
 
 def launch_options() -> dict[str, bool]:

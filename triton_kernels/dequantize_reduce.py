@@ -17,6 +17,9 @@ import torch
 
 from triton_kernels import backend
 from triton_kernels.codec_common import (
+    QMAX,
+    TRITON_GROUP_SIZES,
+    CompileCase,
     as_int16_bits,
     bytes_per_group,
     check_payload,
@@ -170,6 +173,54 @@ if triton is not None:
             tl.store(out_ptr + col, acc, mask=in_out)
 
 
+def _kernel_config(group_size: int, bits: int, out_dtype: torch.dtype) -> tuple[dict, int]:
+    """The constexprs and num_warps of a launch: shared by the launcher and compile_cases."""
+    tile_groups, num_warps = tile_config("dequantize_reduce", group_size, bits)
+    constexprs = dict(
+        GROUP=group_size,
+        GROUPS=tile_groups,
+        BITS=bits,
+        OFFSET=qmax(bits) + 1,
+        OUT_BF16=out_dtype == torch.bfloat16,
+    )
+    return constexprs, num_warps
+
+
+def compile_cases() -> list[CompileCase]:
+    """Every variant the launchers can produce: group size x bits x output dtype."""
+    cases = []
+    for group_size in TRITON_GROUP_SIZES:
+        for bits in QMAX:
+            for out_dtype, out_type in ((torch.float32, "*fp32"), (torch.bfloat16, "*i16")):
+                constexprs, num_warps = _kernel_config(group_size, bits, out_dtype)
+                signature = {
+                    "codes_ptr": "*u8",
+                    "codes_row_stride": "i32",
+                    "scale_ptr": "*fp32",
+                    "scale_row_stride": "i32",
+                    "out_ptr": out_type,
+                    "n_out": "i32",
+                    "num_chunks": "i32",
+                    "groups_per_row": "i32",
+                    "out_scale": "fp32",
+                }
+                signature.update(dict.fromkeys(constexprs, "constexpr"))
+                aligned = tuple(
+                    k for k, v in signature.items() if v[0] == "*" or k[-6:] == "stride"
+                )
+                cases.append(
+                    CompileCase(
+                        _dequantize_reduce_kernel,
+                        signature,
+                        constexprs,
+                        num_warps,
+                        aligned=(*aligned, "n_out"),
+                        streams=("codes_ptr", "out_ptr"),
+                    )
+                )
+    return cases
+
+
 def _launch(codes, scales, out, groups, group_size, bits, out_scale) -> None:
     require_triton()
     if groups == 0 or out.numel() == 0:
@@ -177,8 +228,8 @@ def _launch(codes, scales, out, groups, group_size, bits, out_scale) -> None:
     if codes.shape[0] == 0:
         out.zero_()
         return
-    tile_groups, num_warps = tile_config("dequantize_reduce", group_size, bits)
-    _dequantize_reduce_kernel[(triton.cdiv(groups, tile_groups),)](
+    constexprs, num_warps = _kernel_config(group_size, bits, out.dtype)
+    _dequantize_reduce_kernel[(triton.cdiv(groups, constexprs["GROUPS"]),)](
         codes,
         codes.stride(0),
         scales,
@@ -188,11 +239,7 @@ def _launch(codes, scales, out, groups, group_size, bits, out_scale) -> None:
         codes.shape[0],
         groups,
         float(out_scale),
-        GROUP=group_size,
-        GROUPS=tile_groups,
-        BITS=bits,
-        OFFSET=qmax(bits) + 1,
-        OUT_BF16=out.dtype == torch.bfloat16,
+        **constexprs,
         num_warps=num_warps,
         **launch_options(),
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from triton_kernels import backend
-from triton_kernels.codec_common import launch_options, tl, triton
+from triton_kernels.codec_common import CompileCase, launch_options, tl, triton
 
 # Fixed block sizes: the kernel has one compiled variant per counts dtype, whatever the
 # number of ranks and experts.
@@ -82,6 +82,27 @@ if triton is not None:
             dst += count
 
 
+def compile_cases() -> list[CompileCase]:
+    """The launcher's variants: one per counts dtype (block sizes are fixed)."""
+    return [
+        CompileCase(
+            _permute_indices_kernel,
+            {
+                "counts_ptr": counts_type,
+                "out_ptr": "*i64",
+                "num_ranks": "i32",
+                "experts_per_rank": "i32",
+                "SCAN": "constexpr",
+                "BLOCK": "constexpr",
+            },
+            {"SCAN": SCAN_BLOCK, "BLOCK": FILL_BLOCK},
+            num_warps=4,
+            aligned=("counts_ptr", "out_ptr"),
+        )
+        for counts_type in ("*i32", "*i64")
+    ]
+
+
 def permute_indices_triton(counts: torch.Tensor) -> torch.Tensor:
     """Triton launcher; same contract as :func:`permute_indices_reference`."""
     if triton is None:
@@ -102,6 +123,7 @@ def permute_indices_triton(counts: torch.Tensor) -> torch.Tensor:
         experts_per_rank,
         SCAN=SCAN_BLOCK,
         BLOCK=FILL_BLOCK,
+        num_warps=4,
         **launch_options(),
     )
     return out

@@ -27,6 +27,9 @@ import torch
 from triton_kernels import backend
 from triton_kernels.codec_common import (
     ERROR_QMAX,
+    QMAX,
+    TRITON_GROUP_SIZES,
+    CompileCase,
     as_int16_bits,
     bytes_per_group,
     check_payload,
@@ -253,6 +256,67 @@ if triton is not None:
                 tl.store(error_ptr + e_offs, new, mask=group_ok[:, None])
 
 
+def _kernel_config(group_size: int, bits: int, error_dtype) -> tuple[dict, int]:
+    """The constexprs and num_warps of a launch: shared by the launcher and compile_cases."""
+    tile_groups, num_warps = tile_config("quantize_ef", group_size, bits)
+    constexprs = dict(
+        GROUP=group_size,
+        GROUPS=tile_groups,
+        BITS=bits,
+        Q_MAX=qmax(bits),
+        ERROR_KIND=_ERROR_KINDS[error_dtype],
+        ERROR_QMAX_=ERROR_QMAX,
+    )
+    return constexprs, num_warps
+
+
+_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int8: "*i8"}
+
+
+def compile_cases() -> list[CompileCase]:
+    """Every variant the launchers can produce: group size x bits x error dtype x input dtype."""
+    cases = []
+    for group_size in TRITON_GROUP_SIZES:
+        for bits in QMAX:
+            for error_dtype in _ERROR_KINDS:
+                for x_dtype in (torch.float32, torch.bfloat16):
+                    constexprs, num_warps = _kernel_config(group_size, bits, error_dtype)
+                    x_type = _POINTER_TYPES[x_dtype]
+                    error_type = {None: x_type, torch.bfloat16: "*i16"}.get(
+                        error_dtype, _POINTER_TYPES.get(error_dtype)
+                    )
+                    signature = {
+                        "x_ptr": x_type,
+                        "x_row_stride": "i32",
+                        "n_cols": "i32",
+                        "error_ptr": error_type,
+                        "error_scale_ptr": "*fp32",
+                        "codes_ptr": "*u8",
+                        "codes_row_stride": "i32",
+                        "scale_ptr": "*fp32",
+                        "scale_row_stride": "i32",
+                        "groups_per_row": "i32",
+                        "beta": "fp32",
+                        "one_minus_beta": "fp32",
+                    }
+                    signature.update(dict.fromkeys(constexprs, "constexpr"))
+                    aligned = tuple(
+                        k for k, v in signature.items() if v[0] == "*" or k[-6:] == "stride"
+                    )
+                    cases.append(
+                        CompileCase(
+                            _quantize_ef_kernel,
+                            signature,
+                            constexprs,
+                            num_warps,
+                            aligned=(*aligned, "n_cols"),
+                            streams=("x_ptr", "codes_ptr")
+                            + (("error_ptr",) if error_dtype is not None else ()),
+                        )
+                    )
+    return cases
+
+
 def _launch(
     rows,
     error,
@@ -270,9 +334,8 @@ def _launch(
     num_rows = rows.shape[0]
     if num_rows == 0 or groups == 0:
         return
-    tile_groups, num_warps = tile_config("quantize_ef", group_size, bits)
-    grid = (triton.cdiv(groups, tile_groups), num_rows)
-    error_kind = _ERROR_KINDS[None if error is None else error.dtype]
+    constexprs, num_warps = _kernel_config(group_size, bits, None if error is None else error.dtype)
+    grid = (triton.cdiv(groups, constexprs["GROUPS"]), num_rows)
     _quantize_ef_kernel[grid](
         rows,
         rows.stride(0),
@@ -286,12 +349,7 @@ def _launch(
         groups,
         float(beta),
         float(1.0 - beta),
-        GROUP=group_size,
-        GROUPS=tile_groups,
-        BITS=bits,
-        Q_MAX=qmax(bits),
-        ERROR_KIND=error_kind,
-        ERROR_QMAX_=ERROR_QMAX,
+        **constexprs,
         num_warps=num_warps,
         **launch_options(),
     )
