@@ -76,7 +76,7 @@ class GradientSizedOps(TorchDispatchMode):
         return out
 
 
-def _reduce_scatter_steps(config, inputs, steps=2):
+def _reduce_scatter_steps(config, inputs, steps=3):
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = LoCoReduceScatter(config)
     shard = inputs.shape[1] // world
@@ -177,7 +177,8 @@ def _four_ranks():
             replicate_group=mesh["dp_replicate"].get_group(),
         )
         with use_backend(name):
-            for step in range(2):
+            # three steps: the error written by step 2 first shows in step 3's gradients
+            for step in range(3):
                 gen = torch.Generator().manual_seed(100 * step + rank)
                 x, y = torch.randn(4, 64, generator=gen), torch.randn(4, 64, generator=gen)
                 nn.functional.mse_loss(model(x), y).backward()
