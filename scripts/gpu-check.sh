@@ -36,7 +36,7 @@ bench_json=$(tail -n 1 "$OUT/bench.log")
 train_rc=$?
 tail -n 3 "$OUT/train.log"
 
-"$PY" -m torch.distributed.run --standalone --nproc-per-node 2 scripts/gpu_check_loco.py \
+timeout 600 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 scripts/gpu_check_loco.py \
     >"$OUT/loco.log" 2>&1
 loco_rc=$?
 loco_json=$(grep '"check": "loco_2proc"' "$OUT/loco.log" | tail -n 1)
