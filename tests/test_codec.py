@@ -53,7 +53,7 @@ def gradients(draw, group_sizes=(2, 4, 32, 64, 128), max_groups=None):
     """
     group_size = draw(st.sampled_from(group_sizes))
     if max_groups == "tiles":
-        per_tile = TILE_ELEMENTS["quantize_ef"] // group_size
+        per_tile = max(TILE_ELEMENTS.values()) // group_size  # the larger of the two tiles
         groups = draw(st.one_of(st.integers(1, 3), st.integers(per_tile - 1, 3 * per_tile + 1)))
     else:
         groups = draw(st.integers(1, 4))

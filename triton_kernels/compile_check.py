@@ -63,12 +63,18 @@ def uncovered(functions: dict[str, Any], cases: dict[str, list]) -> list[str]:
     return sorted(name for name, f in functions.items() if f not in reached)
 
 
-def compile_case(case, arch: int, enable_fp_fusion: bool = False) -> dict[str, Any]:
-    """Compile one case for ``sm_<arch>``; returns facts about its PTX and TTIR."""
+def compile_case(case, arch: int, enable_fp_fusion: bool | None = None) -> dict[str, Any]:
+    """Compile one case for ``sm_<arch>`` with the launchers' own options (or FP fusion
+    forced to ``enable_fp_fusion``); returns facts about its PTX and TTIR."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from triton_kernels.codec_common import launch_options
+
+    options = {"num_warps": case.num_warps, **launch_options()}
+    if enable_fp_fusion is not None:
+        options["enable_fp_fusion"] = enable_fp_fusion
     names = list(case.signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in case.aligned}
     start = time.perf_counter()
@@ -78,7 +84,7 @@ def compile_case(case, arch: int, enable_fp_fusion: bool = False) -> dict[str, A
                 fn=case.kernel, signature=case.signature, constexprs=case.constexprs, attrs=attrs
             ),
             target=GPUTarget("cuda", arch, 32),
-            options={"num_warps": case.num_warps, "enable_fp_fusion": enable_fp_fusion},
+            options=options,
         )
     except Exception as exc:  # the compiler's own message is the report
         return {"case": case.name, "arch": arch, "error": f"{type(exc).__name__}: {exc}"}
@@ -100,7 +106,7 @@ def _compile_job(job):
     module, index, arch, fusion = job
     case = discover_cases_of(module)[index]
     result = compile_case(case, arch, fusion)
-    result.update(module=module, fused=fusion)
+    result.update(module=module, fused=bool(fusion))
     return result
 
 
@@ -118,7 +124,7 @@ def compile_all(
 ) -> list[dict[str, Any]]:
     """Compile every case for every arch, ``workers`` processes at a time."""
     jobs = [
-        (module, i, arch, False)
+        (module, i, arch, None)
         for module, module_cases in cases.items()
         for i in range(len(module_cases))
         for arch in archs
