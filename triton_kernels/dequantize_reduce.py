@@ -277,7 +277,12 @@ def dequantize_reduce_from_payload_triton(
     _launch(codes, scales, out, groups, group_size, bits, out_scale)
 
 
-@torch.library.custom_op("triton_kernels::dequantize_reduce", mutates_args=(), device_types=None)
+@torch.library.custom_op(
+    "triton_kernels::dequantize_reduce",
+    mutates_args=(),
+    schema="(Tensor packed, Tensor scales, int group_size, int bits, float out_scale, "
+    "ScalarType out_dtype) -> Tensor",
+)
 def _dequantize_reduce_op(
     packed: torch.Tensor,
     scales: torch.Tensor,
@@ -299,7 +304,9 @@ def _(packed, scales, group_size, bits, out_scale, out_dtype):
 
 
 @torch.library.custom_op(
-    "triton_kernels::dequantize_reduce_from_payload", mutates_args=("out",), device_types=None
+    "triton_kernels::dequantize_reduce_from_payload",
+    mutates_args=("out",),
+    schema="(Tensor payload, Tensor(a!) out, int group_size, int bits, float out_scale) -> ()",
 )
 def _dequantize_reduce_from_payload_op(
     payload: torch.Tensor, out: torch.Tensor, group_size: int, bits: int, out_scale: float

@@ -129,7 +129,9 @@ def permute_indices_triton(counts: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("triton_kernels::permute_indices", mutates_args=(), device_types=None)
+@torch.library.custom_op(
+    "triton_kernels::permute_indices", mutates_args=(), schema="(Tensor counts) -> Tensor"
+)
 def _permute_indices_op(counts: torch.Tensor) -> torch.Tensor:
     use = backend.use_triton(counts)
     return permute_indices_triton(counts) if use else permute_indices_reference(counts)

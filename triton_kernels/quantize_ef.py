@@ -416,8 +416,13 @@ def quantize_ef_to_payload_triton(
     )
 
 
+# Explicit schemas: the same registration on every torch from 2.4 (the GPU machines' 2.11
+# included), whatever its reading of string annotations.
 @torch.library.custom_op(
-    "triton_kernels::quantize_ef", mutates_args=("error", "error_scales"), device_types=None
+    "triton_kernels::quantize_ef",
+    mutates_args=("error", "error_scales"),
+    schema="(Tensor x, Tensor(a!)? error, Tensor(b!)? error_scales, int group_size, int bits, "
+    "float beta) -> (Tensor, Tensor)",
 )
 def _quantize_ef_op(
     x: torch.Tensor,
@@ -442,7 +447,8 @@ def _(x, error, error_scales, group_size, bits, beta):
 @torch.library.custom_op(
     "triton_kernels::quantize_ef_to_payload",
     mutates_args=("payload", "error", "error_scales"),
-    device_types=None,
+    schema="(Tensor rows, Tensor(a!) payload, Tensor(b!)? error, Tensor(c!)? error_scales, "
+    "int group_size, int bits, float beta) -> ()",
 )
 def _quantize_ef_to_payload_op(
     rows: torch.Tensor,
