@@ -10,14 +10,27 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from triton_kernels.codec_common import qmax
+from triton_kernels.codec_common import (
+    TILE_ELEMENTS,
+    TRITON_GROUP_SIZES,
+    payload_chunk_bytes,
+    qmax,
+)
 from triton_kernels.dequantize_reduce import (
     dequantize_reduce,
+    dequantize_reduce_from_payload_reference,
+    dequantize_reduce_from_payload_triton,
     dequantize_reduce_reference,
     dequantize_reduce_triton,
     dequantize_reference,
 )
-from triton_kernels.quantize_ef import quantize_ef, quantize_ef_reference, quantize_ef_triton
+from triton_kernels.quantize_ef import (
+    quantize_ef,
+    quantize_ef_reference,
+    quantize_ef_to_payload_reference,
+    quantize_ef_to_payload_triton,
+    quantize_ef_triton,
+)
 
 # numpy, under the Triton interpreter, warns on the NaN arithmetic of non-finite groups
 pytestmark = [
@@ -32,10 +45,18 @@ FEW = settings(
 
 
 @st.composite
-def gradients(draw):
-    """Small gradients with outliers, all-zero groups, tiny groups, and NaN/Inf."""
-    group_size = draw(st.sampled_from([2, 4, 32, 64, 128]))
-    groups = draw(st.integers(1, 4))
+def gradients(draw, group_sizes=(2, 4, 32, 64, 128), max_groups=None):
+    """Small gradients with outliers, all-zero groups, tiny groups, and NaN/Inf.
+
+    ``max_groups=None`` draws 1-4 groups; ``"tiles"`` draws up to three kernel tiles' worth,
+    so shapes cross the tile boundaries of the Triton kernels.
+    """
+    group_size = draw(st.sampled_from(group_sizes))
+    if max_groups == "tiles":
+        per_tile = max(TILE_ELEMENTS.values()) // group_size  # the larger of the two tiles
+        groups = draw(st.one_of(st.integers(1, 3), st.integers(per_tile - 1, 3 * per_tile + 1)))
+    else:
+        groups = draw(st.integers(1, 4))
     seed = draw(st.integers(0, 2**16))
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(groups * group_size, generator=gen) * draw(st.sampled_from([1e-6, 1.0, 1e4]))
@@ -83,7 +104,7 @@ def _same(a, b):
 @pytest.mark.usefixtures("triton_interpreter")
 @FEW
 @given(
-    gradients(),
+    gradients(TRITON_GROUP_SIZES, "tiles"),
     st.sampled_from(ERROR_DTYPES),
     st.sampled_from([4, 8]),
     st.sampled_from([0.0, 0.8, 0.95]),
@@ -107,7 +128,7 @@ def test_quantize_ef_triton_matches_reference(grad, error_dtype, bits, beta):
 @pytest.mark.usefixtures("triton_interpreter")
 @FEW
 @given(
-    gradients(),
+    gradients(TRITON_GROUP_SIZES, "tiles"),
     st.integers(1, 3),
     st.sampled_from([4, 8]),
     st.sampled_from([torch.float32, torch.bfloat16]),
@@ -124,6 +145,45 @@ def test_dequantize_reduce_triton_matches_reference(grad, chunks, bits, out_dtyp
     ref = dequantize_reduce_reference(packed, scales, **kw)
     tri = dequantize_reduce_triton(packed, scales, **kw)
     assert _same(ref, tri)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@FEW
+@given(
+    gradients(TRITON_GROUP_SIZES, "tiles"),
+    st.integers(1, 3),
+    st.integers(0, 200),
+    st.sampled_from(ERROR_DTYPES),
+    st.sampled_from([4, 8]),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_payload_kernels_match_reference(grad, rows, cut, error_dtype, bits, out_dtype):
+    """The all-to-all entry points: rows of any length (padded inside the kernel), codes and
+    scales written into one buffer, and the reduction written into a given output."""
+    x, group_size, seed = grad
+    n = max(1, x.numel() // rows - cut)  # usually not a multiple of group_size
+    chunks = x[: rows * n].view(rows, n)
+    groups = -(-n // group_size)
+    e_ref, s_ref = _error_state(error_dtype, rows * groups * group_size, group_size, seed)
+    e_tri = None if e_ref is None else e_ref.clone()
+    s_tri = None if s_ref is None else s_ref.clone()
+    width = payload_chunk_bytes(groups, group_size, bits)
+    p_ref = torch.full((rows, width), 0xAB, dtype=torch.uint8)
+    p_tri = p_ref.clone()
+    kw = dict(group_size=group_size, bits=bits, beta=0.8)
+    quantize_ef_to_payload_reference(chunks, p_ref, e_ref, s_ref, **kw)
+    quantize_ef_to_payload_triton(chunks, p_tri, e_tri, s_tri, **kw)
+    assert torch.equal(p_ref, p_tri)
+    if e_ref is not None:
+        assert _same(e_ref, e_tri)
+    if s_ref is not None:
+        assert _same(s_ref, s_tri)
+    out_ref = torch.full((n,), 7.0, dtype=out_dtype)
+    out_tri = out_ref.clone()
+    kw = dict(group_size=group_size, bits=bits, out_scale=0.25)
+    dequantize_reduce_from_payload_reference(p_ref, out_ref, **kw)
+    dequantize_reduce_from_payload_triton(p_ref, out_tri, **kw)
+    assert _same(out_ref, out_tri)
 
 
 @FEW

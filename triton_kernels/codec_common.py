@@ -9,6 +9,16 @@ Wire encoding: a 4-bit value is stored as the nibble ``q + 8``; element ``2i`` g
 low nibble of byte ``i`` and element ``2i + 1`` in the high nibble. An 8-bit value is stored
 as the byte ``q + 128``. Scales are fp32, one per group.
 
+Payload layout (the all-to-all send buffer): ``[W, chunk_bytes]`` uint8, one row per
+destination rank; row ``w`` holds the codes of its ``G`` groups, then their ``G`` fp32 scales,
+so each destination's bytes are contiguous (``chunk_bytes = G * (group_size * bits / 8 + 4)``).
+
+Bit-exactness on a GPU: the kernels are launched with ``enable_fp_fusion=False``, so the
+compiler never contracts ``a * b + c`` into an FMA; every product and sum is rounded on its
+own, as in the torch reference. Passing the option explicitly is also what silences Triton
+3.9's warning about ``TRITON_DEFAULT_FP_FUSION`` (whose default flips in 3.10): the choice is
+ours, not the environment's.
+
 Non-finite groups: a group whose compensated values hold a NaN or Inf is sent with
 ``q = 0`` everywhere and scale ``NaN``. Dequantisation computes ``0 * NaN = NaN`` at every
 position of the group, so the non-finite value reaches the receiver instead of being
@@ -16,6 +26,9 @@ packed away into a finite nibble.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +52,90 @@ def qmax(bits: int) -> int:
 def bytes_per_group(group_size: int, bits: int) -> int:
     """Packed payload bytes of one group (scale excluded)."""
     return group_size * bits // 8
+
+
+def payload_chunk_bytes(groups: int, group_size: int, bits: int) -> int:
+    """Bytes of one destination's row of the payload: codes then fp32 scales."""
+    return groups * (bytes_per_group(group_size, bits) + 4)
+
+
+def check_payload(
+    payload: torch.Tensor, num_rows: int, groups: int, group_size: int, bits: int
+) -> None:
+    if bytes_per_group(group_size, bits) % 4:
+        raise ValueError(
+            f"group_size * bits / 8 must be a multiple of 4 for the payload layout, got "
+            f"group_size={group_size}, bits={bits}"
+        )
+    want = (num_rows, payload_chunk_bytes(groups, group_size, bits))
+    if payload.dtype != torch.uint8 or tuple(payload.shape) != want or not payload.is_contiguous():
+        raise ValueError(
+            f"payload must be a contiguous uint8 tensor of shape {want}, "
+            f"got {payload.dtype} {tuple(payload.shape)}"
+        )
+
+
+def payload_views(
+    payload: torch.Tensor, groups: int, group_size: int, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[W, G * code_bytes]`` uint8 codes and ``[W, G]`` fp32 scales, both views of ``payload``."""
+    code_bytes = groups * bytes_per_group(group_size, bits)
+    codes = payload[:, :code_bytes]
+    scales = payload.view(torch.float32)[:, code_bytes // 4 :]
+    return codes, scales
+
+
+# Tile table: (groups per program, num_warps) by kernel and group size. A program of 4 warps
+# handles 2048 elements (quantize_ef, which keeps h, e and q live) or 4096 (dequantize_reduce):
+# every thread then moves at least 16 contiguous bytes of each stream (fp32 or bf16 values,
+# int8 errors, 4-bit codes), so each load is one 16-byte vector (ld.global.v4.b32), and the
+# registers stay low enough for several programs per SM. GROUPS * group_size is fixed per
+# kernel, so the number of compiled variants does not grow with the table.
+TILE_ELEMENTS = {"quantize_ef": 2048, "dequantize_reduce": 4096}
+TILE_WARPS = {"quantize_ef": 4, "dequantize_reduce": 4}
+# Group sizes the Triton codec kernels are built for (each is a compiled variant, all of them
+# compiled ahead of time in the tests); the torch references take any power of two.
+TRITON_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def tile_config(kernel: str, group_size: int, bits: int) -> tuple[int, int]:
+    """(groups per program, num_warps) for ``kernel`` on groups of ``group_size``."""
+    if group_size not in TRITON_GROUP_SIZES:
+        raise ValueError(
+            f"group_size must be one of {TRITON_GROUP_SIZES} for the Triton kernels "
+            f"(the torch reference takes any power of two), got {group_size}"
+        )
+    elements = TILE_ELEMENTS[kernel]
+    groups = max(1, elements // group_size)
+    return groups, TILE_WARPS[kernel]
+
+
+@dataclass(frozen=True)
+class CompileCase:
+    """One compiled variant of a kernel, as its launcher would produce it.
+
+    ``signature`` maps every runtime argument to its Triton type (``"*fp32"``, ``"i32"``...);
+    ``constexprs`` gives the compile-time ones. ``aligned`` names the arguments the runtime
+    specialises as multiples of 16 for aligned tensors and sizes (the common case).
+    """
+
+    kernel: Any
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    num_warps: int
+    aligned: tuple[str, ...] = ()
+    streams: tuple[str, ...] = field(default=())  # the main data streams, for PTX checks
+
+    @property
+    def name(self) -> str:
+        values = ",".join(f"{k}={v}" for k, v in self.constexprs.items())
+        types = ",".join(f"{k}:{v}" for k, v in self.signature.items() if v.startswith("*"))
+        return f"{self.kernel.__name__}[{values}]({types})"
+
+
+def launch_options() -> dict[str, bool]:
+    """Compiler options of every codec launch (see "Bit-exactness on a GPU" above)."""
+    return {"enable_fp_fusion": False}
 
 
 def require_triton() -> None:

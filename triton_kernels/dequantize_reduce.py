@@ -4,17 +4,30 @@
 ``(sum_w deQ(packed[w], scales[w])) * out_scale`` in ``out_dtype``. The sum runs in fp32 in
 chunk order ``w = 0, 1, ...``, so the reference and the kernel agree bit for bit, and a NaN
 scale (a non-finite group on some sender) makes that group non-finite in the output.
+
+Two entry points share one kernel: :func:`dequantize_reduce` returns a new flat tensor, and
+:func:`dequantize_reduce_from_payload` reads a received all-to-all buffer in place (layout in
+:mod:`triton_kernels.codec_common`) and writes the first ``out.numel()`` values straight into
+``out`` (FSDP's reduce-scatter output): one read of the payload, one write of the output.
 """
 
 from __future__ import annotations
 
 import torch
 
+from triton_kernels import backend
 from triton_kernels.codec_common import (
+    QMAX,
+    TRITON_GROUP_SIZES,
+    CompileCase,
     as_int16_bits,
     bytes_per_group,
+    check_payload,
+    launch_options,
+    payload_views,
     qmax,
     require_triton,
+    tile_config,
     tl,
     triton,
 )
@@ -35,6 +48,19 @@ def _check_args(packed, scales, group_size, bits, out_dtype) -> None:
         raise ValueError("packed and scales must hold the same number of chunks")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+
+
+def _check_payload_args(payload, out, group_size, bits) -> int:
+    """Validate the payload entry point's arguments; returns groups per chunk."""
+    if out.dim() != 1 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous 1-D tensor, got shape {tuple(out.shape)}")
+    if out.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"out.dtype must be float32 or bfloat16, got {out.dtype}")
+    if payload.dim() != 2:
+        raise ValueError(f"payload must be 2-D [chunks, bytes], got {tuple(payload.shape)}")
+    groups = -(-out.numel() // group_size)
+    check_payload(payload, payload.shape[0], groups, group_size, bits)
+    return groups
 
 
 def dequantize_reference(
@@ -68,48 +94,155 @@ def dequantize_reduce_reference(
     return (acc * torch.tensor(out_scale, dtype=torch.float32)).view(-1).to(out_dtype)
 
 
+def dequantize_reduce_from_payload_reference(
+    payload: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    group_size: int = 128,
+    bits: int = 4,
+    out_scale: float = 1.0,
+) -> None:
+    """The spec of :func:`dequantize_reduce_from_payload`: split, reduce, copy the prefix."""
+    groups = _check_payload_args(payload, out, group_size, bits)
+    codes, scales = payload_views(payload, groups, group_size, bits)
+    reduced = dequantize_reduce_reference(
+        codes.contiguous(),
+        scales.contiguous(),
+        group_size=group_size,
+        bits=bits,
+        out_scale=out_scale,
+        out_dtype=out.dtype,
+    )
+    out.copy_(reduced[: out.numel()])
+
+
 if triton is not None:
     from triton_kernels.codec_common import bf16_bits_rne
 
     @triton.jit
     def _dequantize_reduce_kernel(
-        packed_ptr,
+        codes_ptr,
+        codes_row_stride,
         scale_ptr,
+        scale_row_stride,
         out_ptr,
+        n_out,
         num_chunks,
-        chunk_bytes,
-        groups_per_chunk,
+        groups_per_row,
         out_scale,
         GROUP: tl.constexpr,
+        GROUPS: tl.constexpr,
         BITS: tl.constexpr,
         OFFSET: tl.constexpr,
         OUT_BF16: tl.constexpr,
     ):
-        group = tl.program_id(0).to(tl.int64)
-        half = tl.arange(0, GROUP // 2)
-        acc_even = tl.zeros((GROUP // 2,), tl.float32)
-        acc_odd = tl.zeros((GROUP // 2,), tl.float32)
-        for w in range(0, num_chunks):
-            scale = tl.load(scale_ptr + w * groups_per_chunk + group)
-            row = packed_ptr + w * chunk_bytes
-            if BITS == 4:
-                byte = tl.load(row + group * (GROUP // 2) + half).to(tl.int32)
-                code_even = byte & 0xF
-                code_odd = byte >> 4
-            else:
-                code_even = tl.load(row + group * GROUP + 2 * half).to(tl.int32)
-                code_odd = tl.load(row + group * GROUP + 2 * half + 1).to(tl.int32)
-            acc_even = acc_even + (code_even - OFFSET).to(tl.float32) * scale
-            acc_odd = acc_odd + (code_odd - OFFSET).to(tl.float32) * scale
-        acc_even = acc_even * out_scale
-        acc_odd = acc_odd * out_scale
-        even = group * GROUP + 2 * half
-        if OUT_BF16:
-            tl.store(out_ptr + even, bf16_bits_rne(acc_even))
-            tl.store(out_ptr + even + 1, bf16_bits_rne(acc_odd))
+        # One program reduces a [GROUPS, GROUP] tile over every chunk; 64-bit offsets.
+        g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+        group_ok = g < groups_per_row
+        codes_row = codes_ptr
+        scale_row = scale_ptr
+        if BITS == 4:
+            byte_offs = g[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
+            acc_lo = tl.zeros((GROUPS, GROUP // 2), tl.float32)
+            acc_hi = tl.zeros((GROUPS, GROUP // 2), tl.float32)
+            for _ in range(0, num_chunks):
+                scale = tl.load(scale_row + g, mask=group_ok, other=0)[:, None]
+                byte = tl.load(codes_row + byte_offs, mask=group_ok[:, None], other=0)
+                byte = byte.to(tl.int32)
+                acc_lo = acc_lo + ((byte & 0xF) - OFFSET).to(tl.float32) * scale
+                acc_hi = acc_hi + ((byte >> 4) - OFFSET).to(tl.float32) * scale
+                codes_row += codes_row_stride
+                scale_row += scale_row_stride
+            # the low nibble is element 2i, the high one 2i + 1: interleave in registers
+            acc = tl.reshape(tl.join(acc_lo, acc_hi), (GROUPS, GROUP))
         else:
-            tl.store(out_ptr + even, acc_even)
-            tl.store(out_ptr + even + 1, acc_odd)
+            code_offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+            acc = tl.zeros((GROUPS, GROUP), tl.float32)
+            for _ in range(0, num_chunks):
+                scale = tl.load(scale_row + g, mask=group_ok, other=0)[:, None]
+                code = tl.load(codes_row + code_offs, mask=group_ok[:, None], other=0)
+                acc = acc + (code.to(tl.int32) - OFFSET).to(tl.float32) * scale
+                codes_row += codes_row_stride
+                scale_row += scale_row_stride
+        acc = acc * out_scale
+        col = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        in_out = group_ok[:, None] & (col < n_out)
+        if OUT_BF16:
+            tl.store(out_ptr + col, bf16_bits_rne(acc), mask=in_out)
+        else:
+            tl.store(out_ptr + col, acc, mask=in_out)
+
+
+def _kernel_config(group_size: int, bits: int, out_dtype: torch.dtype) -> tuple[dict, int]:
+    """The constexprs and num_warps of a launch: shared by the launcher and compile_cases."""
+    tile_groups, num_warps = tile_config("dequantize_reduce", group_size, bits)
+    constexprs = dict(
+        GROUP=group_size,
+        GROUPS=tile_groups,
+        BITS=bits,
+        OFFSET=qmax(bits) + 1,
+        OUT_BF16=out_dtype == torch.bfloat16,
+    )
+    return constexprs, num_warps
+
+
+def compile_cases() -> list[CompileCase]:
+    """Every variant the launchers can produce: group size x bits x output dtype."""
+    cases = []
+    for group_size in TRITON_GROUP_SIZES:
+        for bits in QMAX:
+            for out_dtype, out_type in ((torch.float32, "*fp32"), (torch.bfloat16, "*i16")):
+                constexprs, num_warps = _kernel_config(group_size, bits, out_dtype)
+                signature = {
+                    "codes_ptr": "*u8",
+                    "codes_row_stride": "i32",
+                    "scale_ptr": "*fp32",
+                    "scale_row_stride": "i32",
+                    "out_ptr": out_type,
+                    "n_out": "i32",
+                    "num_chunks": "i32",
+                    "groups_per_row": "i32",
+                    "out_scale": "fp32",
+                }
+                signature.update(dict.fromkeys(constexprs, "constexpr"))
+                aligned = tuple(
+                    k for k, v in signature.items() if v[0] == "*" or k[-6:] == "stride"
+                )
+                cases.append(
+                    CompileCase(
+                        _dequantize_reduce_kernel,
+                        signature,
+                        constexprs,
+                        num_warps,
+                        aligned=(*aligned, "n_out"),
+                        streams=("codes_ptr", "out_ptr"),
+                    )
+                )
+    return cases
+
+
+def _launch(codes, scales, out, groups, group_size, bits, out_scale) -> None:
+    require_triton()
+    if groups == 0 or out.numel() == 0:
+        return
+    if codes.shape[0] == 0:
+        out.zero_()
+        return
+    constexprs, num_warps = _kernel_config(group_size, bits, out.dtype)
+    _dequantize_reduce_kernel[(triton.cdiv(groups, constexprs["GROUPS"]),)](
+        codes,
+        codes.stride(0),
+        scales,
+        scales.stride(0),
+        as_int16_bits(out),
+        out.numel(),
+        codes.shape[0],
+        groups,
+        float(out_scale),
+        **constexprs,
+        num_warps=num_warps,
+        **launch_options(),
+    )
 
 
 def dequantize_reduce_triton(
@@ -122,26 +255,70 @@ def dequantize_reduce_triton(
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Triton launcher; same contract as :func:`dequantize_reduce_reference`."""
-    require_triton()
     _check_args(packed, scales, group_size, bits, out_dtype)
     packed, scales = packed.contiguous(), scales.contiguous()
-    num_groups = scales.shape[1]
-    out = torch.empty(num_groups * group_size, dtype=out_dtype, device=packed.device)
-    if num_groups:
-        _dequantize_reduce_kernel[(num_groups,)](
-            packed,
-            scales,
-            as_int16_bits(out),
-            packed.shape[0],
-            packed.shape[1],
-            num_groups,
-            float(out_scale),
-            GROUP=group_size,
-            BITS=bits,
-            OFFSET=qmax(bits) + 1,
-            OUT_BF16=out_dtype == torch.bfloat16,
-        )
+    groups = scales.shape[1]
+    out = torch.empty(groups * group_size, dtype=out_dtype, device=packed.device)
+    _launch(packed, scales, out, groups, group_size, bits, out_scale)
     return out
+
+
+def dequantize_reduce_from_payload_triton(
+    payload: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    group_size: int = 128,
+    bits: int = 4,
+    out_scale: float = 1.0,
+) -> None:
+    """Triton launcher; same contract as :func:`dequantize_reduce_from_payload_reference`."""
+    groups = _check_payload_args(payload, out, group_size, bits)
+    codes, scales = payload_views(payload, groups, group_size, bits)
+    _launch(codes, scales, out, groups, group_size, bits, out_scale)
+
+
+@torch.library.custom_op(
+    "triton_kernels::dequantize_reduce",
+    mutates_args=(),
+    schema="(Tensor packed, Tensor scales, int group_size, int bits, float out_scale, "
+    "ScalarType out_dtype) -> Tensor",
+)
+def _dequantize_reduce_op(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bits: int,
+    out_scale: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    fn = dequantize_reduce_triton if backend.use_triton(packed) else dequantize_reduce_reference
+    return fn(
+        packed, scales, group_size=group_size, bits=bits, out_scale=out_scale, out_dtype=out_dtype
+    )
+
+
+@_dequantize_reduce_op.register_fake
+def _(packed, scales, group_size, bits, out_scale, out_dtype):
+    _check_args(packed, scales, group_size, bits, out_dtype)
+    return packed.new_empty(scales.shape[1] * group_size, dtype=out_dtype)
+
+
+@torch.library.custom_op(
+    "triton_kernels::dequantize_reduce_from_payload",
+    mutates_args=("out",),
+    schema="(Tensor payload, Tensor(a!) out, int group_size, int bits, float out_scale) -> ()",
+)
+def _dequantize_reduce_from_payload_op(
+    payload: torch.Tensor, out: torch.Tensor, group_size: int, bits: int, out_scale: float
+) -> None:
+    use = backend.use_triton(payload)
+    fn = dequantize_reduce_from_payload_triton if use else dequantize_reduce_from_payload_reference
+    fn(payload, out, group_size=group_size, bits=bits, out_scale=out_scale)
+
+
+@_dequantize_reduce_from_payload_op.register_fake
+def _(payload, out, group_size, bits, out_scale):
+    return None
 
 
 def dequantize_reduce(
@@ -153,8 +330,27 @@ def dequantize_reduce(
     out_scale: float = 1.0,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Triton on CUDA, the torch reference elsewhere."""
-    fn = dequantize_reduce_triton if packed.is_cuda else dequantize_reduce_reference
-    return fn(
-        packed, scales, group_size=group_size, bits=bits, out_scale=out_scale, out_dtype=out_dtype
+    """The Triton kernel or the torch reference, as :mod:`triton_kernels.backend` decides.
+
+    Runs as the custom op ``torch.ops.triton_kernels.dequantize_reduce``.
+    """
+    return torch.ops.triton_kernels.dequantize_reduce(
+        packed, scales, group_size, bits, float(out_scale), out_dtype
+    )
+
+
+def dequantize_reduce_from_payload(
+    payload: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    group_size: int = 128,
+    bits: int = 4,
+    out_scale: float = 1.0,
+) -> None:
+    """``out = out_scale * sum_w deQ(payload[w])[:out.numel()]``, written in place.
+
+    The custom op ``torch.ops.triton_kernels.dequantize_reduce_from_payload``.
+    """
+    torch.ops.triton_kernels.dequantize_reduce_from_payload(
+        payload, out, group_size, bits, float(out_scale)
     )

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs without triton still get the reference
-    triton = None
+from triton_kernels import backend
+from triton_kernels.codec_common import CompileCase, launch_options, tl, triton
+
+# Fixed block sizes: the kernel has one compiled variant per counts dtype, whatever the
+# number of ranks and experts.
+SCAN_BLOCK = 1024
+FILL_BLOCK = 128
 
 
 def _check_counts(counts: torch.Tensor) -> None:
@@ -54,24 +56,51 @@ if triton is not None:
         out_ptr,
         num_ranks,
         experts_per_rank,
-        NUM_BLOCKS_P2: tl.constexpr,
+        SCAN: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         # One program per local expert: it writes that expert's contiguous output segment.
         expert = tl.program_id(0)
-        flat = tl.arange(0, NUM_BLOCKS_P2)  # row-major block id r * E + e
-        valid = flat < num_ranks * experts_per_rank
-        all_counts = tl.load(counts_ptr + flat, mask=valid, other=0).to(tl.int64)
+        num_blocks = num_ranks * experts_per_rank
         # Destination start: every token of a lower-numbered expert comes first.
-        dst = tl.sum(tl.where((flat % experts_per_rank) < expert, all_counts, 0), axis=0)
+        dst = tl.zeros((), tl.int64)
+        for base in range(0, num_blocks, SCAN):
+            flat = base + tl.arange(0, SCAN)  # row-major block id r * E + e
+            c = tl.load(counts_ptr + flat, mask=flat < num_blocks, other=0).to(tl.int64)
+            dst += tl.sum(tl.where((flat % experts_per_rank) < expert, c, 0), axis=0)
         for rank in range(num_ranks):
             block_id = rank * experts_per_rank + expert
-            src = tl.sum(tl.where(flat < block_id, all_counts, 0), axis=0)
+            src = tl.zeros((), tl.int64)
+            for base in range(0, block_id, SCAN):
+                flat = base + tl.arange(0, SCAN)
+                c = tl.load(counts_ptr + flat, mask=flat < block_id, other=0).to(tl.int64)
+                src += tl.sum(c, axis=0)
             count = tl.load(counts_ptr + block_id).to(tl.int64)
             for start in range(0, count, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
+                offs = start + tl.arange(0, BLOCK).to(tl.int64)
                 tl.store(out_ptr + dst + offs, src + offs, mask=offs < count)
             dst += count
+
+
+def compile_cases() -> list[CompileCase]:
+    """The launcher's variants: one per counts dtype (block sizes are fixed)."""
+    return [
+        CompileCase(
+            _permute_indices_kernel,
+            {
+                "counts_ptr": counts_type,
+                "out_ptr": "*i64",
+                "num_ranks": "i32",
+                "experts_per_rank": "i32",
+                "SCAN": "constexpr",
+                "BLOCK": "constexpr",
+            },
+            {"SCAN": SCAN_BLOCK, "BLOCK": FILL_BLOCK},
+            num_warps=4,
+            aligned=("counts_ptr", "out_ptr"),
+        )
+        for counts_type in ("*i32", "*i64")
+    ]
 
 
 def permute_indices_triton(counts: torch.Tensor) -> torch.Tensor:
@@ -92,14 +121,30 @@ def permute_indices_triton(counts: torch.Tensor) -> torch.Tensor:
         out,
         num_ranks,
         experts_per_rank,
-        NUM_BLOCKS_P2=triton.next_power_of_2(num_ranks * experts_per_rank),
-        BLOCK=128,
+        SCAN=SCAN_BLOCK,
+        BLOCK=FILL_BLOCK,
+        num_warps=4,
+        **launch_options(),
     )
     return out
 
 
+@torch.library.custom_op(
+    "triton_kernels::permute_indices", mutates_args=(), schema="(Tensor counts) -> Tensor"
+)
+def _permute_indices_op(counts: torch.Tensor) -> torch.Tensor:
+    use = backend.use_triton(counts)
+    return permute_indices_triton(counts) if use else permute_indices_reference(counts)
+
+
+@_permute_indices_op.register_fake
+def _(counts):
+    _check_counts(counts)
+    # the length is counts.sum(), known only at run time
+    return counts.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64)
+
+
 def permute_indices(counts: torch.Tensor) -> torch.Tensor:
-    """Expert-major gather indices: the Triton kernel on GPU, the reference elsewhere."""
-    if counts.is_cuda and triton is not None:
-        return permute_indices_triton(counts)
-    return permute_indices_reference(counts)
+    """Expert-major gather indices: the Triton kernel or the reference, as
+    :mod:`triton_kernels.backend` decides (the custom op ``triton_kernels::permute_indices``)."""
+    return torch.ops.triton_kernels.permute_indices(counts)

@@ -10,23 +10,60 @@ One pass over the gradient ``g`` and the error ``e`` (updated in place):
 ``e_s = absmax(e_new) / 127``). Without ``error`` this is plain absmax quantisation. A group
 with a non-finite ``h`` is sent as ``q = 0`` with scale NaN and its error is reset to zero
 (see :mod:`triton_kernels.codec_common`).
+
+Two entry points share one kernel:
+
+- :func:`quantize_ef` takes a flat ``x`` and returns ``(packed, scales)``;
+- :func:`quantize_ef_to_payload` takes ``[W, n]`` rows (any ``n``; each row is zero-padded to
+  whole groups inside the kernel) and writes each row's codes and scales into row ``w`` of an
+  all-to-all send buffer (layout in :mod:`triton_kernels.codec_common`), so the sender makes
+  one pass: read ``g``, read and write ``e``, write the payload.
 """
 
 from __future__ import annotations
 
 import torch
 
+from triton_kernels import backend
 from triton_kernels.codec_common import (
     ERROR_QMAX,
+    QMAX,
+    TRITON_GROUP_SIZES,
+    CompileCase,
     as_int16_bits,
     bytes_per_group,
+    check_payload,
+    launch_options,
+    payload_views,
     qmax,
     require_triton,
+    tile_config,
     tl,
     triton,
 )
 
 _ERROR_KINDS = {None: 0, torch.int8: 1, torch.bfloat16: 2, torch.float32: 3}
+
+
+def _check_error(error, error_scales, numel: int, group_size: int) -> None:
+    if error is None:
+        if error_scales is not None:
+            raise ValueError("error_scales is required with an int8 error, and only then")
+        return
+    if error.dtype not in _ERROR_KINDS:
+        raise TypeError(f"error.dtype must be int8, bfloat16 or float32, got {error.dtype}")
+    if error.dim() != 1 or error.numel() != numel or not error.is_contiguous():
+        raise ValueError(f"error must be contiguous and 1-D with {numel} elements")
+    if (error.dtype == torch.int8) != (error_scales is not None):
+        raise ValueError("error_scales is required with an int8 error, and only then")
+    if error_scales is not None and (
+        error_scales.dtype != torch.float32
+        or error_scales.numel() != numel // group_size
+        or not error_scales.is_contiguous()
+    ):
+        raise ValueError(
+            f"error_scales must be contiguous float32 with {numel // group_size} entries"
+        )
 
 
 def _check_args(x, error, error_scales, group_size, bits) -> None:
@@ -40,18 +77,21 @@ def _check_args(x, error, error_scales, group_size, bits) -> None:
             f"group_size must be a power of two >= 2 dividing x.numel()={x.numel()}, "
             f"got {group_size}"
         )
-    if error is None:
-        return
-    if error.dtype not in _ERROR_KINDS:
-        raise TypeError(f"error.dtype must be int8, bfloat16 or float32, got {error.dtype}")
-    if error.shape != x.shape or not error.is_contiguous():
-        raise ValueError(f"error must be contiguous with shape {tuple(x.shape)}")
-    if (error.dtype == torch.int8) != (error_scales is not None):
-        raise ValueError("error_scales is required with an int8 error, and only then")
-    if error_scales is not None and (
-        error_scales.dtype != torch.float32 or error_scales.numel() != x.numel() // group_size
-    ):
-        raise ValueError(f"error_scales must be float32 with {x.numel() // group_size} entries")
+    _check_error(error, error_scales, x.numel(), group_size)
+
+
+def _check_rows(rows, error, error_scales, group_size, bits) -> int:
+    """Validate ``[W, n]`` rows for :func:`quantize_ef_to_payload`; returns groups per row."""
+    qmax(bits)
+    if rows.dim() != 2 or rows.stride(1) != 1:
+        raise ValueError(f"rows must be 2-D with unit column stride, got {tuple(rows.shape)}")
+    if rows.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"rows.dtype must be float32 or bfloat16, got {rows.dtype}")
+    if group_size < 2 or group_size & (group_size - 1):
+        raise ValueError(f"group_size must be a power of two >= 2, got {group_size}")
+    groups = -(-rows.shape[1] // group_size)
+    _check_error(error, error_scales, rows.shape[0] * groups * group_size, group_size)
+    return groups
 
 
 def _decode_error(error: torch.Tensor, error_scales, group_size: int) -> torch.Tensor:
@@ -107,89 +147,212 @@ def quantize_ef_reference(
     return codes, scale.view(-1)
 
 
+def quantize_ef_to_payload_reference(
+    rows: torch.Tensor,
+    payload: torch.Tensor,
+    error: torch.Tensor | None = None,
+    error_scales: torch.Tensor | None = None,
+    *,
+    group_size: int = 128,
+    bits: int = 4,
+    beta: float = 0.0,
+) -> None:
+    """The spec of :func:`quantize_ef_to_payload`: pad, quantise flat, scatter into rows."""
+    groups = _check_rows(rows, error, error_scales, group_size, bits)
+    num_rows = rows.shape[0]
+    check_payload(payload, num_rows, groups, group_size, bits)
+    padded = rows.new_zeros(num_rows, groups * group_size)
+    padded[:, : rows.shape[1]] = rows
+    packed, scales = quantize_ef_reference(
+        padded.view(-1), error, error_scales, group_size=group_size, bits=bits, beta=beta
+    )
+    codes, payload_scales = payload_views(payload, groups, group_size, bits)
+    codes.copy_(packed.view(num_rows, -1))
+    payload_scales.copy_(scales.view(num_rows, -1))
+
+
 if triton is not None:
     from triton_kernels.codec_common import bf16_bits_rne, bf16_bits_to_fp32
 
     @triton.jit
-    def _quantize_group(h_even, h_odd, Q_MAX: tl.constexpr):
-        absmax = tl.maximum(tl.max(tl.abs(h_even), axis=0), tl.max(tl.abs(h_odd), axis=0))
-        scale = tl.math.div_rn(absmax, Q_MAX * 1.0)
+    def _quantize_tile(h, Q_MAX: tl.constexpr):
+        """``[GROUPS, GROUP]`` -> integer-valued q, and the scale of each group (row)."""
+        scale = tl.math.div_rn(tl.max(tl.abs(h), axis=1), Q_MAX * 1.0)
         safe = tl.where(scale > 0, scale, 1.0)
-        q_even = tl.floor(tl.math.div_rn(h_even, safe) + 0.5)
-        q_odd = tl.floor(tl.math.div_rn(h_odd, safe) + 0.5)
-        q_even = tl.minimum(tl.maximum(q_even, -Q_MAX - 1.0), Q_MAX * 1.0)
-        q_odd = tl.minimum(tl.maximum(q_odd, -Q_MAX - 1.0), Q_MAX * 1.0)
-        return q_even, q_odd, scale
+        q = tl.floor(tl.math.div_rn(h, safe[:, None]) + 0.5)
+        q = tl.minimum(tl.maximum(q, -Q_MAX - 1.0), Q_MAX * 1.0)
+        return q, scale
 
     @triton.jit
     def _quantize_ef_kernel(
         x_ptr,
+        x_row_stride,
+        n_cols,
         error_ptr,
         error_scale_ptr,
-        packed_ptr,
+        codes_ptr,
+        codes_row_stride,
         scale_ptr,
+        scale_row_stride,
+        groups_per_row,
         beta,
         one_minus_beta,
         GROUP: tl.constexpr,
+        GROUPS: tl.constexpr,
         BITS: tl.constexpr,
         Q_MAX: tl.constexpr,
         ERROR_KIND: tl.constexpr,
         ERROR_QMAX_: tl.constexpr,
     ):
-        group = tl.program_id(0).to(tl.int64)
-        half = tl.arange(0, GROUP // 2)
-        even = group * GROUP + 2 * half
-        h_even = tl.load(x_ptr + even).to(tl.float32)
-        h_odd = tl.load(x_ptr + even + 1).to(tl.float32)
+        # One program quantises a [GROUPS, GROUP] tile of row `row`; 64-bit offsets throughout.
+        row = tl.program_id(1).to(tl.int64)
+        g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+        lane = tl.arange(0, GROUP)
+        group_ok = g < groups_per_row
+        col = g[:, None] * GROUP + lane[None, :]
+        in_x = group_ok[:, None] & (col < n_cols)
+        h = tl.load(x_ptr + row * x_row_stride + col, mask=in_x, other=0).to(tl.float32)
+
+        flat_group = row * groups_per_row + g
+        e_offs = flat_group[:, None] * GROUP + lane[None, :]
         if ERROR_KIND == 1:
-            e_scale = tl.load(error_scale_ptr + group)
-            e_even = tl.load(error_ptr + even).to(tl.float32) * e_scale
-            e_odd = tl.load(error_ptr + even + 1).to(tl.float32) * e_scale
+            e_scale = tl.load(error_scale_ptr + flat_group, mask=group_ok, other=0)
+            e_code = tl.load(error_ptr + e_offs, mask=group_ok[:, None], other=0)
+            e = e_code.to(tl.float32) * e_scale[:, None]
         elif ERROR_KIND == 2:
-            e_even = bf16_bits_to_fp32(tl.load(error_ptr + even))
-            e_odd = bf16_bits_to_fp32(tl.load(error_ptr + even + 1))
+            e = bf16_bits_to_fp32(tl.load(error_ptr + e_offs, mask=group_ok[:, None], other=0))
         elif ERROR_KIND == 3:
-            e_even = tl.load(error_ptr + even)
-            e_odd = tl.load(error_ptr + even + 1)
+            e = tl.load(error_ptr + e_offs, mask=group_ok[:, None], other=0)
         if ERROR_KIND != 0:
-            h_even = h_even + e_even
-            h_odd = h_odd + e_odd
-        inf = float("inf")
-        nonfinite = (h_even != h_even) | (tl.abs(h_even) == inf)
-        nonfinite = nonfinite | (h_odd != h_odd) | (tl.abs(h_odd) == inf)
-        bad = tl.max(nonfinite.to(tl.int32), axis=0) > 0
+            h = h + e
+        nonfinite = (h != h) | (tl.abs(h) == float("inf"))
+        bad = tl.max(nonfinite.to(tl.int32), axis=1) > 0
 
-        q_even, q_odd, scale = _quantize_group(h_even, h_odd, Q_MAX)
-        q_even = tl.where(bad, 0.0, q_even)
-        q_odd = tl.where(bad, 0.0, q_odd)
-        tl.store(scale_ptr + group, tl.where(bad, float("nan"), scale))
-
-        code_even = (q_even.to(tl.int32) + Q_MAX + 1).to(tl.uint8)
-        code_odd = (q_odd.to(tl.int32) + Q_MAX + 1).to(tl.uint8)
+        q, scale = _quantize_tile(h, Q_MAX)
+        q = tl.where(bad[:, None], 0.0, q)
+        scale_at = scale_ptr + row * scale_row_stride + g
+        tl.store(scale_at, tl.where(bad, float("nan"), scale), mask=group_ok)
+        code = (q.to(tl.int32) + Q_MAX + 1).to(tl.uint8)
+        codes_row = codes_ptr + row * codes_row_stride
         if BITS == 4:
-            tl.store(packed_ptr + group * (GROUP // 2) + half, code_even | (code_odd << 4))
+            # contiguous load above; the even/odd lanes are split here, in registers
+            lo, hi = tl.split(tl.reshape(code, (GROUPS, GROUP // 2, 2)))
+            byte_offs = g[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
+            tl.store(codes_row + byte_offs, lo | (hi << 4), mask=group_ok[:, None])
         else:
-            tl.store(packed_ptr + even, code_even)
-            tl.store(packed_ptr + even + 1, code_odd)
+            tl.store(codes_row + col, code, mask=group_ok[:, None])
 
         if ERROR_KIND != 0:
-            new_even = beta * e_even + one_minus_beta * (h_even - q_even * scale)
-            new_odd = beta * e_odd + one_minus_beta * (h_odd - q_odd * scale)
-            new_even = tl.where(bad, 0.0, new_even)
-            new_odd = tl.where(bad, 0.0, new_odd)
+            new = beta * e + one_minus_beta * (h - q * scale[:, None])
+            new = tl.where(bad[:, None], 0.0, new)
             if ERROR_KIND == 1:
-                eq_even, eq_odd, new_scale = _quantize_group(new_even, new_odd, ERROR_QMAX_)
-                eq_even = tl.maximum(eq_even, -ERROR_QMAX_ * 1.0)
-                eq_odd = tl.maximum(eq_odd, -ERROR_QMAX_ * 1.0)
-                tl.store(error_ptr + even, eq_even.to(tl.int8))
-                tl.store(error_ptr + even + 1, eq_odd.to(tl.int8))
-                tl.store(error_scale_ptr + group, new_scale)
+                e_q, new_scale = _quantize_tile(new, ERROR_QMAX_)
+                e_q = tl.maximum(e_q, -ERROR_QMAX_ * 1.0)
+                tl.store(error_ptr + e_offs, e_q.to(tl.int8), mask=group_ok[:, None])
+                tl.store(error_scale_ptr + flat_group, new_scale, mask=group_ok)
             elif ERROR_KIND == 2:
-                tl.store(error_ptr + even, bf16_bits_rne(new_even))
-                tl.store(error_ptr + even + 1, bf16_bits_rne(new_odd))
+                tl.store(error_ptr + e_offs, bf16_bits_rne(new), mask=group_ok[:, None])
             else:
-                tl.store(error_ptr + even, new_even)
-                tl.store(error_ptr + even + 1, new_odd)
+                tl.store(error_ptr + e_offs, new, mask=group_ok[:, None])
+
+
+def _kernel_config(group_size: int, bits: int, error_dtype) -> tuple[dict, int]:
+    """The constexprs and num_warps of a launch: shared by the launcher and compile_cases."""
+    tile_groups, num_warps = tile_config("quantize_ef", group_size, bits)
+    constexprs = dict(
+        GROUP=group_size,
+        GROUPS=tile_groups,
+        BITS=bits,
+        Q_MAX=qmax(bits),
+        ERROR_KIND=_ERROR_KINDS[error_dtype],
+        ERROR_QMAX_=ERROR_QMAX,
+    )
+    return constexprs, num_warps
+
+
+_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int8: "*i8"}
+
+
+def compile_cases() -> list[CompileCase]:
+    """Every variant the launchers can produce: group size x bits x error dtype x input dtype."""
+    cases = []
+    for group_size in TRITON_GROUP_SIZES:
+        for bits in QMAX:
+            for error_dtype in _ERROR_KINDS:
+                for x_dtype in (torch.float32, torch.bfloat16):
+                    constexprs, num_warps = _kernel_config(group_size, bits, error_dtype)
+                    x_type = _POINTER_TYPES[x_dtype]
+                    error_type = {None: x_type, torch.bfloat16: "*i16"}.get(
+                        error_dtype, _POINTER_TYPES.get(error_dtype)
+                    )
+                    signature = {
+                        "x_ptr": x_type,
+                        "x_row_stride": "i32",
+                        "n_cols": "i32",
+                        "error_ptr": error_type,
+                        "error_scale_ptr": "*fp32",
+                        "codes_ptr": "*u8",
+                        "codes_row_stride": "i32",
+                        "scale_ptr": "*fp32",
+                        "scale_row_stride": "i32",
+                        "groups_per_row": "i32",
+                        "beta": "fp32",
+                        "one_minus_beta": "fp32",
+                    }
+                    signature.update(dict.fromkeys(constexprs, "constexpr"))
+                    aligned = tuple(
+                        k for k, v in signature.items() if v[0] == "*" or k[-6:] == "stride"
+                    )
+                    cases.append(
+                        CompileCase(
+                            _quantize_ef_kernel,
+                            signature,
+                            constexprs,
+                            num_warps,
+                            aligned=(*aligned, "n_cols"),
+                            streams=("x_ptr", "codes_ptr")
+                            + (("error_ptr",) if error_dtype is not None else ()),
+                        )
+                    )
+    return cases
+
+
+def _launch(
+    rows,
+    error,
+    error_scales,
+    codes,
+    codes_row_stride,
+    scales,
+    scale_row_stride,
+    groups,
+    group_size,
+    bits,
+    beta,
+) -> None:
+    require_triton()
+    num_rows = rows.shape[0]
+    if num_rows == 0 or groups == 0:
+        return
+    constexprs, num_warps = _kernel_config(group_size, bits, None if error is None else error.dtype)
+    grid = (triton.cdiv(groups, constexprs["GROUPS"]), num_rows)
+    _quantize_ef_kernel[grid](
+        rows,
+        rows.stride(0),
+        rows.shape[1],
+        rows if error is None else as_int16_bits(error),
+        scales if error_scales is None else error_scales,
+        codes,
+        codes_row_stride,
+        scales,
+        scale_row_stride,
+        groups,
+        float(beta),
+        float(1.0 - beta),
+        **constexprs,
+        num_warps=num_warps,
+        **launch_options(),
+    )
 
 
 def quantize_ef_triton(
@@ -202,30 +365,108 @@ def quantize_ef_triton(
     beta: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher; same contract as :func:`quantize_ef_reference`."""
-    require_triton()
     _check_args(x, error, error_scales, group_size, bits)
-    num_groups = x.numel() // group_size
+    groups = x.numel() // group_size
     packed = torch.empty(
-        num_groups * bytes_per_group(group_size, bits), dtype=torch.uint8, device=x.device
+        groups * bytes_per_group(group_size, bits), dtype=torch.uint8, device=x.device
     )
-    scales = torch.empty(num_groups, dtype=torch.float32, device=x.device)
-    error_kind = _ERROR_KINDS[None if error is None else error.dtype]
-    if num_groups:
-        _quantize_ef_kernel[(num_groups,)](
-            x,
-            x if error is None else as_int16_bits(error),
-            scales if error_scales is None else error_scales,
-            packed,
-            scales,
-            float(beta),
-            float(1.0 - beta),
-            GROUP=group_size,
-            BITS=bits,
-            Q_MAX=qmax(bits),
-            ERROR_KIND=error_kind,
-            ERROR_QMAX_=ERROR_QMAX,
-        )
+    scales = torch.empty(groups, dtype=torch.float32, device=x.device)
+    _launch(
+        x.view(1, -1),
+        error,
+        error_scales,
+        packed,
+        packed.numel(),
+        scales,
+        groups,
+        groups,
+        group_size,
+        bits,
+        beta,
+    )
     return packed, scales
+
+
+def quantize_ef_to_payload_triton(
+    rows: torch.Tensor,
+    payload: torch.Tensor,
+    error: torch.Tensor | None = None,
+    error_scales: torch.Tensor | None = None,
+    *,
+    group_size: int = 128,
+    bits: int = 4,
+    beta: float = 0.0,
+) -> None:
+    """Triton launcher; same contract as :func:`quantize_ef_to_payload_reference`."""
+    groups = _check_rows(rows, error, error_scales, group_size, bits)
+    check_payload(payload, rows.shape[0], groups, group_size, bits)
+    codes, scales = payload_views(payload, groups, group_size, bits)
+    _launch(
+        rows,
+        error,
+        error_scales,
+        codes,
+        codes.stride(0),
+        scales,
+        scales.stride(0),
+        groups,
+        group_size,
+        bits,
+        beta,
+    )
+
+
+# Explicit schemas: the same registration on every torch from 2.4 (the GPU machines' 2.11
+# included), whatever its reading of string annotations.
+@torch.library.custom_op(
+    "triton_kernels::quantize_ef",
+    mutates_args=("error", "error_scales"),
+    schema="(Tensor x, Tensor(a!)? error, Tensor(b!)? error_scales, int group_size, int bits, "
+    "float beta) -> (Tensor, Tensor)",
+)
+def _quantize_ef_op(
+    x: torch.Tensor,
+    error: torch.Tensor | None,
+    error_scales: torch.Tensor | None,
+    group_size: int,
+    bits: int,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    fn = quantize_ef_triton if backend.use_triton(x) else quantize_ef_reference
+    return fn(x, error, error_scales, group_size=group_size, bits=bits, beta=beta)
+
+
+@_quantize_ef_op.register_fake
+def _(x, error, error_scales, group_size, bits, beta):
+    _check_args(x, error, error_scales, group_size, bits)
+    groups = x.numel() // group_size
+    packed = x.new_empty(groups * bytes_per_group(group_size, bits), dtype=torch.uint8)
+    return packed, x.new_empty(groups, dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "triton_kernels::quantize_ef_to_payload",
+    mutates_args=("payload", "error", "error_scales"),
+    schema="(Tensor rows, Tensor(a!) payload, Tensor(b!)? error, Tensor(c!)? error_scales, "
+    "int group_size, int bits, float beta) -> ()",
+)
+def _quantize_ef_to_payload_op(
+    rows: torch.Tensor,
+    payload: torch.Tensor,
+    error: torch.Tensor | None,
+    error_scales: torch.Tensor | None,
+    group_size: int,
+    bits: int,
+    beta: float,
+) -> None:
+    use = backend.use_triton(rows)
+    fn = quantize_ef_to_payload_triton if use else quantize_ef_to_payload_reference
+    fn(rows, payload, error, error_scales, group_size=group_size, bits=bits, beta=beta)
+
+
+@_quantize_ef_to_payload_op.register_fake
+def _(rows, payload, error, error_scales, group_size, bits, beta):
+    return None
 
 
 def quantize_ef(
@@ -237,6 +478,28 @@ def quantize_ef(
     bits: int = 4,
     beta: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton on CUDA, the torch reference elsewhere."""
-    fn = quantize_ef_triton if x.is_cuda else quantize_ef_reference
-    return fn(x, error, error_scales, group_size=group_size, bits=bits, beta=beta)
+    """The Triton kernel or the torch reference, as :mod:`triton_kernels.backend` decides.
+
+    Runs as the custom op ``torch.ops.triton_kernels.quantize_ef``, so ``torch.compile``
+    treats it as one opaque call (its fake implementation gives the output shapes).
+    """
+    return torch.ops.triton_kernels.quantize_ef(x, error, error_scales, group_size, bits, beta)
+
+
+def quantize_ef_to_payload(
+    rows: torch.Tensor,
+    payload: torch.Tensor,
+    error: torch.Tensor | None = None,
+    error_scales: torch.Tensor | None = None,
+    *,
+    group_size: int = 128,
+    bits: int = 4,
+    beta: float = 0.0,
+) -> None:
+    """Quantise ``rows[w] + e`` (``e`` updated in place) straight into ``payload[w]``.
+
+    The custom op ``torch.ops.triton_kernels.quantize_ef_to_payload``.
+    """
+    torch.ops.triton_kernels.quantize_ef_to_payload(
+        rows, payload, error, error_scales, group_size, bits, beta
+    )

@@ -91,16 +91,23 @@ def node_local_reduce_scatter(
     """
     k, n = groups.intra_node_size, groups.num_nodes
     rows = input_tensor.view(n * k, -1)
-    order = torch.tensor(groups.order, device=input_tensor.device)
-    by_local = rows.index_select(0, order)
-    partial = by_local.new_empty(n, rows.shape[1])
     if k == 1:
-        partial.copy_(by_local)
-        return partial, 0
-    _reduce_scatter(
-        output=partial.view(-1),
-        input=by_local.view(-1),
-        op=dist.ReduceOp.SUM,
-        group=groups.intra_node,
-    )
+        if groups.order == tuple(range(n)):
+            return rows, 0
+        return rows.index_select(0, torch.tensor(groups.order, device=rows.device)), 0
+    partial = rows.new_empty(n, rows.shape[1])
+    # one reduce-scatter per node block; a block whose ranks sit contiguously in the group
+    # (the usual case) is read in place, with no gathered copy
+    for node in range(n):
+        members = [groups.order[local * n + node] for local in range(k)]
+        if members == list(range(members[0], members[0] + k)):
+            block = rows[members[0] : members[0] + k]
+        else:
+            block = rows.index_select(0, torch.tensor(members, device=rows.device))
+        _reduce_scatter(
+            output=partial[node],
+            input=block.reshape(-1),
+            op=dist.ReduceOp.SUM,
+            group=groups.intra_node,
+        )
     return partial, (k - 1) * partial.numel() * partial.element_size()

@@ -18,7 +18,7 @@ from fsdp_ext.comm.hierarchical import (
     node_local_reduce_scatter,
 )
 from fsdp_ext.comm.layout import ParamLayout
-from fsdp_ext.comm.quantized_exchange import pad_columns, quantized_reduce_scatter, round_up
+from fsdp_ext.comm.quantized_exchange import quantized_reduce_scatter_into, round_up
 from fsdp_ext.comm.stats import CommStats
 from fsdp_ext.comm.unit import UnitBinding
 
@@ -138,7 +138,6 @@ class LoCoReduceScatter(ReduceScatter):
             )
         out_scale = reduce_op_scale(op, world_size)
         wire_input = input_tensor.float() if input_tensor.dtype == torch.float16 else input_tensor
-        out_dtype = torch.float32 if output_tensor.dtype == torch.float16 else output_tensor.dtype
         intra_bytes = 0
         if self.config.intra_node_size is not None:
             groups = self._groups(group)
@@ -148,22 +147,29 @@ class LoCoReduceScatter(ReduceScatter):
             chunks = wire_input.view(world_size, shard)
             exchange_group = group
         if chunks.shape[0] == 1:
-            reduced, sent = (chunks[0].float() * out_scale).to(out_dtype), 0
+            output_tensor.copy_(chunks[0].float() * out_scale)
+            sent = 0
         else:
             feedback = None
             if self.feedback is not None:
                 feedback = self._feedback_for(shard, chunks.shape[0], input_tensor.device)
-            reduced, sent = quantized_reduce_scatter(
-                pad_columns(chunks, round_up(shard, self.config.group_size)),
+            # padding, quantisation and the write into the output happen in the kernels;
+            # fp16 is reduced into an fp32 buffer (the kernels write fp32 or bf16)
+            target = output_tensor
+            if output_tensor.dtype == torch.float16:
+                target = torch.empty(shard, dtype=torch.float32, device=output_tensor.device)
+            sent = quantized_reduce_scatter_into(
+                target,
+                chunks,
                 exchange_group,
                 self.config,
                 feedback,
                 out_scale=out_scale,
-                out_dtype=out_dtype,
             )
+            if target is not output_tensor:
+                output_tensor.copy_(target)
             if isinstance(feedback, ErrorSubset):
                 feedback.write_back()
-        output_tensor.copy_(reduced[:shard])
         self.stats.bytes_sent += sent
         self.stats.intra_node_bytes += intra_bytes
         self.stats.bytes_uncompressed += (world_size - 1) * shard * input_tensor.element_size()

@@ -1,0 +1,14 @@
+"""Smoke test of benchmarks/kernels.py: it times every kernel and reports its JSON."""
+
+from benchmarks.kernels import main
+
+
+def test_benchmark_reports_every_kernel(capsys):
+    result = main(["--quick", "--numel", str(2**16), "--reps", "2", "--device", "cpu"])
+    assert set(result["kernels"]) == {"quantize_ef", "dequantize_reduce", "permute_indices"}
+    for entry in result["kernels"].values():
+        assert entry["gb_per_s"] > 0 and entry["fraction_of_copy"] > 0
+    assert result["min_fraction_of_copy"] == min(
+        result["kernels"][k]["fraction_of_copy"] for k in ("quantize_ef", "dequantize_reduce")
+    )
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith('{"bench": "kernels"')

@@ -1,0 +1,117 @@
+"""On a CUDA device (``scripts/gpu-check.sh``): every compiled variant of the Triton kernels,
+run for real, equals the torch reference on CPU bit for bit. Skipped without CUDA.
+
+Run with ``TRITON_INTERPRET=0`` (gpu-check does), else the interpreter would run them.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from triton_kernels.codec_common import TILE_ELEMENTS, TRITON_GROUP_SIZES, payload_chunk_bytes
+from triton_kernels.dequantize_reduce import (
+    dequantize_reduce_from_payload_reference,
+    dequantize_reduce_from_payload_triton,
+)
+from triton_kernels.permute_indices import permute_indices_reference, permute_indices_triton
+from triton_kernels.quantize_ef import (
+    quantize_ef_reference,
+    quantize_ef_to_payload_reference,
+    quantize_ef_to_payload_triton,
+    quantize_ef_triton,
+)
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device (scripts/gpu-check.sh runs it)", allow_module_level=True)
+ERROR_DTYPES = [None, torch.int8, torch.bfloat16, torch.float32]
+
+
+def _same(a, b):
+    a, b = a.cpu(), b.cpu()
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bool(((a == b) | (a.isnan() & b.isnan())).all())
+    )
+
+
+def _gradient(numel, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (
+        torch.randn(numel, generator=gen)
+        * torch.logspace(-3, 3, numel)[torch.randperm(numel, generator=gen)]
+    )
+    x[7] = float("nan")
+    x[-3] = float("inf")
+    x[numel // 2 : numel // 2 + 300] = 0
+    return x.to(dtype)
+
+
+def _error(dtype, numel, group_size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if dtype is None:
+        return None, None
+    if dtype == torch.int8:
+        return torch.randint(-127, 128, (numel,), generator=gen, dtype=torch.int8), torch.rand(
+            numel // group_size, generator=gen
+        ) * 0.01
+    return (torch.randn(numel, generator=gen) * 0.1).to(dtype), None
+
+
+def _cuda(t):
+    return None if t is None else t.cuda()
+
+
+@pytest.mark.parametrize(
+    ("group_size", "bits", "error_dtype", "x_dtype"),
+    list(
+        itertools.product(TRITON_GROUP_SIZES, [4, 8], ERROR_DTYPES, [torch.float32, torch.bfloat16])
+    ),
+)
+def test_quantize_ef_cuda_equals_reference(group_size, bits, error_dtype, x_dtype):
+    numel = (2 * TILE_ELEMENTS["quantize_ef"] // group_size + 3) * group_size  # crosses tiles
+    x = _gradient(numel, x_dtype, group_size + bits)
+    e_ref, s_ref = _error(error_dtype, numel, group_size, 1)
+    e_gpu, s_gpu = _cuda(e_ref), _cuda(s_ref)
+    kw = dict(group_size=group_size, bits=bits, beta=0.8)
+    ref = quantize_ef_reference(x, e_ref, s_ref, **kw)
+    gpu = quantize_ef_triton(x.cuda(), e_gpu, s_gpu, **kw)
+    assert all(_same(a, b) for a, b in zip(ref, gpu, strict=True))
+    for a, b in ((e_ref, e_gpu), (s_ref, s_gpu)):
+        assert a is None or _same(a, b)
+
+
+@pytest.mark.parametrize(
+    ("group_size", "bits", "out_dtype"),
+    list(itertools.product(TRITON_GROUP_SIZES, [4, 8], [torch.float32, torch.bfloat16])),
+)
+def test_payload_path_cuda_equals_reference(group_size, bits, out_dtype):
+    rows, n = 3, TILE_ELEMENTS["dequantize_reduce"] + 77  # padded rows crossing tiles
+    chunks = _gradient(rows * n, torch.float32, 5).view(rows, n)
+    groups = -(-n // group_size)
+    e_ref, s_ref = _error(torch.int8, rows * groups * group_size, group_size, 2)
+    e_gpu, s_gpu = _cuda(e_ref), _cuda(s_ref)
+    p_ref = torch.zeros(rows, payload_chunk_bytes(groups, group_size, bits), dtype=torch.uint8)
+    p_gpu = p_ref.cuda()
+    kw = dict(group_size=group_size, bits=bits, beta=0.8)
+    quantize_ef_to_payload_reference(chunks, p_ref, e_ref, s_ref, **kw)
+    quantize_ef_to_payload_triton(chunks.cuda(), p_gpu, e_gpu, s_gpu, **kw)
+    assert _same(p_ref, p_gpu) and _same(e_ref, e_gpu) and _same(s_ref, s_gpu)
+    out_ref = torch.empty(n, dtype=out_dtype)
+    out_gpu = out_ref.cuda()
+    kw = dict(group_size=group_size, bits=bits, out_scale=1 / 3)
+    dequantize_reduce_from_payload_reference(p_ref, out_ref, **kw)
+    dequantize_reduce_from_payload_triton(p_gpu, out_gpu, **kw)
+    assert _same(out_ref, out_gpu)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_permute_indices_cuda_equals_reference(dtype):
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 500, (8, 40), generator=gen)
+    counts[3] = 0
+    counts = counts.to(dtype)
+    assert torch.equal(
+        permute_indices_reference(counts), permute_indices_triton(counts.cuda()).cpu()
+    )

@@ -1,0 +1,185 @@
+"""Compile every ``@triton.jit`` kernel ahead of time for NVIDIA GPUs, without a GPU.
+
+Triton bundles ``ptxas``, so ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``
+produces PTX and a cubin on a CPU-only machine. This module finds every kernel in a package,
+compiles each variant its launcher can produce (the module's ``compile_cases()``) for each
+requested architecture, and reports facts about the generated code that matter on hardware:
+FMA instructions, the widths of global loads, and the integer width of pointer offsets.
+
+Run as ``python -m triton_kernels.compile_check [--arch 80 90] [--json PATH]``. It must run
+with ``TRITON_INTERPRET`` unset (the interpreter replaces kernels by Python functions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pkgutil
+import re
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+ARCHS = (80, 90)
+_LD_GLOBAL = re.compile(r"\bld\.global(?:\.[a-z0-9]+)*")
+_ADDPTR = re.compile(r"tt\.addptr .*, tensor<(?:\d+x)+(i\d+)>")
+
+
+def discover(package: str) -> tuple[dict[str, Any], dict[str, list]]:
+    """(every JIT function by qualified name, the compile cases of every module)."""
+    from triton.runtime.jit import JITFunction
+
+    pkg = importlib.import_module(package)
+    modules = [pkg] + [
+        importlib.import_module(f"{package}.{m.name}")
+        for m in pkgutil.iter_modules(pkg.__path__)
+        if m.name != "compile_check"
+    ]
+    functions, cases = {}, {}
+    for module in modules:
+        for name, value in vars(module).items():
+            if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__:
+                functions[f"{module.__name__}.{name}"] = value
+        if hasattr(module, "compile_cases"):
+            cases[module.__name__] = list(module.compile_cases())
+    return functions, cases
+
+
+def uncovered(functions: dict[str, Any], cases: dict[str, list]) -> list[str]:
+    """JIT functions that no compile case compiles, directly or as a callee of one."""
+    compiled = {c.kernel for module_cases in cases.values() for c in module_cases}
+    reached = set(compiled)
+    grew = True
+    while grew:  # helpers called (by name) from a compiled kernel or from a reached helper
+        grew = False
+        sources = " ".join(f.src for f in reached)
+        for f in functions.values():
+            if f not in reached and re.search(rf"\b{f.fn.__name__}\s*\(", sources):
+                reached.add(f)
+                grew = True
+    return sorted(name for name, f in functions.items() if f not in reached)
+
+
+def compile_case(case, arch: int, enable_fp_fusion: bool | None = None) -> dict[str, Any]:
+    """Compile one case for ``sm_<arch>`` with the launchers' own options (or FP fusion
+    forced to ``enable_fp_fusion``); returns facts about its PTX and TTIR."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from triton_kernels.codec_common import launch_options
+
+    options = {"num_warps": case.num_warps, **launch_options()}
+    if enable_fp_fusion is not None:
+        options["enable_fp_fusion"] = enable_fp_fusion
+    names = list(case.signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in case.aligned}
+    start = time.perf_counter()
+    try:
+        compiled = triton.compile(
+            ASTSource(
+                fn=case.kernel, signature=case.signature, constexprs=case.constexprs, attrs=attrs
+            ),
+            target=GPUTarget("cuda", arch, 32),
+            options=options,
+        )
+    except Exception as exc:  # the compiler's own message is the report
+        return {"case": case.name, "arch": arch, "error": f"{type(exc).__name__}: {exc}"}
+    ptx, ttir = compiled.asm["ptx"], compiled.asm["ttir"]
+    return {
+        "case": case.name,
+        "arch": arch,
+        "error": None,
+        "seconds": time.perf_counter() - start,
+        "cubin_bytes": len(compiled.asm["cubin"]),
+        "fma": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+        "loads": sorted(set(_LD_GLOBAL.findall(ptx))),
+        "offset_types": sorted(set(_ADDPTR.findall(ttir))),
+        "registers": compiled.n_regs if hasattr(compiled, "n_regs") else None,
+    }
+
+
+def _compile_job(job):
+    module, index, arch, fusion = job
+    case = discover_cases_of(module)[index]
+    result = compile_case(case, arch, fusion)
+    result.update(module=module, fused=bool(fusion))
+    return result
+
+
+_CASES: dict[str, list] = {}
+
+
+def discover_cases_of(module_name: str) -> list:
+    if module_name not in _CASES:
+        _CASES[module_name] = list(importlib.import_module(module_name).compile_cases())
+    return _CASES[module_name]
+
+
+def compile_all(
+    cases: dict[str, list], archs=ARCHS, workers: int = 2, extra_jobs=()
+) -> list[dict[str, Any]]:
+    """Compile every case for every arch, ``workers`` processes at a time."""
+    jobs = [
+        (module, i, arch, None)
+        for module, module_cases in cases.items()
+        for i in range(len(module_cases))
+        for arch in archs
+    ]
+    jobs += list(extra_jobs)
+    if workers <= 1:
+        return [_compile_job(j) for j in jobs]
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_compile_job, jobs, chunksize=4))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--package", nargs="+", default=["triton_kernels"])
+    parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument(
+        "--fused-probe",
+        action="store_true",
+        help="also compile each module's last case with FP fusion on (shows FMAs appear)",
+    )
+    parser.add_argument("--json", help="write the full report here")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        parser.error("unset TRITON_INTERPRET: the interpreter replaces kernels by Python")
+    start = time.perf_counter()
+    packages, cases = {}, {}
+    for package in args.package:
+        functions, package_cases = discover(package)
+        packages[package] = {
+            "functions": sorted(functions),
+            "uncovered": uncovered(functions, package_cases),
+            "cases": sum(len(c) for c in package_cases.values()),
+        }
+        cases.update(package_cases)
+    extra = [(m, len(c) - 1, args.arch[-1], True) for m, c in cases.items()]
+    extra = extra if args.fused_probe else []
+    results = compile_all(cases, args.arch, args.workers, extra)
+    seconds = time.perf_counter() - start
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"packages": packages, "results": results, "seconds": seconds}, f)
+    failed = [r for r in results if r["error"]]
+    uncovered_names = [n for p in packages.values() for n in p["uncovered"]]
+    summary = {
+        "compile_check": args.package,
+        "archs": args.arch,
+        "compiled": len(results) - len(failed),
+        "failed": len(failed),
+        "uncovered": uncovered_names,
+        "seconds": round(seconds, 1),
+    }
+    print(json.dumps(summary))
+    return 1 if failed or uncovered_names else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
