@@ -32,6 +32,7 @@ SCHEDULES: dict[str, tuple[type, str]] = {
     "InterleavedZeroBubble": (torch_schedules.ScheduleInterleavedZeroBubble, "loop"),
     "ZBVZeroBubble": (torch_schedules.ScheduleZBVZeroBubble, "v"),
 }
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 def stage_indices(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -71,6 +72,15 @@ def _check_args(
         )
     if isinstance(comm, LoCoConfig) and parallel_dims.dp_replicate > 1:
         raise ValueError("comm=LoCoConfig under PP supports dp_replicate=1 only (no HSDP)")
+    if schedule in SPLIT_BACKWARD_SCHEDULES and (grad_sync != "deferred" or reshard_after_forward):
+        # Their weight-gradient pass runs after FSDP's post-backward hook has fired, so a
+        # per-microbatch reduction or a resharded parameter misses it (measured: wrong or
+        # missing gradients on gloo).
+        raise ValueError(
+            f"schedule {schedule!r} splits backward into input and weight passes; it needs "
+            "grad_sync='deferred' and reshard_after_forward False/None, got "
+            f"grad_sync={grad_sync!r}, reshard_after_forward={reshard_after_forward!r}"
+        )
     if "mesh" in kw:
         raise TypeError("build_pipeline picks the meshes from parallel_dims; do not pass mesh=")
 
