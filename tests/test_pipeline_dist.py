@@ -28,7 +28,7 @@ def _check_against_reference(case: dict, per_rank: list[dict], atol: float = 1e-
                     ref_grads[step][name],
                     rtol=atol,
                     atol=atol,
-                    msg=lambda m: f"{case} {name}: {m}",
+                    msg=lambda m, name=name: f"{case} {name}: {m}",
                 )
     # every parameter is held by exactly one stage, on both dp ranks of that stage
     held = [set(out["grads"][0]) for out in per_rank]
