@@ -29,18 +29,21 @@ from torch.distributed.checkpoint.state_dict import (
 from fsdp_ext.moe import ParallelDims
 
 
-def pipeline_step(schedule: Any, stages: Sequence[Any], inputs, targets) -> list[torch.Tensor]:
+def pipeline_step(
+    schedule: Any, stages: Sequence[Any], inputs, targets, *, forward_only: bool = False
+) -> list[torch.Tensor]:
     """Run one schedule step; returns this rank's microbatch losses (empty off the last stage).
 
     ``inputs`` are used only where a local stage is the first one, ``targets`` only where
-    one is the last (both can be passed everywhere).
+    one is the last (both can be passed everywhere). ``forward_only``: ``schedule.eval``,
+    for validation.
     """
     is_first = any(s.is_first for s in stages)
     is_last = any(s.is_last for s in stages)
     losses: list[torch.Tensor] = []
     args = (inputs,) if is_first else ()
     kwargs: dict[str, Any] = {"target": targets, "losses": losses} if is_last else {}
-    schedule.step(*args, **kwargs)
+    (schedule.eval if forward_only else schedule.step)(*args, **kwargs)
     return losses
 
 
