@@ -310,13 +310,50 @@ def _max_over_ranks(per_rank: list[dict]) -> dict:
     return out
 
 
+def plot(summary: dict, path: str) -> None:
+    """Wire bytes against peak unsharded bytes per rank, one point per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    ms = sorted({row["n_microbatches"] for row in summary["configs"].values()})
+    for ax, m in zip(axes, ms, strict=False):
+        for name in CONFIGS:
+            row = summary["configs"][f"{name}@M{m}"]
+            wire = (row["rs_wire_bytes_per_step"] + row["ag_wire_bytes_per_step"]) / 2**20
+            peak = row["peak_unsharded_param_plus_grad_bytes"] / 2**20
+            ax.scatter(wire, peak, s=40)
+            ax.annotate(
+                f"{name}\n{row['step_ms']:.0f} ms",
+                (wire, peak),
+                fontsize=7,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+        ax.set_title(f"M = {m} microbatches (pp=2 x dp=2; FSDP-only: dp=4)")
+        ax.set_xlabel("dp wire bytes per step per rank (MiB)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("peak unsharded param + grad (MiB per rank)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--microbatches", default="4,8")
     parser.add_argument("--quick", action="store_true", help="smaller model, 3 timed steps")
+    parser.add_argument("--plot", help="save the bytes-vs-memory figure here")
+    parser.add_argument("--from-json", help="re-plot a saved last line instead of running")
     args = parser.parse_args(argv)
+    if args.from_json:
+        summary = json.loads(Path(args.from_json).read_text().strip().splitlines()[-1])
+        plot(summary, args.plot or "pipeline.png")
+        return summary
     microbatches = [int(m) for m in args.microbatches.split(",")]
     if any(m not in (4, 8) for m in microbatches):
         parser.error("--microbatches: values must be 4 or 8 (16 sequences over dp=2)")
@@ -358,6 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
         "losses_identical": loss_spread <= 1e-5,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
+    if args.plot:
+        plot(summary, args.plot)
     print(json.dumps(summary))
     return summary
 

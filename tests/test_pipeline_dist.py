@@ -70,6 +70,8 @@ def test_pipeline_matches_reference_and_counts_collectives():
         _check_against_reference(case, per_rank)
         if not case.get("moe"):
             _check_counts(case, per_rank)
+        for out in per_rank:  # no extra reduction on the first step (shape inference)
+            assert len(set(out["rs"])) == 1, (case, out["rs"])
 
 
 SLOW_CASES = [

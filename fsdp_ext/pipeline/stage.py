@@ -42,6 +42,20 @@ class FSDPPipelineStage(PipelineStage):
     def _fsdp_root(self) -> FSDPModule | None:
         return self.submod if isinstance(self.submod, FSDPModule) else None
 
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any):
+        # torch >= 2.12 infers gradient shapes on the first step with an autograd pass
+        # over the stage. FSDP would treat it as a real backward: units that reduce unused
+        # parameters (MoE blocks) would send an extra reduce-scatter of zeros, moving LoCo's
+        # error state. Nothing of it is a gradient, so nothing is reduced.
+        root = self._fsdp_root()
+        if root is None:
+            return super()._backward_metadata_inference(*args, **kwargs)
+        root.set_requires_gradient_sync(False)
+        try:
+            return super()._backward_metadata_inference(*args, **kwargs)
+        finally:
+            root.set_requires_gradient_sync(True)
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
         root = self._fsdp_root()
         if self.grad_sync == "deferred" or root is None:
