@@ -58,7 +58,6 @@ DEFAULT_CASES = [
     {"schedule": "GPipe", "grad_sync": "per_microbatch"},
     {"schedule": "Interleaved1F1B", "grad_sync": "deferred"},
     {"schedule": "1F1B", "grad_sync": "per_microbatch", "reshard_after_forward": True},
-    {"schedule": "GPipe", "grad_sync": "deferred", "reshard_after_forward": True},
     {"schedule": "1F1B", "grad_sync": "per_microbatch", "moe": True, "ep": 2},
 ]
 
@@ -84,6 +83,7 @@ SLOW_CASES = [
     {"schedule": "1F1B", "grad_sync": "deferred", "n_microbatches": 2},
     {"schedule": "GPipe", "grad_sync": "per_microbatch", "n_microbatches": 2},
     {"schedule": "1F1B", "grad_sync": "deferred", "reshard_after_forward": 1},
+    {"schedule": "GPipe", "grad_sync": "deferred", "reshard_after_forward": True},
 ]
 
 

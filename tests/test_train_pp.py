@@ -32,21 +32,24 @@ TINY_PP = TrainConfig(
 )
 
 
-def _train(cfg):
-    return train(cfg)
+def _straight_then_split(root: str) -> dict:
+    """One process tree: the straight run, then the same run stopped and resumed."""
+    straight = train(replace(TINY_PP, out=f"{root}/a"))
+    first = replace(TINY_PP, stop_after=2, ckpt_every=2, out=f"{root}/b")
+    train(first)
+    tail = train(replace(first, stop_after=0, resume=True))
+    return {"straight": straight, "tail": tail}
 
 
 def test_pp2_moe_ep2_loco_resumes_exactly(tmp_path):
-    straight = run_distributed(_train, 4, replace(TINY_PP, out=str(tmp_path / "a")))
-    first = replace(TINY_PP, stop_after=2, ckpt_every=2, out=str(tmp_path / "b"))
-    run_distributed(_train, 4, first)
-    tail = run_distributed(_train, 4, replace(first, stop_after=0, resume=True))
-    for s, t in zip(straight, tail, strict=True):
+    results = run_distributed(_straight_then_split, 4, str(tmp_path))
+    for r in results:
+        s, t = r["straight"], r["tail"]
         assert t["start_step"] == 2
         assert t["losses"] == s["losses"][2:]  # bitwise
         assert s["val_loss"] == t["val_loss"]
-    assert len({r["losses"][-1] for r in straight}) == 1  # every rank reports the global loss
-    assert straight[0]["comm_stats"]["bytes_sent"] > 0  # LoCo ran
+    assert len({r["straight"]["losses"][-1] for r in results}) == 1  # the global loss everywhere
+    assert results[0]["straight"]["comm_stats"]["bytes_sent"] > 0  # LoCo ran
 
 
 @pytest.mark.parametrize(
