@@ -86,6 +86,15 @@ def reference(moe: bool, dp: int, n_microbatches: int, steps: int = STEPS, n_lay
     """One process, the same global batch: microbatch m is the concatenation over the dp
     ranks of each rank's m-th local microbatch; grads are summed over microbatches and
     divided by their number (the schedule's ``scale_grads``), then SGD."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: intra-op threads only contend (50x slower seen)
+    try:
+        return _reference(moe, dp, n_microbatches, steps, n_layers)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(moe: bool, dp: int, n_microbatches: int, steps: int, n_layers: int):
     model = make_model(moe, n_layers)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], []
