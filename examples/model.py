@@ -103,8 +103,14 @@ class Transformer(nn.Module):
             nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
-        h = self.tok_embeddings(tokens) + self.pos_embeddings(pos)
+        # A pipeline stage (fsdp_ext.split_stages) holds None for the modules of other
+        # stages: a later stage gets hidden states, not tokens.
+        h = tokens
+        if self.tok_embeddings is not None:
+            pos = torch.arange(tokens.shape[1], device=tokens.device)
+            h = self.tok_embeddings(tokens) + self.pos_embeddings(pos)
         for layer in self.layers:
             h = layer(h)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h

@@ -40,12 +40,16 @@ from fsdp_ext import (
     GranularityPolicy,
     LoCoConfig,
     ParallelDims,
+    PipelineState,
     SafeLoadPlanner,
     SpreadFileSystemWriter,
     SpreadSavePlanner,
     VerifiedFileSystemReader,
     apply_expert_parallel,
+    build_pipeline,
     clip_grad_norm_,
+    pipeline_step,
+    reduce_pipeline_loss,
     register_comm_hook,
     shard_moe_model,
 )
@@ -79,6 +83,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     ep: int = 1  # expert-parallel degree: experts split over this many ranks
+    pp: int = 1  # pipeline stages (1F1B schedule); ep and FSDP run inside each stage
+    microbatches: int = 4  # per step, under --pp > 1
     param_dtype: str = "fp32"
     wrap: str = "granularity"  # dense FSDP units: a key of WRAP_POLICIES
     comm: str = "loco"
@@ -128,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-dim", type=_positive_int, default=m.hidden_dim)
     p.add_argument("--num-experts", type=int, default=m.num_experts, help="0: dense feed-forward")
     p.add_argument("--ep", type=_positive_int, default=d.ep, help="expert-parallel degree")
+    p.add_argument("--pp", type=_positive_int, default=d.pp, help="pipeline-parallel degree")
+    p.add_argument("--microbatches", type=_positive_int, default=d.microbatches, help="under --pp")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default=d.param_dtype)
@@ -185,9 +193,16 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
     if a.ep > 1 and (a.num_experts < 1 or a.num_experts % a.ep):
         parser.error(f"argument --ep: {a.ep} does not divide --num-experts {a.num_experts}")
     try:
-        ParallelDims(world_size, ep=a.ep)
+        ParallelDims(world_size, ep=a.ep, pp=a.pp)
     except ValueError as exc:
-        parser.error(f"argument --ep: {exc}")
+        parser.error(f"argument --{'pp' if 'pp' in str(exc) else 'ep'}: {exc}")
+    if a.pp > 1 and a.batch_size % (world_size // a.pp * a.microbatches):
+        parser.error(
+            f"argument --microbatches: --batch-size {a.batch_size} must split into "
+            f"{world_size // a.pp} data-parallel ranks x {a.microbatches} microbatches"
+        )
+    if a.pp > a.n_layers:
+        parser.error(f"argument --pp: {a.pp} stages need --n-layers >= {a.pp}, got {a.n_layers}")
     model = ModelConfig(
         dim=a.dim,
         n_layers=a.n_layers,
@@ -204,6 +219,8 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
         model=model,
         lr=a.lr,
         ep=a.ep,
+        pp=a.pp,
+        microbatches=a.microbatches,
         warmup_steps=a.warmup_steps,
         param_dtype=a.param_dtype,
         wrap=a.wrap,
@@ -234,7 +251,7 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
 
 def run_record(cfg: TrainConfig, world_size: int) -> dict:
     """What a resume must keep: the model's shape, the codec and, with LoCo, the ranks."""
-    return {"model": asdict(cfg.model), "comm": cfg.comm, "world_size": world_size}
+    return {"model": asdict(cfg.model), "comm": cfg.comm, "world_size": world_size, "pp": cfg.pp}
 
 
 def _check_resumable(parser: argparse.ArgumentParser, cfg: TrainConfig, world_size: int) -> None:
@@ -255,6 +272,11 @@ def _check_resumable(parser: argparse.ArgumentParser, cfg: TrainConfig, world_si
         parser.error(
             f"argument --comm: the run in {cfg.out} was started with --comm "
             f"{started['comm']}, got {now['comm']}; its checkpoints hold that codec's state"
+        )
+    if started.get("pp", 1) != now["pp"]:
+        parser.error(
+            f"argument --pp: the run in {cfg.out} was started with --pp {started.get('pp', 1)}, "
+            f"got {now['pp']}; resume at the same pp degree"
         )
     if COMMS[now["comm"]] is not None and started["world_size"] != world_size:
         parser.error(
@@ -344,6 +366,47 @@ class RNGState(Stateful):
             torch.cuda.set_rng_state(state[self.key]["cuda"])
 
 
+class PipelineTrainState(TrainState):
+    """TrainState of this rank's pipeline stages: fqn-keyed model and flattened optimizer."""
+
+    def __init__(self, stages, optimizer, scheduler):
+        super().__init__(None, optimizer, scheduler)
+        self.parts = PipelineState([s.submod for s in stages], [optimizer])
+
+    def state_dict(self) -> dict:
+        return {
+            "parts": self.parts.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.parts.load_state_dict(state["parts"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+
+
+def build_pipelined(model: Transformer, cfg: TrainConfig, dims: ParallelDims):
+    """1F1B over --pp stages; inside each: experts over --ep, FSDP over dp, --comm per unit."""
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=torch.float32
+    )
+    return build_pipeline(
+        model,
+        dims,
+        schedule="1F1B",
+        n_microbatches=cfg.microbatches,
+        loss_fn=lm_loss,
+        auto_wrap_policy=WRAP_POLICIES[cfg.wrap],
+        comm=COMMS[cfg.comm],
+        mp_policy=mp_policy,
+    )
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 def checkpoint_path(root: Path, step: int) -> Path:
     return root / f"step-{step:07d}"
 
@@ -395,6 +458,26 @@ def evaluate(model, data: torch.Tensor, cfg: TrainConfig, device: torch.device) 
     return float(total) / (cfg.val_batches * world)
 
 
+def evaluate_pipelined(schedule, stages, dims, data, cfg: TrainConfig) -> float:
+    local = cfg.batch_size // dims.dp
+    rows = slice(dims.dp_flat_mesh.get_local_rank() * local, None)
+    total = 0.0
+    for stage in stages:
+        stage.submod.eval()
+    with torch.no_grad():
+        for i in range(cfg.val_batches):
+            x, y = get_batch(
+                data, seed=cfg.seed + 1, step=i, batch_size=cfg.batch_size, seq_len=cfg.seq_len
+            )
+            losses = pipeline_step(
+                schedule, stages, x[rows][:local], y[rows][:local], forward_only=True
+            )
+            total += reduce_pipeline_loss(losses, stages, dims)
+    for stage in stages:
+        stage.submod.train()
+    return total / cfg.val_batches
+
+
 def train(cfg: TrainConfig) -> dict:
     """Train inside an initialised process group; return the per-step losses and summary."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -405,15 +488,24 @@ def train(cfg: TrainConfig) -> dict:
 
     torch.manual_seed(cfg.seed)
     model = Transformer(cfg.model).to(device)
-    dims = ParallelDims(world, ep=cfg.ep)
+    dims = ParallelDims(world, ep=cfg.ep, pp=cfg.pp)
     dims.build_mesh(device.type)
-    shard_model(model, cfg, dims)
-    comm = attach_comm(model, cfg)
+    if cfg.pp > 1:
+        schedule, stages = build_pipelined(model, cfg, dims)
+        comm = stages[0].comm_handle
+        params = [p for s in stages for p in s.submod.parameters()]
+    else:
+        shard_model(model, cfg, dims)
+        comm = attach_comm(model, cfg)
+        params = list(model.parameters())
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    state = TrainState(model, optimizer, scheduler)
+    if cfg.pp > 1:
+        state = PipelineTrainState(stages, optimizer, scheduler)
+    else:
+        state = TrainState(model, optimizer, scheduler)
     # LoCo's error buffers are checkpointed with the rest, so a resume is exact; the data
     # position is the step (batches are a pure function of seed and step)
     app_state = {"train": state, "rng": RNGState(device)}
@@ -430,7 +522,8 @@ def train(cfg: TrainConfig) -> dict:
         record = run_record(cfg, world)
         (cfg.checkpoint_root / RUN_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
-    local = cfg.batch_size // world
+    local = cfg.batch_size // dims.dp
+    dp_rank = dims.dp_flat_mesh.get_local_rank() if dims.dp > 1 else 0
     tokens_per_step = cfg.batch_size * cfg.seq_len
     losses, step_ms = [], []
     start_step = state.step
@@ -444,17 +537,21 @@ def train(cfg: TrainConfig) -> dict:
             batch_size=cfg.batch_size,
             seq_len=cfg.seq_len,
         )
-        x, y = (t[rank * local : (rank + 1) * local].to(device) for t in (x, y))
-        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        x, y = (t[dp_rank * local : (dp_rank + 1) * local].to(device) for t in (x, y))
+        if cfg.pp > 1:
+            microbatch_losses = pipeline_step(schedule, stages, x, y)
+            losses.append(reduce_pipeline_loss(microbatch_losses, stages, dims))
+        else:
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            global_loss = loss.detach().clone()
+            dist.all_reduce(global_loss)
+            losses.append(float(global_loss) / world)
+        clip_grad_norm_(params, cfg.grad_clip, pp_mesh=dims.pp_mesh if cfg.pp > 1 else None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         state.step += 1
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        losses.append(float(global_loss) / world)
         step_ms.append((time.perf_counter() - t0) * 1e3)
         if state.step % cfg.log_every == 0 or state.step == end_step:
             ms = statistics.median(step_ms[-cfg.log_every :])
@@ -465,7 +562,10 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
             save_checkpoint(app_state, cfg, state.step)
 
-    val_loss = evaluate(model, corpus.val, cfg, device)
+    if cfg.pp > 1:
+        val_loss = evaluate_pipelined(schedule, stages, dims, corpus.val, cfg)
+    else:
+        val_loss = evaluate(model, corpus.val, cfg, device)
     entropy = unigram_entropy(corpus.train)
     median_ms = statistics.median(step_ms) if step_ms else float("nan")
     log(f"validation loss {val_loss:.4f} nats | unigram entropy of the bytes {entropy:.4f} nats")

@@ -17,6 +17,14 @@ from fsdp_ext.moe import ParallelDims as ParallelDims
 from fsdp_ext.moe import apply_expert_parallel as apply_expert_parallel
 from fsdp_ext.moe import clip_grad_norm_ as clip_grad_norm_
 from fsdp_ext.moe import shard_moe_model as shard_moe_model
+from fsdp_ext.pipeline import FSDPPipelineStage as FSDPPipelineStage
+from fsdp_ext.pipeline import PipelineState as PipelineState
+from fsdp_ext.pipeline import StagePlan as StagePlan
+from fsdp_ext.pipeline import build_pipeline as build_pipeline
+from fsdp_ext.pipeline import pipeline_step as pipeline_step
+from fsdp_ext.pipeline import plan_stages as plan_stages
+from fsdp_ext.pipeline import reduce_pipeline_loss as reduce_pipeline_loss
+from fsdp_ext.pipeline import split_stages as split_stages
 from fsdp_ext.wrap import GranularityPolicy as GranularityPolicy
 from fsdp_ext.wrap import WrapPlan as WrapPlan
 from fsdp_ext.wrap import fully_shard as fully_shard

@@ -1,0 +1,95 @@
+"""A ``PipelineStage`` whose FSDP gradient reduction is deferred or per microbatch.
+
+Stock ``PipelineStage.backward_maybe_with_nosync`` turns off FSDP's gradient sync and
+resharding for every microbatch, and ``perform_reduce_grad`` reduces once at the end:
+one reduce-scatter per unit per step, but each unit's *unsharded* gradient lives from
+the first microbatch's backward to the end of the step (ZeRO-1 memory for gradients).
+
+``grad_sync="per_microbatch"`` reduce-scatters in every microbatch's backward instead,
+so only the sharded gradient accumulates (ZeRO-2 under PP). Parameters are resharded
+after each backward when the units reshard after forward (ZeRO-3), else kept unsharded
+until the step ends (ZeRO-2). ``scale_grads`` still divides by the microbatch count once,
+after the last microbatch: reduction is linear, so the gradients equal the deferred ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+
+GRAD_SYNC_MODES = ("deferred", "per_microbatch")
+
+
+class FSDPPipelineStage(PipelineStage):
+    """``PipelineStage`` over an FSDP-sharded stage module, with a choice of ``grad_sync``."""
+
+    def __init__(
+        self,
+        *args: Any,
+        grad_sync: str = "deferred",
+        reshard_after_backward: bool = False,
+        **kwargs: Any,
+    ):
+        if grad_sync not in GRAD_SYNC_MODES:
+            raise ValueError(f"grad_sync must be one of {GRAD_SYNC_MODES}, got {grad_sync!r}")
+        super().__init__(*args, **kwargs)
+        self.grad_sync = grad_sync
+        self.reshard_after_backward = reshard_after_backward
+        self.comm_handle: Any = None  # set by build_pipeline when a comm is registered
+
+    def _fsdp_root(self) -> FSDPModule | None:
+        return self.submod if isinstance(self.submod, FSDPModule) else None
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any):
+        # torch >= 2.12 infers gradient shapes on the first step with an autograd pass
+        # over the stage. FSDP would treat it as a real backward: units that reduce unused
+        # parameters (MoE blocks) would send an extra reduce-scatter of zeros, moving LoCo's
+        # error state. Nothing of it is a gradient, so nothing is reduced.
+        root = self._fsdp_root()
+        if root is None:
+            return super()._backward_metadata_inference(*args, **kwargs)
+        root.set_requires_gradient_sync(False)
+        try:
+            return super()._backward_metadata_inference(*args, **kwargs)
+        finally:
+            root.set_requires_gradient_sync(True)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
+        root = self._fsdp_root()
+        if self.grad_sync == "deferred" or root is None:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        # Every microbatch is a complete FSDP backward: reduce-scatter, then wait for it.
+        root.set_is_last_backward(True)
+        root.set_requires_gradient_sync(True)
+        root.set_reshard_after_backward(self.reshard_after_backward)
+        # Skip the FSDP branch of the parent: call the plain backward path.
+        submod, self.submod = self.submod, _Plain(self.submod)
+        try:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        finally:
+            self.submod = submod
+
+    def perform_reduce_grad(self, grad_scale_factor: int):
+        root = self._fsdp_root()
+        if self.grad_sync == "deferred" or root is None:
+            return super().perform_reduce_grad(grad_scale_factor)
+        # Gradients were reduced microbatch by microbatch; parameters must be sharded
+        # before the optimizer step (a schedule may not flag the last backward).
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        if grad_scale_factor != 1:
+            self.scale_grads(grad_scale_factor)
+
+
+class _Plain:
+    """Stands in for the stage module inside the parent's backward: not an FSDPModule,
+    so the parent takes its plain-backward branch; parameters come from the real one."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def parameters(self, *args, **kwargs):
+        return self._module.parameters(*args, **kwargs)
