@@ -40,7 +40,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fsdp_ext.moe.layer import MoE
 from fsdp_ext.moe.parallel_dims import ParallelDims
-from fsdp_ext.wrap import GranularityPolicy, fully_shard, plan_units
+from fsdp_ext.wrap import GranularityPolicy, check_wrap, fully_shard
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,8 @@ def shard_moe_model(
     if "mesh" in fully_shard_kwargs:
         raise TypeError("shard_moe_model picks the meshes from parallel_dims; do not pass mesh=")
     policy = GranularityPolicy() if auto_wrap_policy is None else auto_wrap_policy
-    plan_units(model, policy)  # a bad policy fails before anything is sharded
+    # a bad policy fails before anything is sharded, not after the experts are
+    check_wrap(model, policy, mp_policy=fully_shard_kwargs.get("mp_policy"))
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if moes:
         reduce = expert_reduce_settings(
