@@ -213,3 +213,20 @@ def test_loco_state_survives_save_state_and_load_state(tmp_path):
         assert got[0] == want[0]
         for g, w in zip(got, want, strict=True):
             assert abs(g - w) <= 5e-5 * abs(w), (rank, got, want)
+
+
+# ------------------------------------------------ default run: plugin checks, no processes
+
+
+def test_our_policy_in_the_plugin_is_refused_with_the_fix():
+    from accelerate import FullyShardedDataParallelPlugin
+
+    from fsdp_ext.integrations.accelerate import check_plugin
+
+    for policy in (fsdp_ext.GranularityPolicy(), lambda module: False):
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=policy)
+        with pytest.raises(ValueError, match=r"ignores every policy.*prepare\(\.\.\., auto_wrap"):
+            check_plugin(plugin)
+    # accelerate's own policies pass
+    for policy in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", None):
+        check_plugin(FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=policy))
