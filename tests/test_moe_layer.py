@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fsdp_ext
 from fsdp_ext import MoE, ParallelDims, shard_moe_model
 
 
@@ -95,3 +96,94 @@ def test_shard_moe_model_argument_checks():
         shard_moe_model(model, ParallelDims(1), mesh=None)
     with pytest.raises(ValueError, match="auto_wrap_policy"):
         shard_moe_model(model, ParallelDims(1), auto_wrap_policy=42)
+
+
+# ------------------------------------------------ aux loss under loss scaling
+
+
+def _aux_moe() -> MoE:
+    torch.manual_seed(0)
+    return MoE(4, 8, num_experts=4, top_k=2, load_balance_coef=AUX_COEF)
+
+
+AUX_COEF = 0.1
+
+
+def _explicit_aux(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The Switch loss written out (independent of the layer's code), with its graph."""
+    probs = F.softmax(x @ moe.router.gate.weight.t(), dim=-1)
+    counts = torch.bincount(torch.topk(probs, 2).indices.flatten(), minlength=4).float()
+    return AUX_COEF * 4 * (counts / counts.sum() * probs.mean(0)).sum()
+
+
+def _main_loss(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    # x100: the router gradients of this loss and of the aux loss are of one size
+    return moe(x).sum(-1).mean() * 100
+
+
+def _router_grads_main_and_aux(x: torch.Tensor, scale: float, n_micro: int = 1):
+    """Router gradient of (main + aux), unscaled, and of the main loss alone, as a loop
+    with a GradScaler of ``scale`` and ``n_micro`` accumulation steps computes them."""
+    moe = _aux_moe()
+    opt = torch.optim.SGD(moe.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    fsdp_ext.set_aux_loss_scale(moe, scaler.get_scale() / n_micro)
+    for chunk in x.chunk(n_micro):
+        scaler.scale(_main_loss(moe, chunk) / n_micro).backward()
+    scaler.unscale_(opt)
+    total = moe.router.gate.weight.grad.clone()
+    moe.zero_grad()
+    moe.load_balance_coef = 0.0
+    for chunk in x.chunk(n_micro):
+        (_main_loss(moe, chunk) / n_micro).backward()
+    return total, moe.router.gate.weight.grad.clone()
+
+
+def test_aux_share_of_router_grad_is_the_same_under_a_grad_scaler():
+    x = torch.randn(32, 4)
+    moe = _aux_moe()
+    (aux_grad,) = torch.autograd.grad(_explicit_aux(moe, x), moe.router.gate.weight)
+    plain_total, main = _router_grads_main_and_aux(x, scale=1.0)
+    scaled_total, scaled_main = _router_grads_main_and_aux(x, scale=1024.0)
+    torch.testing.assert_close(scaled_main, main)
+    for total in (plain_total, scaled_total):
+        torch.testing.assert_close(total - main, aux_grad, rtol=1e-5, atol=1e-8)
+    # the aux share of the router gradient (0.62 here; 1/1024 of it when the aux loss
+    # ignored the scale)
+    share = [
+        float((t - main).norm() / ((t - main).norm() + main.norm()))
+        for t in (plain_total, scaled_total)
+    ]
+    assert 0.1 < share[0] < 0.9 and abs(share[1] - share[0]) <= 1e-5 * share[0], share
+
+
+def test_aux_grad_with_accumulation_equals_the_full_batch_grad():
+    n = 4
+    # n identical microbatches: each one's routing statistics are the full batch's, so the
+    # accumulated gradient must equal the gradient of one full-batch step
+    micro = torch.randn(8, 4)
+    full_batch = torch.cat([micro] * n)
+    accumulated, _ = _router_grads_main_and_aux(full_batch, scale=1.0, n_micro=n)
+    full, _ = _router_grads_main_and_aux(full_batch, scale=1.0, n_micro=1)
+    torch.testing.assert_close(accumulated, full, rtol=1e-5, atol=1e-8)
+    # distinct microbatches, with a GradScaler too: the mean over microbatches of
+    # (main + aux), written out by hand
+    x = torch.randn(32, 4)
+    got, _ = _router_grads_main_and_aux(x, scale=256.0, n_micro=n)
+    moe = _aux_moe()
+    moe.load_balance_coef = 0.0  # the layer adds nothing; the aux loss is written out
+    want = sum((_main_loss(moe, c) + _explicit_aux(moe, c)) / n for c in x.chunk(n))
+    (want_grad,) = torch.autograd.grad(want, moe.router.gate.weight)
+    torch.testing.assert_close(got, want_grad, rtol=1e-5, atol=1e-8)
+
+
+def test_set_aux_loss_scale_checks_its_argument():
+    moe = _aux_moe()
+    assert fsdp_ext.set_aux_loss_scale(nn.Sequential(moe, moe), 2.0) == 1
+    assert fsdp_ext.set_aux_loss_scale(moe, torch.tensor(8.0)) == 1
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="scale must be"):
+            fsdp_ext.set_aux_loss_scale(moe, bad)
+    for bad in ("1", None, True, torch.tensor([1, 2]), torch.tensor(3)):
+        with pytest.raises(TypeError, match="scale must be"):
+            fsdp_ext.set_aux_loss_scale(moe, bad)

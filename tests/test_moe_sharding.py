@@ -79,3 +79,41 @@ def test_custom_reduce_scatter_on_expert_and_dense_units():
         for name, p in reference.named_parameters():
             atol = 1e-7 * float(p.grad.abs().max())
             torch.testing.assert_close(run["grads"][name], p.grad, rtol=1e-5, atol=atol, msg=name)
+
+
+def _bad_policy_then_good_policy():
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    dims = ParallelDims(dist.get_world_size(), ep=2)
+    dims.build_mesh("cpu")
+    model = build_model(CASE)
+    apply_expert_parallel(model, dims)
+
+    def local(p):
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    before = {n: local(p).detach().clone() for n, p in model.named_parameters()}
+    out = {}
+    try:  # a ModuleList has no forward: FSDP2 could never gather it
+        shard_moe_model(model, dims, auto_wrap_policy={nn.ModuleList})
+    except ValueError as e:
+        out["error"] = str(e)
+    out["fsdp_modules"] = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    # experts stay the ep DTensors apply_expert_parallel made, everything else plain
+    out["dtensor_params"] = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
+    out["unchanged"] = all(torch.equal(local(p), before[n]) for n, p in model.named_parameters())
+    shard_moe_model(model, dims)  # the model is still usable with a good policy
+    out["fsdp_after"] = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    return out
+
+
+def test_bad_policy_raises_before_anything_is_sharded():
+    for run in run_distributed(_bad_policy_then_good_policy, 2):
+        assert "auto_wrap_policy selected 'layers'" in run.get("error", ""), run
+        assert run["fsdp_modules"] == []
+        assert run["dtensor_params"] == [
+            f"layers.0.feed_forward.experts.{w}" for w in ("w1", "w2", "w3")
+        ]
+        assert run["unchanged"]
+        assert {"", "layers.0.feed_forward.experts"} <= set(run["fsdp_after"])

@@ -2,8 +2,15 @@
 
 from fsdp_ext.moe.expert_parallel import apply_expert_parallel
 from fsdp_ext.moe.grad_norm import clip_grad_norm_
-from fsdp_ext.moe.layer import MoE
+from fsdp_ext.moe.layer import MoE, set_aux_loss_scale
 from fsdp_ext.moe.parallel_dims import ParallelDims
 from fsdp_ext.moe.sharding import shard_moe_model
 
-__all__ = ["MoE", "ParallelDims", "apply_expert_parallel", "clip_grad_norm_", "shard_moe_model"]
+__all__ = [
+    "MoE",
+    "ParallelDims",
+    "apply_expert_parallel",
+    "clip_grad_norm_",
+    "set_aux_loss_scale",
+    "shard_moe_model",
+]

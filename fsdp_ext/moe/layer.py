@@ -7,6 +7,8 @@ load-balancing statistics come from ``MoE.load_balance_group`` when one is set.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -89,19 +91,53 @@ class GroupedExperts(nn.Module):
 
 
 class _AddAuxLoss(torch.autograd.Function):
-    """Identity on ``out`` that feeds gradient 1 into ``aux`` on backward.
+    """Identity on ``out`` that feeds gradient ``scale`` into ``aux`` on backward.
 
     The load-balancing loss then trains the router without the training loop knowing.
+    ``scale`` must be what the loop multiplies its loss by before ``backward`` (a
+    GradScaler's scale, ``1/n`` under gradient accumulation): see :func:`set_aux_loss_scale`.
     """
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float | torch.Tensor):
         ctx.aux_dtype = aux.dtype
+        ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        return grad_out, torch.ones((), dtype=ctx.aux_dtype, device=grad_out.device)
+        scale = torch.as_tensor(ctx.scale, dtype=ctx.aux_dtype, device=grad_out.device)
+        return grad_out, scale.detach().clone().reshape(()), None
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float | torch.Tensor) -> int:
+    """Tell every :class:`MoE` in ``model`` what the loss is multiplied by before backward.
+
+    The load-balancing loss is not part of the loss the training loop sees (it enters the
+    gradient inside the MoE layer, which also works under pipeline parallelism, where it
+    is on another stage than the loss), so the loop's scaling must be passed on by hand,
+    as with Megatron's ``MoEAuxLossAutoScaler.set_loss_scale``::
+
+        scale = scaler.get_scale() / accumulation_steps    # GradScaler and accumulation
+        fsdp_ext.set_aux_loss_scale(model, scale)
+        scaler.scale(loss / accumulation_steps).backward()
+
+    Call it whenever the scale changes (a GradScaler changes it after overflow steps);
+    ``scale`` may be a 0-dim tensor (e.g. on the GPU, to avoid a sync). Returns the number
+    of MoE layers set.
+    """
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or not scale.dtype.is_floating_point:
+            raise TypeError(f"scale must be a float or a one-element float tensor, got {scale!r}")
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale must be a finite float > 0, got {scale!r}")
+    else:
+        raise TypeError(f"scale must be a float or a one-element float tensor, got {scale!r}")
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in moes:
+        moe.aux_loss_scale = scale
+    return len(moes)
 
 
 class MoE(nn.Module):
@@ -112,7 +148,9 @@ class MoE(nn.Module):
     gradient. ``f`` is counted over the global batch (all-reduced over
     ``load_balance_group``) and ``P`` over the local batch, so the data-parallel mean of the
     per-rank losses equals the single-process loss on the global batch, for any layout.
-    The last value is kept in ``aux_loss`` (detached) for logging.
+    The last value is kept in ``aux_loss`` (detached) for logging. Its gradient is
+    multiplied by ``aux_loss_scale`` (1 by default; set by :func:`set_aux_loss_scale`), so
+    that it follows the loss scaling of the training loop.
     """
 
     def __init__(
@@ -144,6 +182,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
         self.shared_expert = SwiGLU(dim, shared_hidden_dim) if shared_hidden_dim > 0 else None
         self.aux_loss: torch.Tensor | None = None
+        self.aux_loss_scale: float | torch.Tensor = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -162,7 +201,7 @@ class MoE(nn.Module):
         if self.load_balance_coef > 0 and self.training:
             aux = self.load_balance_coef * self._load_balance_loss(probs, counts)
             self.aux_loss = aux.detach()
-            out = _AddAuxLoss.apply(out, aux)
+            out = _AddAuxLoss.apply(out, aux, self.aux_loss_scale)
         return out.view(shape)
 
     def _load_balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -10,26 +10,45 @@ must be ``(1/dp) * sum over all dp ranks of the local gradients``.
     backward). Summing over the ``edp = dp / ep`` replicas of that expert then covers
     every dp rank once, so the divisor must be ``dp``. FSDP's default average over the
     edp mesh divides by ``dp / ep``: the classic "expert gradients ``ep`` times too big".
-So every expert unit gets ``set_gradient_divide_factor(dp)``.
 
-Gloo has no ``PREMUL_SUM``, which is what a custom factor turns the reduce-scatter into;
-with an efsdp group larger than 1 we ask FSDP for plain sums plus a separate division
-(``set_force_sum_reduction_for_comms``). With efsdp == 1 FSDP skips the reduce-scatter
-and divides once itself; forcing sums there would divide twice (torch 2.11-2.13), so the
-force is only set where a reduce-scatter runs.
+How FSDP divides depends on the reduce dtype and on the torch version (read in torch
+2.13 ``_fsdp_collectives.py``: ``foreach_reduce`` and ``_get_gradient_divide_factors``):
+  - a reduce-scatter runs (efsdp > 1): with ``set_force_sum_reduction_for_comms`` the
+    collectives are plain sums (gloo has no ``PREMUL_SUM``) and FSDP divides by
+    ``pre * post == factor``, in every reduce dtype;
+  - no reduce-scatter (efsdp == 1): the single-rank branch divides by the factor, and on
+    top of that an fp16 reduce (and a forced sum) splits the factor into a pre- and a
+    post-division, so the factor is applied twice; older torch copies without dividing.
+Rather than hard-code one version's arithmetic, :func:`expert_reduce_settings` measures
+it: a one-element-per-rank probe unit on the experts' own mesh, with the experts' mixed
+precision, runs one backward per candidate setting, and the first setting whose gradient
+comes out as ``edp / dp`` (the rule above, for equal local gradients) is used. If none
+does, it raises instead of training with a wrong scale.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fsdp_ext.moe.layer import MoE
 from fsdp_ext.moe.parallel_dims import ParallelDims
-from fsdp_ext.wrap import GranularityPolicy, fully_shard, plan_units
+from fsdp_ext.wrap import GranularityPolicy, check_wrap, fully_shard
+
+
+@dataclass(frozen=True)
+class ExpertReduce:
+    """What the expert units ask of FSDP so that their gradients come out divided by dp."""
+
+    divide_factor: float
+    force_sum_reduction: bool
 
 
 def shard_moe_model(
@@ -49,18 +68,93 @@ def shard_moe_model(
     if "mesh" in fully_shard_kwargs:
         raise TypeError("shard_moe_model picks the meshes from parallel_dims; do not pass mesh=")
     policy = GranularityPolicy() if auto_wrap_policy is None else auto_wrap_policy
-    plan_units(model, policy)  # a bad policy fails before anything is sharded
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        shard_experts(moe.experts, parallel_dims, **fully_shard_kwargs)
+    # a bad policy fails before anything is sharded, not after the experts are
+    check_wrap(model, policy, mp_policy=fully_shard_kwargs.get("mp_policy"))
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if moes:
+        reduce = expert_reduce_settings(
+            parallel_dims,
+            fully_shard_kwargs.get("mp_policy", MixedPrecisionPolicy()),
+            param_dtype=next(moes[0].experts.parameters()).dtype,
+        )
+        for moe in moes:
+            shard_experts(moe.experts, parallel_dims, reduce=reduce, **fully_shard_kwargs)
     return fully_shard(
         model, auto_wrap_policy=policy, mesh=parallel_dims.dp_mesh, **fully_shard_kwargs
     )
 
 
-def shard_experts(experts: nn.Module, parallel_dims: ParallelDims, **kwargs: Any) -> FSDPModule:
-    """One FSDP unit per grouped-experts module, on the expert-data-parallel mesh."""
+def shard_experts(
+    experts: nn.Module,
+    parallel_dims: ParallelDims,
+    *,
+    reduce: ExpertReduce | None = None,
+    **kwargs: Any,
+) -> FSDPModule:
+    """One FSDP unit per grouped-experts module, on the expert-data-parallel mesh.
+
+    ``reduce`` defaults to :func:`expert_reduce_settings` for this mixed precision.
+    """
+    if reduce is None:
+        reduce = expert_reduce_settings(
+            parallel_dims,
+            kwargs.get("mp_policy", MixedPrecisionPolicy()),
+            param_dtype=next(experts.parameters()).dtype,
+        )
     torch_fully_shard(experts, mesh=parallel_dims.edp_mesh, **kwargs)
-    experts.set_gradient_divide_factor(float(parallel_dims.dp))
-    if parallel_dims.efsdp > 1:
-        experts.set_force_sum_reduction_for_comms(True)
+    experts.set_gradient_divide_factor(reduce.divide_factor)
+    experts.set_force_sum_reduction_for_comms(reduce.force_sum_reduction)
     return experts
+
+
+def expert_reduce_settings(
+    parallel_dims: ParallelDims,
+    mp_policy: MixedPrecisionPolicy,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+) -> ExpertReduce:
+    """The divide factor and sum forcing that make FSDP divide expert gradients by ``dp``.
+
+    Collective over the expert-data-parallel mesh when it has more than one rank: every
+    rank must call it, with the same arguments (``shard_moe_model`` does).
+    """
+    dp = float(parallel_dims.dp)
+    if parallel_dims.efsdp > 1:
+        candidates = [ExpertReduce(dp, True)]
+    else:
+        root = math.sqrt(dp)
+        candidates = [
+            ExpertReduce(dp, False),
+            ExpertReduce(root, False),
+            ExpertReduce(dp, True),
+            ExpertReduce(root, True),
+        ]
+    edp = parallel_dims.dp // parallel_dims.ep
+    measured = []
+    for candidate in candidates:
+        scale = _probe_gradient_scale(parallel_dims.edp_mesh, mp_policy, param_dtype, candidate)
+        if math.isclose(scale, edp / dp, rel_tol=1e-2):
+            return candidate
+        measured.append((candidate, scale))
+    raise RuntimeError(
+        f"cannot make FSDP (torch {torch.__version__}) divide expert gradients by dp={dp:g} "
+        f"with reduce dtype {mp_policy.reduce_dtype or mp_policy.param_dtype or param_dtype}: "
+        f"wanted a gradient scale of {edp / dp:g}, measured {measured}"
+    )
+
+
+def _probe_gradient_scale(
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    param_dtype: torch.dtype,
+    reduce: ExpertReduce,
+) -> float:
+    """One FSDP backward on the mesh with a local gradient of 1: what comes out per entry."""
+    probe = nn.Linear(1, 2 * mesh.size(), bias=False, dtype=param_dtype)
+    torch_fully_shard(probe, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    probe.set_gradient_divide_factor(reduce.divide_factor)
+    probe.set_force_sum_reduction_for_comms(reduce.force_sum_reduction)
+    weight = probe.weight.to_local()
+    probe(torch.ones(1, 1, dtype=param_dtype, device=weight.device)).sum().backward()
+    grad = probe.weight.grad.to_local().float()
+    return float(grad.mean())

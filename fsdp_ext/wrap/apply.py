@@ -17,11 +17,11 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 
 from fsdp_ext.wrap.plan import plan_units
 from fsdp_ext.wrap.tree import (
-    EXPERT_NAME,
     EXPERTS_ALWAYS_RUN_ATTR,
     FORCE_LEAF_TYPES,
     has_expert_child,
     is_container,
+    is_routed_experts,
 )
 
 # Torch versions before ``set_reduce_scatter_unused_params`` get the autograd fallback.
@@ -37,6 +37,7 @@ def _check_units(root: nn.Module, units: list[nn.Module]) -> None:
                 f"auto_wrap_policy selected {fqn!r}, a {type(unit).__name__}: it has no "
                 "forward, so FSDP2 would never gather its parameters; select its children"
             )
+        parent = root
         for path, ancestor in _ancestors(root, fqn):
             if isinstance(ancestor, FORCE_LEAF_TYPES):
                 raise ValueError(
@@ -46,7 +47,7 @@ def _check_units(root: nn.Module, units: list[nn.Module]) -> None:
                 )
             if (
                 is_container(ancestor)
-                and EXPERT_NAME in path.rsplit(".", 1)[-1].lower()
+                and is_routed_experts(parent, path.rsplit(".", 1)[-1], ancestor)
                 and not getattr(ancestor, EXPERTS_ALWAYS_RUN_ATTR, False)
             ):
                 raise ValueError(
@@ -57,6 +58,7 @@ def _check_units(root: nn.Module, units: list[nn.Module]) -> None:
                     "or, if every expert runs on every rank, set "
                     f"{path}.{EXPERTS_ALWAYS_RUN_ATTR} = True"
                 )
+            parent = ancestor
 
 
 def _ancestors(root: nn.Module, fqn: str) -> list[tuple[str, nn.Module]]:
@@ -108,6 +110,19 @@ def _tie_params_to_output(block: nn.Module) -> None:
     block.register_forward_hook(hook)
 
 
+def check_wrap(
+    module: nn.Module, auto_wrap_policy: object = None, *, mp_policy: object | None = None
+) -> list[nn.Module]:
+    """The units :func:`fully_shard` would make, checked, with nothing sharded.
+
+    Raises ``ValueError`` for a wrap FSDP2 cannot run. Callers that shard in several
+    steps (``shard_moe_model``: experts first, then the rest) call it before the first.
+    """
+    units = plan_units(module, auto_wrap_policy, mp_policy=mp_policy).modules
+    _check_units(module, units)
+    return units
+
+
 def fully_shard(module: nn.Module, *, auto_wrap_policy: object = None, **kwargs: Any) -> nn.Module:
     """Apply torch's ``fully_shard`` to each unit ``auto_wrap_policy`` selects, then the root.
 
@@ -122,8 +137,7 @@ def fully_shard(module: nn.Module, *, auto_wrap_policy: object = None, **kwargs:
     that got no tokens on a rank: FSDP2 otherwise skips gradient-less parameters, and
     ranks whose routing differs would send reduce-scatters of different lengths.
     """
-    units = plan_units(module, auto_wrap_policy, mp_policy=kwargs.get("mp_policy")).modules
-    _check_units(module, units)
+    units = check_wrap(module, auto_wrap_policy, mp_policy=kwargs.get("mp_policy"))
     overrides: dict[nn.Module, dict[str, Any]] = {}
     if isinstance(auto_wrap_policy, CustomPolicy):
         overrides = auto_wrap_policy._run_policy(module, set(), {})

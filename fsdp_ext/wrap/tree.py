@@ -44,16 +44,61 @@ def is_container(module: nn.Module) -> bool:
 
 
 def has_expert_child(module: nn.Module) -> bool:
-    """An MoE block: it owns a child named like ``experts`` that holds parameters.
+    """An MoE block: a router and a child holding the routed experts (see below).
 
     Routing calls only the experts that received tokens, and on each rank a different
-    set, so nothing under such a child may be a unit of its own (its all-gather would
-    run on some ranks only). HF (``mlp.experts``), torchtitan (``moe.experts``) and
-    DeepSpeed (``deepspeed_moe.experts``) all use this name.
+    set, so nothing under the experts child may be a unit of its own (its all-gather would
+    run on some ranks only), and the unit holding the block must reduce-scatter idle
+    experts' (zero) gradients too.
     """
-    return any(
-        EXPERT_NAME in name.lower() and any(True for _ in child.parameters())
-        for name, child in module.named_children()
+    return any(is_routed_experts(module, name, child) for name, child in module.named_children())
+
+
+def is_routed_experts(parent: nn.Module, name: str, child: nn.Module) -> bool:
+    """``parent.<name>`` holds routed experts, by structure or, failing that, by name.
+
+    Structure: ``child`` holds ``E >= 2`` experts (a container of ``E`` children with the
+    same type and parameter shapes, or a module whose own parameters are all stacked
+    ``[E, ...]``), and a sibling router holds only ``[E, ...]`` parameters, among them an
+    ``[E, dim]`` weight (a ``Linear(dim, E)`` gate). Name: the child is called like
+    ``experts`` and holds parameters, as in HF (``mlp.experts``), torchtitan
+    (``moe.experts``) and DeepSpeed (``deepspeed_moe.experts``).
+    """
+    if not any(True for _ in child.parameters()):
+        return False
+    if EXPERT_NAME in name.lower():
+        return True
+    num_experts = _expert_count(child)
+    if num_experts is None:
+        return False
+    return any(other is not child and _is_router(other, num_experts) for other in parent.children())
+
+
+def _expert_count(module: nn.Module) -> int | None:
+    """E if ``module`` holds E >= 2 alike experts, as a container or as stacked tensors."""
+    if is_container(module):
+        experts = [c for c in module.children() if any(True for _ in c.parameters())]
+        shapes = [[p.shape for p in e.parameters()] for e in experts]
+        alike = all(
+            type(e) is type(experts[0]) and s == shapes[0]
+            for e, s in zip(experts, shapes, strict=True)
+        )
+        return len(experts) if len(experts) >= 2 and alike else None
+    params = list(module.parameters())
+    if any(True for _ in module.children()) or any(p.dim() < 2 for p in params):
+        return None
+    leading = {p.shape[0] for p in params}
+    stacked = len(leading) == 1 and any(p.dim() >= 3 for p in params)
+    return leading.pop() if stacked and min(leading) >= 2 else None
+
+
+def _is_router(module: nn.Module, num_experts: int) -> bool:
+    """Only ``[num_experts, ...]`` parameters, and an ``[num_experts, dim]`` weight."""
+    params = list(module.parameters())
+    return (
+        bool(params)
+        and all(p.dim() >= 1 and p.shape[0] == num_experts for p in params)
+        and any(p.dim() == 2 for p in params)
     )
 
 
