@@ -38,7 +38,8 @@ def test_cli_prints_plan_for_a_factory():
         "coarse_grained_layer2": ["131200", "131200", "262400"],
         "fine_grained_layer": ["786432", "12098", "1572864"],
     }
-    assert "estimated peak unsharded bytes: 1835264" in lines[-1]
+    # The fine block's backward: its parameters and gradients, layer2 prefetched.
+    assert f"estimated peak unsharded bytes: {2 * 1572864 + 262400}" in lines[-1]
 
 
 def test_cli_rejects_bad_factory_and_budget():
