@@ -270,6 +270,8 @@ def existing_reshard_after_forward(module: nn.Module) -> bool | int:
 def root_reshard_after_forward(root: nn.Module, default: bool | int | None) -> bool | int:
     """FSDP2 keeps the root gathered after forward only when the argument was None."""
     if isinstance(root, FSDPModule):
+        if root._get_fsdp_state()._auto_reshard_after_forward:
+            return False
         return existing_reshard_after_forward(root)
     return False if default is None else default
 
