@@ -92,6 +92,17 @@ def test_benchmark_smoke():
     assert result["norm"] == "fused"
     assert result["losses_identical"] is True
     assert result["granularity_peak_within_budget"] is True
+    # The budget sweep: per-block against our plan at 2.5 / 4.5 / 8.5 layers.
+    sweep = result["budget_sweep"]
+    assert [r["budget_layers"] for r in sweep["budgets"]] == [2.5, 4.5, 8.5]
+    assert sweep["block"]["units"] == 3
+    for row in sweep["budgets"]:
+        assert row["losses_identical_to_block"] is True
+        assert 0 < row["ours"]["measured_peak_bytes"] <= row["ours"]["est_peak_bytes"]
+        assert row["peak_within_budget"] is True
+        assert row["ours"]["units"] <= sweep["block"]["units"]
+    assert result["peak_within_budget_all"] is True
+    assert result["step_ratio_best_budget_vs_block"] > 0
 
 
 def test_train_script_defaults_to_granularity_wrap():

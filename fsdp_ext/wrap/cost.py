@@ -26,9 +26,9 @@ class CostModel:
     """Constants of the step-cost model; the defaults were measured with gloo on the
     2-core development CPU (``calibrate_cost_model``, docs/wrap.md)."""
 
-    latency_s: float = 6.0e-4
-    seconds_per_byte: float = 2.0e-10
-    hook_s: float = 1.2e-3
+    latency_s: float = 3.0e-4
+    seconds_per_byte: float = 4.0e-9
+    hook_s: float = 5.0e-3
     overlap: float = 0.0
     source: str = "defaults (gloo, 2-core CPU)"
 
@@ -103,7 +103,8 @@ def calibrate_cost_model(
     def gather(numel: int) -> float:
         inp = torch.zeros(numel, device=device)
         out = torch.empty(numel * world, device=device)
-        return timed(lambda: dist.all_gather_into_tensor(out, inp, group=group))
+        gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return timed(lambda: gather_fn(out, inp, group=group))
 
     small, big_numel = gather(1), 1 << 21
     big = gather(big_numel)
