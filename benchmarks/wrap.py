@@ -448,6 +448,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--budget-plot", default="docs/wrap_budget.png")
     parser.add_argument("--growth", action="store_true", help="also sweep experts per layer")
+    parser.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="only the budget sweep (skip leaf/block/granularity/fsdp1_transformer)",
+    )
     parser.add_argument("--sweep", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument(
         "--norm",
@@ -465,9 +470,11 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = FineMoEConfig(n_layers=layers, num_experts=experts, fused_norm=args.norm == "fused")
         return run_config(cfg, args.budget_layers, args.steps, args.warmup, args.seq)
 
-    main_result = measure(args.experts)
-    _print_table(main_result)
-    summary = {"bench": "wrap", **main_result}
+    summary: dict = {"bench": "wrap"}
+    if not args.sweep_only:
+        main_result = measure(args.experts)
+        _print_table(main_result)
+        summary.update(main_result)
     cfg = FineMoEConfig(n_layers=layers, num_experts=args.experts, fused_norm=args.norm == "fused")
     sweep = run_sweep(cfg, sorted(args.budgets), args.steps, args.warmup, args.seq)
     _print_sweep(sweep)
@@ -483,7 +490,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary["losses_identical_all_budgets"] = all(
         r["losses_identical_to_block"] for r in sweep["budgets"]
     )
-    if args.growth and not args.quick:
+    if args.growth and not args.quick and not args.sweep_only:
         growth = []
         for experts in args.sweep:
             result = main_result if experts == args.experts else measure(experts)

@@ -250,7 +250,7 @@ def spans_for(
         start = min(a.start for a in atoms)
         end = max(a.end for a in atoms)
         grad_bytes = sum(sum(a.grads.values()) for a in atoms)
-        name = "+".join(str(id(a)) for a in atoms)
+        name = "+".join(str(a.start) for a in atoms)
         spans.append(
             UnitSpan(name, sum(a.nbytes for a in atoms), start, end, ((end, grad_bytes),), setting)
         )

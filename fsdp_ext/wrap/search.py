@@ -161,10 +161,12 @@ def plan_for_budget(
         for grouping, (fwd, bwd), keep in itertools.product(
             _groupings(atoms, layout), prefetch, keeps
         ):
+            # The last ``keep`` units stay gathered after forward (units sharded before
+            # planning keep their own setting).
             raf = [
-                fixed[u[0]]
-                if len(atoms[u[0]].group) == 1 and isinstance(atoms[u[0]].group[0], FSDPModule)
-                else (False if j >= len(grouping) - keep else fixed[u[0]])
+                False
+                if j >= len(grouping) - keep and not isinstance(atoms[u[0]].group[0], FSDPModule)
+                else fixed[u[0]]
                 for j, u in enumerate(grouping)
             ]
             candidate = _fit_and_fold(
