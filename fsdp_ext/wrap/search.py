@@ -181,6 +181,7 @@ def plan_for_budget(
                 world_size,
                 layout,
                 root_raf,
+                try_keep=reshard_after_forward is None,
             )
             if isinstance(candidate, int):
                 smallest_peak = (
@@ -188,7 +189,7 @@ def plan_for_budget(
                 )
                 continue
             level_fits = True
-            cost, peak, kept, folded = candidate
+            cost, peak, kept, folded, kept_raf = candidate
             if best is None or (cost, peak) < (best.cost, best.peak):
                 best = _Candidate(
                     cost,
@@ -196,7 +197,7 @@ def plan_for_budget(
                     threshold,
                     [tuple(m for i in u for m in atoms[i].group) for u in kept],
                     [tuple(m for i in u for m in atoms[i].group) for u in folded],
-                    [raf[grouping.index(u)] for u in kept],
+                    kept_raf,
                     fwd,
                     bwd,
                 )
@@ -240,11 +241,15 @@ def _fit_and_fold(
     world_size: int,
     layout: Layout,
     root_raf: bool | int,
-) -> tuple[float, int, list[list[int]], list[list[int]]] | int:
-    """(cost, peak, kept units, folded units) of a fitting plan, or its peak if none fits."""
+    *,
+    try_keep: bool = False,
+) -> tuple[float, int, list[list[int]], list[list[int]], list[bool | int | None]] | int:
+    """(cost, peak, kept units, folded units, their settings) of a fitting plan, or its
+    peak if none fits. With ``try_keep``, the last one or two units left after folding
+    are also tried kept after forward (one all-gather fewer each)."""
     settings = [True if r is None else r for r in raf]
 
-    def peak_of(keep: list[bool]) -> int:
+    def peak_of(keep: list[bool], settings: list[bool | int] = settings) -> int:
         units = [[atoms[i] for i in u] for u, k in zip(grouping, keep, strict=True) if k]
         folded = [atoms[i] for u, k in zip(grouping, keep, strict=True) if not k for i in u]
         spans = spans_for(
@@ -285,11 +290,31 @@ def _fit_and_fold(
     kept = [u for u, k in zip(grouping, keep, strict=True) if k]
     folded = [u for u, k in zip(grouping, keep, strict=True) if not k]
     root_bytes = root_atom.nbytes + sum(unit_bytes[i] for i, k in enumerate(keep) if not k)
-    cost = model.step_s(
-        [root_bytes, *(b for b, k in zip(unit_bytes, keep, strict=True) if k)],
-        [root_raf, *(s for s, k in zip(settings, keep, strict=True) if k)],
-        world_size,
-        forward_prefetch=fwd,
-        backward_prefetch=bwd,
-    )
-    return cost, peak, kept, folded
+
+    def cost_of(settings: list[bool | int]) -> float:
+        return model.step_s(
+            [root_bytes, *(b for b, k in zip(unit_bytes, keep, strict=True) if k)],
+            [root_raf, *(s for s, k in zip(settings, keep, strict=True) if k)],
+            world_size,
+            forward_prefetch=fwd,
+            backward_prefetch=bwd,
+        )
+
+    best = (cost_of(settings), peak, settings)
+    kept_idx = [
+        i
+        for i, k in enumerate(keep)
+        if k and not any(isinstance(m, FSDPModule) for j in grouping[i] for m in atoms[j].group)
+    ]
+    for last in (1, 2) if try_keep else ():
+        trial = list(settings)
+        for i in kept_idx[-last:]:
+            trial[i] = False
+        trial_peak = peak_of(keep, trial)
+        if trial_peak <= budget and (cost_of(trial), trial_peak) < best[:2]:
+            best = (cost_of(trial), trial_peak, trial)
+    cost, peak, settings = best
+    kept_raf = [
+        r if s is not False else False for r, s, k in zip(raf, settings, keep, strict=True) if k
+    ]
+    return cost, peak, kept, folded, kept_raf
