@@ -13,8 +13,14 @@ their order rotates every step, so no policy always runs right after leaf's long
 garbage collector runs between steps, not inside them: with it on, the three identical plans
 (block, granularity, fsdp1_transformer) measured up to 13 % apart; with it off, about 1 %.
 
-    python benchmarks/wrap.py --quick          # 4 layers x 64 experts, < 3 min
-    python benchmarks/wrap.py                  # 8 layers; growth over 16/64/128 experts
+Budget sweep: per-block units (``{DecoderLayer}``) against
+``GranularityPolicy(memory_budget_bytes=B)`` for B = 2.5, 4.5, 8.5 decoder layers' bytes,
+interleaved and rotated the same way, with the measured peak of live unsharded
+parameters and gradients (``UnshardedBytesTracker``, on an untimed first step).
+
+    python benchmarks/wrap.py --quick          # 4 layers x 64 experts, no plot
+    python benchmarks/wrap.py                  # 8 layers; budget sweep plot
+    python benchmarks/wrap.py --growth         # and growth over 16/64/128 experts
     python benchmarks/wrap.py --quick --norm decomposed   # leaf's last bits differ
 
 The model's RMSNorm is fused (one backward node) by default. ``--norm decomposed`` uses
@@ -44,6 +50,7 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 import fsdp_ext
 from benchmarks.wrap_models import DecoderLayer, FineMoE, FineMoEConfig
+from fsdp_ext.wrap.measure import UnshardedBytesTracker
 from tests.dist import run_distributed
 
 WORLD = 2
@@ -95,18 +102,32 @@ def _batch(cfg: FineMoEConfig, rank: int, step: int, batch: int, seq: int) -> to
     return torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
 
 
-def _bench_rank(cfg_dict: dict, budget_layers: float, steps: int, warmup: int, seq: int):
-    cfg = FineMoEConfig(**cfg_dict)
+def _step(run: dict, tokens: torch.Tensor) -> float:
+    start = time.perf_counter()
+    logits = run["model"](tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    run["optim"].step()
+    run["optim"].zero_grad()
+    elapsed = time.perf_counter() - start
+    run["losses"].append(loss.item())
+    return elapsed
+
+
+def _run_policies(
+    cfg: FineMoEConfig, policies: dict[str, object], steps: int, warmup: int, seq: int
+) -> dict[str, dict]:
+    """Build, shard and train every policy's model on the same batches, interleaved.
+
+    Step 0 of every policy runs under ``UnshardedBytesTracker`` (the measured peak) and
+    is not timed; then ``warmup`` untimed and ``steps`` timed steps, the policy order
+    rotating every step.
+    """
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (WORLD,))
     counter = CollectiveCounter()
-    with torch.device("meta"):
-        meta = FineMoE(cfg)
-    model_bytes = sum(p.numel() * p.element_size() for p in meta.parameters())
-    layer_bytes = sum(p.numel() * p.element_size() for p in meta.layers[0].parameters())
-    budget = int(budget_layers * layer_bytes)
     runs = {}
-    for name, policy in make_policies(budget).items():
+    for name, policy in policies.items():
         torch.manual_seed(0)
         model = FineMoE(cfg)
         plan = fsdp_ext.plan_units(model, policy)
@@ -122,9 +143,14 @@ def _bench_rank(cfg_dict: dict, budget_layers: float, steps: int, warmup: int, s
             "gathers": 0,
             "scatters": 0,
         }
+    tokens = _batch(cfg, rank, 0, 2, seq)
+    for run in runs.values():
+        with UnshardedBytesTracker() as tracker:
+            _step(run, tokens)
+        run["measured_peak"] = tracker.peak_bytes
     names = list(runs)
     gc.disable()
-    for step in range(warmup + steps):
+    for step in range(1, 1 + warmup + steps):
         tokens = _batch(cfg, rank, step, 2, seq)
         shift = step % len(names)
         for name in names[shift:] + names[:shift]:
@@ -132,32 +158,139 @@ def _bench_rank(cfg_dict: dict, budget_layers: float, steps: int, warmup: int, s
             gc.collect()
             dist.barrier()
             before = counter.snapshot()
-            start = time.perf_counter()
-            logits = run["model"](tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-            loss.backward()
-            run["optim"].step()
-            run["optim"].zero_grad()
-            elapsed = time.perf_counter() - start
+            elapsed = _step(run, tokens)
             after = counter.snapshot()
-            run["losses"].append(loss.item())
-            if step >= warmup:
+            if step > warmup:
                 run["times"].append(elapsed)
                 run["gathers"] += after["all_gather"] - before["all_gather"]
                 run["scatters"] += after["reduce_scatter"] - before["reduce_scatter"]
     gc.enable()
-    out = {"budget_bytes": budget, "model_bytes": model_bytes, "policies": {}}
-    for name, run in runs.items():
-        out["policies"][name] = {
+    return {
+        name: {
             "units": len(run["plan"].units),
+            "grouped_units": sum(len(g) > 1 for g in run["plan"].modules),
             "all_gathers_per_step": run["gathers"] / steps,
             "reduce_scatters_per_step": run["scatters"] / steps,
             "step_times_s": run["times"],
             "est_peak_unsharded_bytes": run["plan"].peak_bytes,
+            "measured_peak_bytes": run["measured_peak"],
+            "modelled_cost_ms": None
+            if run["plan"].cost_s is None
+            else round(1000 * run["plan"].cost_s, 3),
             "threshold": run["plan"].threshold,
             "losses": run["losses"],
         }
-    return out
+        for name, run in runs.items()
+    }
+
+
+def _layer_bytes(cfg: FineMoEConfig) -> tuple[int, int]:
+    with torch.device("meta"):
+        meta = FineMoE(cfg)
+    model_bytes = sum(p.numel() * p.element_size() for p in meta.parameters())
+    return model_bytes, sum(p.numel() * p.element_size() for p in meta.layers[0].parameters())
+
+
+def _bench_rank(cfg_dict: dict, budget_layers: float, steps: int, warmup: int, seq: int):
+    cfg = FineMoEConfig(**cfg_dict)
+    model_bytes, layer_bytes = _layer_bytes(cfg)
+    budget = int(budget_layers * layer_bytes)
+    policies = _run_policies(cfg, make_policies(budget), steps, warmup, seq)
+    return {"budget_bytes": budget, "model_bytes": model_bytes, "policies": policies}
+
+
+def _sweep_rank(cfg_dict: dict, budgets: list[float], steps: int, warmup: int, seq: int):
+    cfg = FineMoEConfig(**cfg_dict)
+    model_bytes, layer_bytes = _layer_bytes(cfg)
+    policies = {"block": {DecoderLayer}}
+    for layers in budgets:
+        budget = int(layers * layer_bytes)
+        policies[f"budget_{layers}"] = fsdp_ext.GranularityPolicy(memory_budget_bytes=budget)
+    results = _run_policies(cfg, policies, steps, warmup, seq)
+    return {"layer_bytes": layer_bytes, "model_bytes": model_bytes, "policies": results}
+
+
+def _median_step_ms(ranks: list[dict], name: str, steps: int) -> float:
+    # A step takes as long as its slowest rank.
+    per_step = [max(r["policies"][name]["step_times_s"][i] for r in ranks) for i in range(steps)]
+    return round(1000 * statistics.median(per_step), 2)
+
+
+def run_sweep(cfg: FineMoEConfig, budgets: list[float], steps: int, warmup: int, seq: int):
+    """Per-block units against our plan at each budget (in decoder layers' bytes)."""
+    ranks = run_distributed(
+        _sweep_rank, WORLD, asdict(cfg), budgets, steps, warmup, seq, timeout=3600
+    )
+    block = ranks[0]["policies"]["block"]
+    block_ms = _median_step_ms(ranks, "block", steps)
+    rows = []
+    for layers in budgets:
+        name = f"budget_{layers}"
+        ours = ranks[0]["policies"][name]
+        budget = int(layers * ranks[0]["layer_bytes"])
+        measured = max(r["policies"][name]["measured_peak_bytes"] for r in ranks)
+        ms = _median_step_ms(ranks, name, steps)
+        rows.append(
+            {
+                "budget_layers": layers,
+                "budget_bytes": budget,
+                "ours": {
+                    "units": ours["units"],
+                    "grouped_units": ours["grouped_units"],
+                    "all_gathers_per_step": ours["all_gathers_per_step"],
+                    "reduce_scatters_per_step": ours["reduce_scatters_per_step"],
+                    "est_peak_bytes": ours["est_peak_unsharded_bytes"],
+                    "measured_peak_bytes": measured,
+                    "modelled_cost_ms": ours["modelled_cost_ms"],
+                    "median_step_ms": ms,
+                },
+                "peak_within_budget": measured <= budget,
+                "step_ratio_vs_block": round(ms / block_ms, 3),
+                "losses_identical_to_block": all(
+                    r["policies"][name]["losses"] == r["policies"]["block"]["losses"] for r in ranks
+                ),
+            }
+        )
+    return {
+        "layers": cfg.n_layers,
+        "num_experts": cfg.num_experts,
+        "layer_bytes": ranks[0]["layer_bytes"],
+        "block": {
+            "units": block["units"],
+            "all_gathers_per_step": block["all_gathers_per_step"],
+            "reduce_scatters_per_step": block["reduce_scatters_per_step"],
+            "est_peak_bytes": block["est_peak_unsharded_bytes"],
+            "measured_peak_bytes": max(
+                r["policies"]["block"]["measured_peak_bytes"] for r in ranks
+            ),
+            "median_step_ms": block_ms,
+        },
+        "budgets": rows,
+    }
+
+
+def _print_sweep(sweep: dict) -> None:
+    b = sweep["block"]
+    print(
+        f"\nbudget sweep: layers={sweep['layers']} experts/layer={sweep['num_experts']} "
+        f"layer={sweep['layer_bytes']} B; per-block: {b['units']} units, "
+        f"{b['all_gathers_per_step']:.0f} AG + {b['reduce_scatters_per_step']:.0f} RS/step, "
+        f"measured peak {b['measured_peak_bytes']} B, {b['median_step_ms']} ms"
+    )
+    print(
+        f"{'budget':>7} {'units':>6} {'grouped':>8} {'AG':>4} {'RS':>4} {'est peak':>10} "
+        f"{'meas peak':>10} {'budget B':>10} {'model ms':>9} {'step ms':>8} {'ratio':>6} same"
+    )
+    for row in sweep["budgets"]:
+        o = row["ours"]
+        print(
+            f"{row['budget_layers']:>7} {o['units']:>6} {o['grouped_units']:>8} "
+            f"{o['all_gathers_per_step']:>4.0f} {o['reduce_scatters_per_step']:>4.0f} "
+            f"{o['est_peak_bytes']:>10} {o['measured_peak_bytes']:>10} {row['budget_bytes']:>10} "
+            f"{o['modelled_cost_ms']:>9} {o['median_step_ms']:>8} {row['step_ratio_vs_block']:>6} "
+            f"{row['losses_identical_to_block']}",
+            flush=True,
+        )
 
 
 def run_config(cfg: FineMoEConfig, budget_layers: float, steps: int, warmup: int, seq: int):
@@ -167,16 +300,13 @@ def run_config(cfg: FineMoEConfig, budget_layers: float, steps: int, warmup: int
     result = ranks[0]
     policies = {}
     for name, stats in result["policies"].items():
-        # A step takes as long as its slowest rank.
-        per_step = [
-            max(r["policies"][name]["step_times_s"][i] for r in ranks) for i in range(steps)
-        ]
         final = [r["policies"][name]["losses"][-1] for r in ranks]
         policies[name] = {
             "units": stats["units"],
             "all_gathers_per_step": stats["all_gathers_per_step"],
             "reduce_scatters_per_step": stats["reduce_scatters_per_step"],
-            "median_step_ms": round(1000 * statistics.median(per_step), 2),
+            "median_step_ms": _median_step_ms(ranks, name, steps),
+            "measured_peak_bytes": max(r["policies"][name]["measured_peak_bytes"] for r in ranks),
             "est_peak_unsharded_bytes": stats["est_peak_unsharded_bytes"],
             "final_loss": sum(final) / len(final),
         }
@@ -213,7 +343,7 @@ def run_config(cfg: FineMoEConfig, budget_layers: float, steps: int, warmup: int
         "norm": "fused" if cfg.fused_norm else "decomposed",
         "losses_identical_except_leaf": identical([n for n in policies if n != "leaf"]),
         "max_rel_loss_diff_vs_block": max_rel_loss_diff,
-        "granularity_peak_within_budget": policies["granularity"]["est_peak_unsharded_bytes"]
+        "granularity_peak_within_budget": policies["granularity"]["measured_peak_bytes"]
         <= result["budget_bytes"],
     }
 
@@ -242,6 +372,33 @@ def _print_table(result: dict) -> None:
         f"(max rel diff vs block {result['max_rel_loss_diff_vs_block']:.1e})",
         flush=True,
     )
+
+
+def _plot_budgets(sweep: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = [r["budget_layers"] for r in sweep["budgets"]]
+    ours = [r["ours"]["median_step_ms"] for r in sweep["budgets"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(budgets, ours, "o-", label="GranularityPolicy(memory_budget_bytes)")
+    ax.axhline(sweep["block"]["median_step_ms"], color="C1", ls="--", label="per-block units")
+    for b, ms, row in zip(budgets, ours, sweep["budgets"], strict=True):
+        ax.annotate(
+            f"{row['ours']['units']} units", (b, ms), textcoords="offset points", xytext=(4, 6)
+        )
+    ax.set(
+        xlabel="memory budget (decoder layers' parameter bytes)",
+        ylabel="median step ms",
+        title=f"FineMoE {sweep['layers']} layers x {sweep['num_experts']} experts, 2 gloo ranks",
+    )
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _plot(growth: list[dict], path: str) -> None:
@@ -282,6 +439,20 @@ def main(argv: list[str] | None = None) -> dict:
         default=2.5,
         help="granularity's memory budget, in decoder layers' parameter bytes",
     )
+    parser.add_argument(
+        "--budgets",
+        type=float,
+        nargs="+",
+        default=[2.5, 4.5, 8.5],
+        help="budget sweep: per-block units against our plan at each budget (layers' bytes)",
+    )
+    parser.add_argument("--budget-plot", default="docs/wrap_budget.png")
+    parser.add_argument("--growth", action="store_true", help="also sweep experts per layer")
+    parser.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="only the budget sweep (skip leaf/block/granularity/fsdp1_transformer)",
+    )
     parser.add_argument("--sweep", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument(
         "--norm",
@@ -299,10 +470,27 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = FineMoEConfig(n_layers=layers, num_experts=experts, fused_norm=args.norm == "fused")
         return run_config(cfg, args.budget_layers, args.steps, args.warmup, args.seq)
 
-    main_result = measure(args.experts)
-    _print_table(main_result)
-    summary = {"bench": "wrap", **main_result}
+    summary: dict = {"bench": "wrap"}
+    if not args.sweep_only:
+        main_result = measure(args.experts)
+        _print_table(main_result)
+        summary.update(main_result)
+    cfg = FineMoEConfig(n_layers=layers, num_experts=args.experts, fused_norm=args.norm == "fused")
+    sweep = run_sweep(cfg, sorted(args.budgets), args.steps, args.warmup, args.seq)
+    _print_sweep(sweep)
     if not args.quick:
+        _plot_budgets(sweep, args.budget_plot)
+    best = sweep["budgets"][-1]
+    summary["budget_sweep"] = sweep
+    summary["step_ratio_best_budget_vs_block"] = best["step_ratio_vs_block"]
+    summary["step_ratio_max_over_budgets"] = max(r["step_ratio_vs_block"] for r in sweep["budgets"])
+    summary["measured_peak_bytes_best_budget"] = best["ours"]["measured_peak_bytes"]
+    summary["budget_bytes_best_budget"] = best["budget_bytes"]
+    summary["peak_within_budget_all"] = all(r["peak_within_budget"] for r in sweep["budgets"])
+    summary["losses_identical_all_budgets"] = all(
+        r["losses_identical_to_block"] for r in sweep["budgets"]
+    )
+    if args.growth and not args.quick and not args.sweep_only:
         growth = []
         for experts in args.sweep:
             result = main_result if experts == args.experts else measure(experts)

@@ -26,7 +26,10 @@ from fsdp_ext.pipeline import pipeline_step as pipeline_step
 from fsdp_ext.pipeline import plan_stages as plan_stages
 from fsdp_ext.pipeline import reduce_pipeline_loss as reduce_pipeline_loss
 from fsdp_ext.pipeline import split_stages as split_stages
+from fsdp_ext.wrap import CostModel as CostModel
 from fsdp_ext.wrap import GranularityPolicy as GranularityPolicy
+from fsdp_ext.wrap import UnshardedBytesTracker as UnshardedBytesTracker
 from fsdp_ext.wrap import WrapPlan as WrapPlan
+from fsdp_ext.wrap import calibrate_cost_model as calibrate_cost_model
 from fsdp_ext.wrap import fully_shard as fully_shard
 from fsdp_ext.wrap import plan_units as plan_units

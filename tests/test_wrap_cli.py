@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -38,7 +40,8 @@ def test_cli_prints_plan_for_a_factory():
         "coarse_grained_layer2": ["131200", "131200", "262400"],
         "fine_grained_layer": ["786432", "12098", "1572864"],
     }
-    assert "estimated peak unsharded bytes: 1835264" in lines[-1]
+    # The fine block's backward: its parameters and gradients, layer2 prefetched.
+    assert f"estimated peak unsharded bytes: {2 * 1572864 + 262400}" in lines[-1]
 
 
 def test_cli_rejects_bad_factory_and_budget():
@@ -55,6 +58,7 @@ def test_cli_rejects_bad_factory_and_budget():
     assert out.returncode != 0 and "memory_budget_bytes" in out.stderr
 
 
+@pytest.mark.slow
 def test_benchmark_smoke():
     out = _run(
         "benchmarks/wrap.py",
@@ -91,6 +95,16 @@ def test_benchmark_smoke():
     assert result["norm"] == "fused"
     assert result["losses_identical"] is True
     assert result["granularity_peak_within_budget"] is True
+    # The budget sweep: per-block against our plan at 2.5 / 4.5 / 8.5 layers.
+    sweep = result["budget_sweep"]
+    assert [r["budget_layers"] for r in sweep["budgets"]] == [2.5, 4.5, 8.5]
+    assert sweep["block"]["units"] == 3
+    for row in sweep["budgets"]:
+        assert row["losses_identical_to_block"] is True
+        assert 0 < row["ours"]["measured_peak_bytes"] <= row["ours"]["est_peak_bytes"]
+        assert row["peak_within_budget"] is True
+    assert result["peak_within_budget_all"] is True
+    assert result["step_ratio_best_budget_vs_block"] > 0
 
 
 def test_train_script_defaults_to_granularity_wrap():

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.fsdp.wrap import (
@@ -151,60 +151,88 @@ def test_larger_threshold_never_more_units(spec, t1, t2):
     assert n_high <= n_low
 
 
-@settings(max_examples=30, deadline=None)
-@given(spec=_root, budget_fraction=st.floats(0.05, 1.5))
-def test_budget_picks_coarsest_fitting_threshold(spec, budget_fraction):
+def _smallest_peak(model: nn.Module) -> int:
+    """The refusal of a 1-byte budget names the smallest peak any plan reaches."""
+    if not any(p.requires_grad for p in model.parameters()):
+        return 0
+    with pytest.raises(ValueError, match=r"memory_budget_bytes=1 .*allowed: >= (\d+)") as err:
+        fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(memory_budget_bytes=1))
+    return int(str(err.value).rsplit(">= ", 1)[1])
+
+
+def _check_ownership(model: nn.Module, plan) -> None:
+    """Every parameter counted once: in the deepest unit holding it, else in the root."""
+    modules = dict(model.named_modules())
+    members = {name: u.fqn for u in plan.units[1:] for name in (u.members or (u.fqn,))}
+    counted = {u.fqn: 0 for u in plan.units}
+    for name, param in model.named_parameters():
+        holders = [m for m in members if name.startswith(m + ".")]
+        counted[members[max(holders, key=len)] if holders else ""] += param.numel()
+    assert counted == {u.fqn: u.numel for u in plan.units}
+    for unit in plan.units[1:]:
+        for name in unit.members or (unit.fqn,):
+            assert not isinstance(modules[name], CONTAINER_TYPES)
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=_root, stretch=st.floats(-0.4, 2.0))
+def test_budget_fits_folds_and_refuses_exactly_below_the_smallest_peak(spec, stretch):
+    """Budgets around the smallest achievable peak: below it a ValueError naming it,
+    at or above it a plan within the budget, never costlier than the per-block plan
+    where that fits too, folding what the slack allows into the root."""
     model = _model(spec)
-    total = sum(p.numel() * 4 for p in model.parameters())
-    budget = max(1, int(total * budget_fraction))
-    try:
-        plan = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(memory_budget_bytes=budget))
-    except ValueError as err:
-        assert "memory_budget_bytes" in str(err)
-        finest = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(0))
-        assert finest.peak_bytes > budget or max(finest.unit_bytes) > budget
+    smallest = _smallest_peak(model)
+    budget = max(1, int(smallest * (1 + stretch)))
+    policy = fsdp_ext.GranularityPolicy(memory_budget_bytes=budget)
+    if budget < smallest:
+        with pytest.raises(ValueError, match=f"memory_budget_bytes={budget} .*>= {smallest}"):
+            fsdp_ext.plan_units(model, policy)
+        event("refused")
         return
-    assert plan.peak_bytes <= budget
-    # No coarser threshold (any module granularity above the chosen one) also fits.
-    for info in module_infos(model).values():
-        if info.granularity is not None and info.granularity > plan.threshold:
-            coarser = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(info.granularity))
-            assert coarser.peak_bytes > budget
-
-
-@settings(max_examples=30, deadline=None)
-@given(spec=_root, budget_fraction=st.floats(0.05, 1.5))
-def test_budget_folds_units_into_the_root_only_within_the_budget(spec, budget_fraction):
-    model = _model(spec)
-    budget = max(1, int(sum(p.numel() * 4 for p in model.parameters()) * budget_fraction))
-    try:
-        plan = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(memory_budget_bytes=budget))
-    except ValueError:
-        return  # no plan fits: test_budget_picks_coarsest_fitting_threshold covers it
-    # The finest threshold is one below the smallest granularity: -1 for a model of 0s.
-    unfolded = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(max(plan.threshold, 0)))
-    before = {u.fqn: u.numel for u in unfolded.units}
-    kept = [u.fqn for u in plan.units]
-    # Folding only removes units, and what it removes lands in the root.
-    assert sorted(kept[1:] + plan.folded) == sorted(before)[1:]
-    assert plan.units[0].numel == before[""] + sum(before[f] for f in plan.folded)
-    assert {u.fqn: u.numel for u in plan.units[1:]} == {f: before[f] for f in kept[1:]}
-    assert plan.peak_bytes <= budget
-    assert (len(plan.folded) > 0) == (len(plan.units) < len(unfolded.units))
-
-
-def test_budget_folds_the_small_leftovers_of_the_benchmark_model():
-    """2.5 decoder layers of budget: the layers stay units, embeddings, final norm and output
-    layer join the root (two all-gathers and a reduce-scatter fewer each)."""
-    with torch.device("meta"):
-        model = FineMoE(FineMoEConfig(n_layers=4))
-    layer_bytes = sum(p.numel() * 4 for p in model.layers[0].parameters())
-    policy = fsdp_ext.GranularityPolicy(memory_budget_bytes=int(2.5 * layer_bytes))
     plan = fsdp_ext.plan_units(model, policy)
-    assert [u.fqn for u in plan.units] == ["", *(f"layers.{i}" for i in range(4))]
+    assert plan.peak_bytes <= budget
+    _check_ownership(model, plan)
+    # Folded units' parameters are the root's: the root holds more than its leftovers.
+    folded_numel = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if any(name.startswith(f + ".") for g in plan.folded for f in g.split("+"))
+    )
+    assert plan.units[0].numel >= folded_numel
+    if plan.baseline.peak_bytes <= budget:
+        assert plan.cost_s <= plan.baseline.cost_s + 1e-12
+    event("folded" if plan.folded else "nothing folded")
+    event("grouped" if any(len(g) > 1 for g in plan.modules) else "no group")
+
+
+def test_budget_plans_of_the_benchmark_model():
+    """2.5 decoder layers: per-block units with no backward prefetch (params + grads of
+    one layer, plus the root's), small units folded; 8.5 layers: layers grouped."""
+    with torch.device("meta"):
+        model = FineMoE(FineMoEConfig(n_layers=8, num_experts=16))
+    layer_bytes = sum(p.numel() * 4 for p in model.layers[0].parameters())
+    plan = fsdp_ext.plan_units(
+        model, fsdp_ext.GranularityPolicy(memory_budget_bytes=int(2.5 * layer_bytes))
+    )
+    assert [u.fqn for u in plan.units] == ["", *(f"layers.{i}" for i in range(8))]
     assert plan.folded == ["embed_tokens", "norm", "lm_head"]
-    assert "folded into the root within the budget: 3 (embed_tokens, norm, lm_head)" in str(plan)
-    assert plan.peak_bytes == plan.unit_bytes[0] + 2 * layer_bytes
+    assert plan.backward_prefetch == 0 and plan.forward_prefetch == 0
+    # Backward of one layer: its parameters and gradients, the root's parameters and
+    # the gradients of the root's parameters after it (the final norm and the head).
+    root, tail = (
+        plan.unit_bytes[0],
+        sum(p.numel() * 4 for m in (model.norm, model.lm_head) for p in m.parameters()),
+    )
+    assert plan.peak_bytes == root + 2 * layer_bytes + tail
+    assert plan.cost_s <= plan.baseline.cost_s
+    text = str(plan)
+    assert "folded into the root within the budget: 3 (embed_tokens, norm, lm_head)" in text
+    assert "per-block plan: 9 units" in text and "modelled FSDP cost" in text
+    big = fsdp_ext.plan_units(
+        model, fsdp_ext.GranularityPolicy(memory_budget_bytes=int(8.5 * layer_bytes))
+    )
+    assert any(len(g) > 1 for g in big.modules) and len(big.units) < len(plan.units)
+    assert big.peak_bytes <= 8.5 * layer_bytes and big.cost_s < 0.6 * big.baseline.cost_s
 
 
 def _plan_with_a_unit_sharded_already() -> tuple[list[str], list[str]]:
@@ -221,7 +249,7 @@ def test_units_sharded_already_are_never_folded():
     from tests.dist import run_distributed
 
     units, folded = run_distributed(_plan_with_a_unit_sharded_already, 1)[0]
-    assert units == ["", "lm_head"] and folded == []
+    assert units == ["", "lm_head"] and "lm_head" not in folded
 
 
 # ---------------------------------------------------------------- DeepSpeed's fixed cases
@@ -266,9 +294,11 @@ def test_plan_table_and_peak():
         model = ModelWithFineGrainedBlock()
     mp = torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     plan = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(12100), mp_policy=mp)
-    # bf16: layer1 264192 B, layer2 262400 B, fine block 1572864 B; worst adjacent pair.
+    # bf16: layer1 264192 B, layer2 262400 B, fine block 1572864 B. The peak is the fine
+    # block's backward: its parameters and gradients, and layer2 prefetched.
     assert plan.unit_bytes == [0, 264192, 262400, 1572864]
-    assert plan.peak_bytes == 262400 + 1572864
+    assert plan.peak_bytes == 2 * 1572864 + 262400
+    assert plan.peak_phase == "backward"
     text = str(plan)
     assert "fine_grained_layer" in text and "12098" in text and "1572864" in text
     assert f"estimated peak unsharded bytes: {plan.peak_bytes}" in text
@@ -323,19 +353,80 @@ def test_multihead_attention_never_split():
         assert not any(u.startswith("1.") for u in units)
 
 
-def test_tied_parameters_stay_in_one_unit():
-    class Tied(nn.Module):
+class _TiedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.body = nn.ModuleList([MLPBlock(16) for _ in range(2)])
+        self.head = nn.Linear(16, 64, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.body:
+            x = block(x)
+        return self.head(x)
+
+
+class _TiedBlocks(nn.Module):
+    """One Linear shared by blocks.0 and blocks.3."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([MLPBlock(16) for _ in range(4)])
+        self.blocks[3].up_proj = self.blocks[0].up_proj
+        self.head = nn.Linear(16, 32, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_tied_modules_are_grouped_into_one_unit():
+    """Tied embedding and head share a unit, fully_shard([embed, head]), instead of both
+    falling into the root; a Linear shared by two blocks groups those blocks only."""
+    plan = fsdp_ext.plan_units(_TiedHead(), fsdp_ext.GranularityPolicy(0))
+    assert [u.fqn for u in plan.units][:2] == ["", "embed+head"]
+    assert plan.units[1].members == ("embed", "head") and plan.units[1].numel == 64 * 16
+    assert plan.units[0].numel == 0
+    plan = fsdp_ext.plan_units(_TiedBlocks(), fsdp_ext.GranularityPolicy())
+    assert [u.fqn for u in plan.units] == [
+        "",
+        "embed",
+        "blocks.0+blocks.3",
+        "blocks.1",
+        "blocks.2",
+        "head",
+    ]
+    assert plan.units[0].numel == 0
+
+
+def test_parameter_list_and_dict_are_never_units():
+    class Scaled(nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed = nn.Embedding(64, 16)
-            self.body = nn.ModuleList([MLPBlock(16) for _ in range(2)])
-            self.head = nn.Linear(16, 64, bias=False)
-            self.head.weight = self.embed.weight
+            self.proj = nn.Linear(8, 8)
+            self.scales = nn.ParameterList([nn.Parameter(torch.ones(8)) for _ in range(2)])
+            self.shift = nn.ParameterDict({"b": nn.Parameter(torch.zeros(8))})
 
-    plan = fsdp_ext.plan_units(Tied(), fsdp_ext.GranularityPolicy(0))
-    fqns = [u.fqn for u in plan.units]
-    assert "embed" not in fqns and "head" not in fqns
-    assert plan.units[0].numel == 64 * 16
+    model = nn.Sequential(Scaled(), Scaled())
+    for threshold in (0, 8, 100):
+        units = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(threshold)).units
+        names = [u.fqn for u in units]
+        assert not any(n.endswith(("scales", "shift")) for n in names), names
+    # A module whose only parameterised children are such holders is one unit.
+    holder = nn.Sequential(nn.Linear(4, 4), nn.Module())
+    holder[1].w = nn.ParameterList([nn.Parameter(torch.ones(3))])
+    assert [u.fqn for u in fsdp_ext.plan_units(holder, fsdp_ext.GranularityPolicy(0)).units] == [
+        "",
+        "0",
+        "1",
+    ]
+    with pytest.raises(ValueError, match="no forward"):
+        fsdp_ext.fully_shard(model, auto_wrap_policy={nn.ParameterList})
 
 
 # ---------------------------------------------------------------- FSDP1 parity
@@ -440,13 +531,15 @@ def test_budget_below_largest_leaf_rejected():
     with torch.device("meta"):
         model = ModelWithFineGrainedBlock()
     largest_leaf = (1024 * 128 + 1024) * 4  # coarse_grained_layer1, fp32
-    with pytest.raises(ValueError, match=r"memory_budget_bytes.*coarse_grained_layer1"):
-        fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(memory_budget_bytes=largest_leaf - 1))
-    # Enough for the leaf but not for two adjacent leaves: still no plan, still named.
-    with pytest.raises(ValueError, match="memory_budget_bytes"):
-        fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(memory_budget_bytes=largest_leaf))
+    # Any plan holds that leaf's parameters and gradients at once in its backward.
+    smallest = _smallest_peak(model)
+    assert smallest >= 2 * largest_leaf
+    with pytest.raises(ValueError, match=f"memory_budget_bytes.*allowed: >= {smallest}"):
+        fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(memory_budget_bytes=smallest - 1))
+    plan = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(memory_budget_bytes=smallest))
+    assert plan.peak_bytes == smallest
     plan = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(memory_budget_bytes=4_000_000))
-    assert plan.peak_bytes <= 4_000_000 and plan.threshold == 12288
+    assert plan.peak_bytes <= 4_000_000
 
 
 def test_fully_shard_refuses_units_it_cannot_run():

@@ -15,10 +15,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from fsdp_ext.wrap.plan import plan_units
+from fsdp_ext.wrap.plan import WrapPlan, plan_units
 from fsdp_ext.wrap.tree import (
     EXPERTS_ALWAYS_RUN_ATTR,
     FORCE_LEAF_TYPES,
+    NO_FORWARD_TYPES,
     has_expert_child,
     is_container,
     is_routed_experts,
@@ -32,7 +33,7 @@ def _check_units(root: nn.Module, units: list[nn.Module]) -> None:
     names = {m: n for n, m in root.named_modules()}
     for unit in units:
         fqn = names[unit]
-        if isinstance(unit, (nn.ModuleList, nn.ModuleDict)):
+        if isinstance(unit, NO_FORWARD_TYPES):
             raise ValueError(
                 f"auto_wrap_policy selected {fqn!r}, a {type(unit).__name__}: it has no "
                 "forward, so FSDP2 would never gather its parameters; select its children"
@@ -111,16 +112,27 @@ def _tie_params_to_output(block: nn.Module) -> None:
 
 
 def check_wrap(
-    module: nn.Module, auto_wrap_policy: object = None, *, mp_policy: object | None = None
-) -> list[nn.Module]:
-    """The units :func:`fully_shard` would make, checked, with nothing sharded.
+    module: nn.Module,
+    auto_wrap_policy: object = None,
+    *,
+    mp_policy: object | None = None,
+    reshard_after_forward: bool | int | None = None,
+    world_size: int | None = None,
+) -> WrapPlan:
+    """The plan :func:`fully_shard` would apply, checked, with nothing sharded.
 
     Raises ``ValueError`` for a wrap FSDP2 cannot run. Callers that shard in several
     steps (``shard_moe_model``: experts first, then the rest) call it before the first.
     """
-    units = plan_units(module, auto_wrap_policy, mp_policy=mp_policy).modules
-    _check_units(module, units)
-    return units
+    plan = plan_units(
+        module,
+        auto_wrap_policy,
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward,
+        world_size=world_size,
+    )
+    _check_units(module, [m for group in plan.modules for m in group])
+    return plan
 
 
 def fully_shard(module: nn.Module, *, auto_wrap_policy: object = None, **kwargs: Any) -> nn.Module:
@@ -137,22 +149,54 @@ def fully_shard(module: nn.Module, *, auto_wrap_policy: object = None, **kwargs:
     that got no tokens on a rank: FSDP2 otherwise skips gradient-less parameters, and
     ranks whose routing differs would send reduce-scatters of different lengths.
     """
-    units = check_wrap(module, auto_wrap_policy, mp_policy=kwargs.get("mp_policy"))
+    mesh = kwargs.get("mesh")
+    plan = check_wrap(
+        module,
+        auto_wrap_policy,
+        mp_policy=kwargs.get("mp_policy"),
+        reshard_after_forward=kwargs.get("reshard_after_forward"),
+        world_size=None if mesh is None else mesh.shape[-1],
+    )
     overrides: dict[nn.Module, dict[str, Any]] = {}
     if isinstance(auto_wrap_policy, CustomPolicy):
         overrides = auto_wrap_policy._run_policy(module, set(), {})
+        overrides.pop(module, None)  # FSDP1 wraps the root with the caller's kwargs only
     tied: set[nn.Module] = set()
-    for unit in [*reversed(units), module]:
-        if unit is not module and isinstance(unit, FSDPModule):
+    steps = [*reversed(list(zip(plan.modules, plan.reshard_after_forward, strict=True)))]
+    for group, reshard in [*steps, ((module,), kwargs.get("reshard_after_forward"))]:
+        head = group[0]
+        if head is not module and isinstance(head, FSDPModule):
             continue  # sharded already, by the caller (e.g. experts on their own mesh)
-        moe_blocks = [m for m in unit.modules() if has_expert_child(m)]
+        moe_blocks = [m for member in group for m in member.modules() if has_expert_child(m)]
         if moe_blocks and not NATIVE_UNUSED_PARAM_REDUCE_SCATTER:
             # Registered before fully_shard so it runs before FSDP resharding the unit.
             for block in moe_blocks:
                 if block not in tied:
                     _tie_params_to_output(block)
                     tied.add(block)
-        torch_fully_shard(unit, **{**kwargs, **overrides.get(unit, {})})
+        unit_kwargs = {**kwargs, **overrides.get(head, {})}
+        if reshard is not None:
+            unit_kwargs["reshard_after_forward"] = reshard
+        torch_fully_shard(head if len(group) == 1 else list(group), **unit_kwargs)
         if moe_blocks and NATIVE_UNUSED_PARAM_REDUCE_SCATTER:
-            unit.set_reduce_scatter_unused_params(True, recurse=False)
+            head.set_reduce_scatter_unused_params(True, recurse=False)
+    _apply_prefetch(module, plan)
     return module
+
+
+def _apply_prefetch(root: nn.Module, plan: WrapPlan) -> None:
+    """Forward/backward prefetch as planned (FSDP2's default is 0 forward, 1 backward).
+
+    No backward prefetch is set as each unit prefetching only itself: an empty list
+    would mean FSDP2's default, and a unit is gathered already when its own prefetch runs.
+    """
+    units = [root, *(group[0] for group in plan.modules)]
+    if plan.backward_prefetch == 0:
+        for unit in units:
+            unit.set_modules_to_backward_prefetch([unit])
+    if plan.forward_prefetch > 0:
+        order = [root, *(group[0] for group in plan.modules)]
+        for i, unit in enumerate(order):
+            ahead = order[i + 1 : i + 1 + plan.forward_prefetch]
+            if ahead:
+                unit.set_modules_to_forward_prefetch(ahead)

@@ -1,44 +1,58 @@
 """Dry-run planning: which units a policy makes, their sizes, and the peak they imply.
 
 Nothing here touches storage, so a model built on the meta device plans exactly as the
-real one. The peak estimate is what FSDP2 holds unsharded at once: the root's leftover
-parameters (the root is not resharded after forward), plus the two largest adjacent
-units in forward order (the one computing and the one prefetched next).
-
-With a memory budget, units that fit the budget's slack are folded into the root,
-smallest first. The root is gathered once per step and kept until backward ends, so a
-folded unit saves two all-gathers, a reduce-scatter and its hooks, and costs its bytes
-for the whole step: DeepSpeed's ``stage3_param_persistence_threshold``, sized by the
-budget the user gave rather than by a parameter count.
+real one. A unit is a group of modules sharded together (``fully_shard([a, b])``):
+one module for most policies, tied modules together, and adjacent siblings when a
+memory budget makes grouping pay (:mod:`fsdp_ext.wrap.search`). The peak estimate
+(:mod:`fsdp_ext.wrap.peak`) replays FSDP2's gather/free schedule over unsharded
+parameters and gradients.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp.wrap import CustomPolicy
+from torch.distributed.tensor import DTensor
 
-from fsdp_ext.wrap.policy import GranularityPolicy, granularity_units, select_units
+from fsdp_ext.wrap.cost import CostModel
+from fsdp_ext.wrap.peak import UnitSpan, estimate_peak
+from fsdp_ext.wrap.policy import (
+    GranularityPolicy,
+    granularity_units,
+    group_tied_units,
+    select_units,
+)
 from fsdp_ext.wrap.tree import ModuleInfo, module_infos, repeated_blocks
+
+Group = tuple[nn.Module, ...]
 
 
 class Unit(NamedTuple):
-    """One FSDP unit: ``numel`` counts the parameters it manages (not nested units')."""
+    """One FSDP unit: ``numel`` counts the parameters it manages (not nested units').
+
+    ``fqn`` joins a group's member names with ``+``; ``members`` lists them.
+    """
 
     fqn: str
     numel: int
     granularity: int | None
+    members: tuple[str, ...] = ()
 
 
 @dataclass
 class WrapPlan:
     """Units in forward order, the root (fqn ``""``) first; ``str(plan)`` is a table.
 
-    ``modules`` holds the unit modules below the root, in the order of ``units[1:]``.
+    ``modules[i]`` holds the member modules of ``units[i + 1]``.
+    ``reshard_after_forward[i]`` is that unit's setting (None: fully_shard's argument).
+    ``peak_bytes``: estimated peak of unsharded parameters and gradients (one rank).
+    ``cost_s``: modelled FSDP seconds per step (budget plans); ``baseline``: the
+    per-block plan, planned the same way, for comparison.
     """
 
     units: list[Unit]
@@ -47,8 +61,27 @@ class WrapPlan:
     param_dtype: torch.dtype | None
     threshold: int | None
     policy: str
-    modules: list[nn.Module] = field(repr=False, default_factory=list)
+    modules: list[Group] = field(repr=False, default_factory=list)
     folded: list[str] = field(default_factory=list)  # units the budget let the root absorb
+    reshard_after_forward: list[bool | int | None] = field(default_factory=list)
+    forward_prefetch: int = 0
+    backward_prefetch: int = 1
+    peak_phase: str = ""
+    cost_s: float | None = None
+    cost_model: CostModel | None = None
+    baseline: WrapPlan | None = field(default=None, repr=False)
+
+    def summary(self) -> str:
+        groups = sum(1 for g in self.modules if len(g) > 1)
+        raf_off = sum(1 for r in self.reshard_after_forward if r is False)
+        text = (
+            f"{len(self.units)} units (root included, {groups} grouped), peak {self.peak_bytes} B "
+            f"({self.peak_phase}), prefetch forward {self.forward_prefetch} / backward "
+            f"{self.backward_prefetch}, kept after forward {raf_off}"
+        )
+        if self.cost_s is not None:
+            text += f", modelled FSDP cost {1000 * self.cost_s:.2f} ms/step"
+        return text
 
     def __str__(self) -> str:
         width = max([len("fqn"), *(len(u.fqn or "<root>") for u in self.units)])
@@ -62,6 +95,12 @@ class WrapPlan:
         if self.folded:
             shown = ", ".join(self.folded[:6]) + (", ..." if len(self.folded) > 6 else "")
             lines.append(f"folded into the root within the budget: {len(self.folded)} ({shown})")
+        if self.cost_s is not None:
+            lines.append(f"plan: {self.summary()}")
+            if self.baseline is not None:
+                lines.append(f"per-block plan: {self.baseline.summary()}")
+            if self.cost_model is not None:
+                lines.append(f"cost model: {self.cost_model}")
         lines.append(
             f"{len(self.units)} units (root included); estimated peak unsharded bytes: "
             f"{self.peak_bytes} (param dtype {dtype})"
@@ -69,153 +108,343 @@ class WrapPlan:
         return "\n".join(lines)
 
 
-def _param_bytes(param: torch.Tensor, param_dtype: torch.dtype | None) -> int:
-    return param.numel() * (param_dtype or param.dtype).itemsize
+# ---------------------------------------------------------------- sizes and positions
 
 
-def _managed_params(root: nn.Module, units: list[nn.Module]) -> list[list[nn.Parameter]]:
-    """Parameters each unit manages, root last: inner units claim theirs first (FSDP2)."""
-    claimed: set[nn.Parameter] = set()
-    managed: dict[nn.Module, list[nn.Parameter]] = {}
-    for module in [*reversed(units), root]:
-        own = [p for p in module.parameters() if p not in claimed]
-        claimed.update(own)
-        managed[module] = own
-    return [managed[root], *(managed[m] for m in units)]
+class Layout:
+    """Pre-order positions of a model's modules: ``pos`` and the last descendant's ``end``."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.pos: dict[nn.Module, int] = {}
+        self.end: dict[nn.Module, int] = {}
+        self.parent: dict[nn.Module, nn.Module | None] = {root: None}
+
+        def visit(module: nn.Module) -> int:
+            self.pos[module] = len(self.pos)
+            last = self.pos[module]
+            for child in module.children():
+                if child not in self.pos:
+                    self.parent[child] = module
+                    last = max(last, visit(child))
+            self.end[module] = last
+            return last
+
+        visit(root)
+        # Where each parameter's gradient appears in backward: its last user in forward.
+        self.param_pos: dict[nn.Parameter, int] = {}
+        for module, position in self.pos.items():
+            for param in module.parameters(recurse=False):
+                self.param_pos[param] = max(self.param_pos.get(param, -1), position)
 
 
-def estimate_peak_bytes(unit_bytes: list[int]) -> int:
-    """Root leftovers + the largest pair of adjacent units (computing + prefetched)."""
-    root_bytes, rest = unit_bytes[0], unit_bytes[1:]
-    pairs = [a + b for a, b in itertools.pairwise(rest)] or rest or [0]
-    return root_bytes + max(pairs)
+def _fsdp_unsharded_bytes(root: nn.Module) -> dict[int, int]:
+    """Unsharded bytes of parameters that FSDP units created before planning manage.
 
-
-def fold_into_root(unit_bytes: list[int], foldable: list[bool], budget: int) -> list[bool]:
-    """Which units below the root stay units once the smallest are folded into the root
-    while the estimated peak stays within ``budget`` (``unit_bytes[0]`` is the root's)."""
-    root, rest = unit_bytes[0], unit_bytes[1:]
-    keep = [True] * len(rest)
-    for i in sorted(range(len(rest)), key=rest.__getitem__):
-        if not foldable[i]:
+    Their registered parameters are shards; FSDP gathers ``_orig_size`` (the local,
+    post-EP/TP size) in the parameter dtype of the unit's mixed-precision policy.
+    """
+    sizes: dict[int, int] = {}
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
             continue
-        keep[i] = False
-        trial = [root + rest[i], *(b for b, k in zip(rest, keep, strict=True) if k)]
-        if estimate_peak_bytes(trial) <= budget:
-            root += rest[i]
-        else:
-            keep[i] = True
-    return keep
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for p in group.fsdp_params:
+                # param_dtype is set at FSDP's lazy init; before it, the unit's policy.
+                dtype = (
+                    getattr(p, "param_dtype", None)
+                    or group.mp_policy.param_dtype
+                    or p.sharded_param.dtype
+                )
+                sizes[id(p.sharded_param)] = p._orig_size.numel() * dtype.itemsize
+    return sizes
 
 
-def _plan_for_units(
+def param_bytes(
+    param: torch.Tensor, param_dtype: torch.dtype | None, fsdp_sizes: dict[int, int]
+) -> int:
+    """Bytes FSDP gathers for ``param``: local (post-EP/TP) size for a DTensor."""
+    if id(param) in fsdp_sizes:
+        return fsdp_sizes[id(param)]
+    numel = param._local_tensor.numel() if isinstance(param, DTensor) else param.numel()
+    return numel * (param_dtype or param.dtype).itemsize
+
+
+def managed_params(
+    root: nn.Module, groups: list[Group], layout: Layout
+) -> list[list[nn.Parameter]]:
+    """Parameters each unit manages, root first: inner units claim theirs first (FSDP2)."""
+    claimed: set[nn.Parameter] = set()
+    managed: list[list[nn.Parameter]] = [[] for _ in groups]
+    for i in sorted(range(len(groups)), key=lambda i: -layout.pos[groups[i][0]]):
+        own: list[nn.Parameter] = []
+        for member in groups[i]:
+            own += [p for p in member.parameters() if p not in claimed]
+            claimed.update(own)
+        managed[i] = own
+    root_own = [p for p in root.parameters() if p not in claimed]
+    return [root_own, *managed]
+
+
+@dataclass
+class Atom:
+    """A planned unit's facts for the peak model (``grads``: (position, bytes))."""
+
+    group: Group
+    params: list[nn.Parameter]
+    nbytes: int
+    start: int
+    end: int
+    grads: dict[int, int]
+
+
+def make_atoms(
     root: nn.Module,
-    units: list[nn.Module],
+    groups: list[Group],
+    layout: Layout,
+    param_dtype: torch.dtype | None,
+    fsdp_sizes: dict[int, int],
+) -> tuple[Atom, list[Atom]]:
+    """The root's and each group's atom."""
+    managed = managed_params(root, groups, layout)
+    atoms = []
+    for group, params in zip([(root,), *groups], managed, strict=True):
+        grads: dict[int, int] = {}
+        total = 0
+        for p in params:
+            nbytes = param_bytes(p, param_dtype, fsdp_sizes)
+            total += nbytes
+            if p.requires_grad:
+                where = layout.param_pos.get(p, layout.pos[group[0]])
+                grads[where] = grads.get(where, 0) + nbytes
+        start = min(layout.pos[m] for m in group)
+        end = max(layout.end[m] for m in group)
+        atoms.append(Atom(group, params, total, start, end, grads))
+    return atoms[0], atoms[1:]
+
+
+def spans_for(
+    root_atom: Atom,
+    units: list[list[Atom]],
+    raf: list[bool | int],
+    folded: list[Atom] = (),
+    root_raf: bool | int = False,
+) -> list[UnitSpan]:
+    """UnitSpans of a plan: ``units`` (each a list of atoms sharded together) below the
+    root; ``folded`` atoms' parameters join the root. A non-root unit's gradients are
+    placed at its output (conservative with nesting); the root's where they appear."""
+    root_grads = dict(root_atom.grads)
+    for atom in folded:
+        for pos, nbytes in atom.grads.items():
+            root_grads[pos] = root_grads.get(pos, 0) + nbytes
+    spans = [
+        UnitSpan(
+            "<root>",
+            root_atom.nbytes + sum(a.nbytes for a in folded),
+            root_atom.start,
+            root_atom.end,
+            tuple(root_grads.items()),
+            root_raf,
+        )
+    ]
+    for atoms, setting in zip(units, raf, strict=True):
+        start = min(a.start for a in atoms)
+        end = max(a.end for a in atoms)
+        grad_bytes = sum(sum(a.grads.values()) for a in atoms)
+        name = "+".join(str(a.start) for a in atoms)
+        spans.append(
+            UnitSpan(name, sum(a.nbytes for a in atoms), start, end, ((end, grad_bytes),), setting)
+        )
+    return spans
+
+
+def existing_reshard_after_forward(module: nn.Module) -> bool | int:
+    """The setting a unit sharded before planning was given."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None or not group._reshard_after_forward:
+        return False
+    if group._use_post_forward_mesh:
+        return group.post_forward_mesh_info.shard_mesh_size
+    return True
+
+
+def root_reshard_after_forward(root: nn.Module, default: bool | int | None) -> bool | int:
+    """FSDP2 keeps the root gathered after forward only when the argument was None."""
+    if isinstance(root, FSDPModule):
+        if root._get_fsdp_state()._auto_reshard_after_forward:
+            return False
+        return existing_reshard_after_forward(root)
+    return False if default is None else default
+
+
+def _effective_raf(setting: bool | int | None) -> bool | int:
+    return True if setting is None else setting
+
+
+def build_plan(
+    root: nn.Module,
+    groups: list[Group],
     infos: dict[nn.Module, ModuleInfo],
+    layout: Layout,
+    *,
     param_dtype: torch.dtype | None,
     threshold: int | None,
     policy: str,
-    folded: list[str] | None = None,
+    raf: list[bool | int | None],
+    fsdp_sizes: dict[int, int],
+    folded: list[Group] = (),
+    forward_prefetch: int = 0,
+    backward_prefetch: int = 1,
+    cost_model: CostModel | None = None,
+    world_size: int = 2,
+    default_raf: bool | int | None = None,
 ) -> WrapPlan:
-    managed = _managed_params(root, units)
-    unit_bytes = [sum(_param_bytes(p, param_dtype) for p in ps) for ps in managed]
-    rows = [
-        Unit(infos[m].fqn, sum(p.numel() for p in ps), infos[m].granularity)
-        for m, ps in zip([root, *units], managed, strict=True)
-    ]
+    root_atom, atoms = make_atoms(root, [*groups, *folded], layout, param_dtype, fsdp_sizes)
+    atoms, folded_atoms = atoms[: len(groups)], atoms[len(groups) :]
+    settings = [_effective_raf(r) for r in raf]
+    root_raf = root_reshard_after_forward(root, default_raf)
+    spans = spans_for(root_atom, [[a] for a in atoms], settings, folded_atoms, root_raf)
+    peak = estimate_peak(
+        spans, forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch
+    )
+    unit_bytes = [s.param_bytes for s in spans]
+    root_numel = sum(p.numel() for p in root_atom.params) + sum(
+        p.numel() for a in folded_atoms for p in a.params
+    )
+    rows = [Unit("", root_numel, infos[root].granularity)]
+    for atom in atoms:
+        names = tuple(infos[m].fqn for m in atom.group)
+        granularity = infos[atom.group[0]].granularity if len(names) == 1 else None
+        rows.append(Unit("+".join(names), sum(p.numel() for p in atom.params), granularity, names))
+    cost = None
+    if cost_model is not None:
+        cost = cost_model.step_s(
+            unit_bytes,
+            [root_raf, *settings],
+            world_size,
+            forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch,
+        )
     return WrapPlan(
         units=rows,
         unit_bytes=unit_bytes,
-        peak_bytes=estimate_peak_bytes(unit_bytes),
+        peak_bytes=peak.bytes,
         param_dtype=param_dtype,
         threshold=threshold,
         policy=policy,
-        modules=list(units),
-        folded=folded or [],
+        modules=list(groups),
+        folded=["+".join(infos[m].fqn for m in g) for g in folded],
+        reshard_after_forward=list(raf),
+        forward_prefetch=forward_prefetch,
+        backward_prefetch=backward_prefetch,
+        peak_phase=peak.phase,
+        cost_s=cost,
+        cost_model=cost_model,
     )
 
 
-def resolve_threshold(
-    root: nn.Module,
-    policy: GranularityPolicy,
-    param_dtype: torch.dtype | None,
-    infos: dict[nn.Module, ModuleInfo],
-) -> int:
-    """The threshold a GranularityPolicy means for this model (budget search if asked)."""
-    if policy.threshold is not None:
-        return policy.threshold
-    if policy.memory_budget_bytes is None:
-        blocks = repeated_blocks(root)[0]
-        return max((infos[b].granularity for b in blocks if infos[b].numel), default=0)
-    budget = policy.memory_budget_bytes
-    granularities = sorted(
-        {info.granularity for info in infos.values() if info.granularity is not None},
-        reverse=True,
-    )
-    # Below every granularity: every indivisible module its own unit, the finest plan.
-    finest_threshold = min(granularities, default=0) - 1
-    finest = _plan_for_units(
-        root, granularity_units(root, finest_threshold, infos), infos, param_dtype, None, ""
-    )
-    largest = max(range(len(finest.units)), key=lambda i: finest.unit_bytes[i])
-    if finest.unit_bytes[largest] > budget:
-        name = finest.units[largest].fqn or "<root leftovers>"
-        raise ValueError(
-            f"memory_budget_bytes={budget} is smaller than the largest indivisible module "
-            f"{name!r} ({finest.unit_bytes[largest]} bytes unsharded); allowed: >= "
-            f"{finest.peak_bytes} bytes for this model"
-        )
-    for threshold in [*granularities, finest_threshold]:
-        units = granularity_units(root, threshold, infos)
-        if _plan_for_units(root, units, infos, param_dtype, None, "").peak_bytes <= budget:
-            return threshold
-    raise ValueError(
-        f"memory_budget_bytes={budget} is below the smallest peak any threshold reaches "
-        f"({finest.peak_bytes} bytes unsharded, every indivisible module its own unit); "
-        f"allowed: >= {finest.peak_bytes}"
-    )
+# ---------------------------------------------------------------- entry point
 
 
 def param_dtype_of(mp_policy: object | None) -> torch.dtype | None:
     return getattr(mp_policy, "param_dtype", None) if mp_policy is not None else None
 
 
+def _world_size(world_size: int | None) -> int:
+    if world_size is not None:
+        return world_size
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 2
+
+
+def default_units(
+    root: nn.Module, infos: dict[nn.Module, ModuleInfo]
+) -> tuple[list[nn.Module], int]:
+    """One unit per repeated block, plus the leftovers at the blocks' granularity."""
+    blocks, ancestors = repeated_blocks(root)
+    sizes = [infos[b].granularity for b in blocks if infos[b].numel]
+    threshold = max((g for g in sizes if g is not None), default=0)
+    return granularity_units(root, threshold, infos, ancestors), threshold
+
+
 def plan_units(
-    module: nn.Module, auto_wrap_policy: object = None, *, mp_policy: object | None = None
+    module: nn.Module,
+    auto_wrap_policy: object = None,
+    *,
+    mp_policy: object | None = None,
+    reshard_after_forward: bool | int | None = None,
+    world_size: int | None = None,
 ) -> WrapPlan:
     """Dry run of :func:`fsdp_ext.fully_shard`: the units, their sizes, the peak estimate.
 
     Works on a meta-device model. ``auto_wrap_policy=None`` plans the root alone, as
     torch's fully_shard does. ``mp_policy`` (a ``MixedPrecisionPolicy``) sets the
-    dtype bytes are counted in, as the unsharded parameters will have that dtype.
+    dtype bytes are counted in; ``reshard_after_forward`` is fully_shard's argument;
+    ``world_size`` (default: the process group's, else 2) scales the modelled cost.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
+        raise TypeError(
+            f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}"
+        )
     param_dtype = param_dtype_of(mp_policy)
     infos = module_infos(module)
+    layout = Layout(module)
+    fsdp_sizes = _fsdp_unsharded_bytes(module)
+    world = _world_size(world_size)
+    if isinstance(auto_wrap_policy, GranularityPolicy) and auto_wrap_policy.memory_budget_bytes:
+        from fsdp_ext.wrap.search import plan_for_budget
+
+        return plan_for_budget(
+            module,
+            auto_wrap_policy,
+            infos,
+            layout,
+            param_dtype=param_dtype,
+            reshard_after_forward=reshard_after_forward,
+            fsdp_sizes=fsdp_sizes,
+            world_size=world,
+        )
     threshold = None
     if isinstance(auto_wrap_policy, GranularityPolicy):
-        threshold = resolve_threshold(module, auto_wrap_policy, param_dtype, infos)
-        policy = auto_wrap_policy
-        is_default = policy.threshold is None and policy.memory_budget_bytes is None
-        descend = repeated_blocks(module)[1] if is_default else frozenset()
-        units = granularity_units(module, threshold, infos, descend)
+        if auto_wrap_policy.threshold is None:
+            units, threshold = default_units(module, infos)
+        else:
+            threshold = auto_wrap_policy.threshold
+            units = granularity_units(module, threshold, infos)
     else:
         units = select_units(module, auto_wrap_policy)
-    units = _with_existing_units(module, units)
-    description = _describe(auto_wrap_policy, threshold)
-    plan = _plan_for_units(module, units, infos, param_dtype, threshold, description)
-    budget = getattr(auto_wrap_policy, "memory_budget_bytes", None)
-    if budget is None:
-        return plan
-    # Units sharded already (by the caller) cannot be folded back into the root.
-    keep = fold_into_root(plan.unit_bytes, [not isinstance(m, FSDPModule) for m in units], budget)
-    kept = [m for m, k in zip(units, keep, strict=True) if k]
-    folded = [infos[m].fqn for m, k in zip(units, keep, strict=True) if not k]
-    return _plan_for_units(module, kept, infos, param_dtype, threshold, description, folded)
+    groups = group_tied_units(module, with_existing_units(module, units))
+    overrides: dict[nn.Module, dict] = {}
+    if isinstance(auto_wrap_policy, CustomPolicy):
+        overrides = auto_wrap_policy._run_policy(module, set(), {})
+    raf = [unit_reshard_after_forward(g, reshard_after_forward, overrides) for g in groups]
+    return build_plan(
+        module,
+        groups,
+        infos,
+        layout,
+        param_dtype=param_dtype,
+        threshold=threshold,
+        policy=_describe(auto_wrap_policy, threshold),
+        raf=raf,
+        fsdp_sizes=fsdp_sizes,
+        world_size=world,
+        default_raf=reshard_after_forward,
+    )
 
 
-def _with_existing_units(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+def unit_reshard_after_forward(
+    group: Group, default: bool | int | None, overrides: dict[nn.Module, dict]
+) -> bool | int | None:
+    """A unit's setting: its existing FSDP state, a CustomPolicy dict, or the default."""
+    if len(group) == 1 and isinstance(group[0], FSDPModule):
+        return existing_reshard_after_forward(group[0])
+    return overrides.get(group[0], {}).get("reshard_after_forward", default)
+
+
+def with_existing_units(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
     """Add submodules that are FSDP units already (e.g. experts on their own mesh).
 
     They manage their own parameters, so the units around them must not count them, and

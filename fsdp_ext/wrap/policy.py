@@ -15,11 +15,11 @@ import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.distributed.fsdp.wrap import _Policy
 
-from fsdp_ext.wrap.tree import ModuleInfo, is_container, is_indivisible, module_infos
+from fsdp_ext.wrap.cost import CostModel
+from fsdp_ext.wrap.tree import ModuleInfo, can_be_unit, is_indivisible, module_infos
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,11 @@ class GranularityPolicy:
     coarse module that cannot be split (a parameterised leaf such as a large embedding,
     an ``nn.MultiheadAttention``, an MoE block) becomes its own unit.
 
-    ``memory_budget_bytes`` instead picks the coarsest threshold whose estimated peak
-    unsharded bytes (see :mod:`fsdp_ext.wrap.plan`) fit. With neither, the default is
+    ``memory_budget_bytes`` instead picks the plan with the lowest modelled step cost
+    (``cost_model``, default :class:`CostModel`) whose estimated peak of unsharded
+    parameters and gradients fits: units from the granularity walk, adjacent siblings
+    grouped, prefetch and ``reshard_after_forward`` chosen, small units folded into the
+    root (:mod:`fsdp_ext.wrap.search`). With neither, the default is
     one unit per repeated block: the outermost children of ModuleList/ModuleDict/
     Sequential containers (transformer layers) are the blocks, the threshold is the
     largest block granularity, and the blocks' ancestors are always descended into (so
@@ -42,6 +45,7 @@ class GranularityPolicy:
 
     threshold: int | None = None
     memory_budget_bytes: int | None = None
+    cost_model: CostModel | None = None
 
     def __post_init__(self) -> None:
         for name in ("threshold", "memory_budget_bytes"):
@@ -52,6 +56,8 @@ class GranularityPolicy:
             raise ValueError(f"threshold must be >= 0 (parameters per layer), got {self.threshold}")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise ValueError(f"memory_budget_bytes must be > 0, got {self.memory_budget_bytes}")
+        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+            raise TypeError(f"cost_model must be a CostModel or None, got {self.cost_model!r}")
         if self.threshold is not None and self.memory_budget_bytes is not None:
             raise ValueError(
                 "give GranularityPolicy either threshold or memory_budget_bytes, not both "
@@ -75,7 +81,7 @@ def granularity_units(
         info = infos[module]
         return (
             module not in descend
-            and not is_container(module)
+            and can_be_unit(module)
             and (info.granularity <= threshold or is_indivisible(module))
         )
 
@@ -94,21 +100,74 @@ def granularity_units(
         return []
     for child in root.children():
         visit(child)
-    return _drop_units_splitting_shared_params(root, units)
+    return units
 
 
-def _drop_units_splitting_shared_params(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
-    """A parameter used by two units cannot be sharded by either (tied embeddings)."""
-    owners: dict[torch.nn.Parameter, set[nn.Module]] = {}
+def group_tied_units(root: nn.Module, units: list[nn.Module]) -> list[tuple[nn.Module, ...]]:
+    """Units as groups: modules sharing a parameter (tied embeddings) become one group.
+
+    A parameter used by two units cannot be sharded by either, so their modules are
+    sharded together, ``fully_shard([a, b])``. A module outside every unit that shares
+    a parameter with a unit joins that group when it holds no unit itself (a tied
+    output layer); where no group can hold every user (the root itself, or a unit
+    nested in another), the units concerned are dropped and the root keeps the
+    parameter, as before. Groups are listed at their first member, in pre-order.
+    """
+    order = {m: i for i, m in enumerate(root.modules())}
+    unit_set = set(units)
+    # A module reached by two paths (shared) may sit in two units: follow every path.
+    paths = list(root.named_modules(remove_duplicate=False))
+    by_name = dict(paths)
+    holders: dict[nn.Module, set[nn.Module | None]] = {}  # deepest unit on each path
+    contains_unit: set[nn.Module] = set()
+    for name, module in paths:
+        parts = name.split(".") if name else []
+        chain = [by_name[".".join(parts[:i])] for i in range(len(parts) + 1)]
+        deepest = None
+        for i, ancestor in enumerate(chain):
+            if ancestor in unit_set:
+                deepest = ancestor
+                if i:
+                    contains_unit.update(chain[:i])
+        holders.setdefault(module, set()).add(deepest)
+    owners: dict[nn.Parameter, list[nn.Module]] = {}
     for module in root.modules():
         for param in module.parameters(recurse=False):
-            owners.setdefault(param, set()).add(module)
-    kept = []
-    for unit in units:
-        subtree = set(unit.modules())
-        if all(owners[p] <= subtree for p in unit.parameters()):
-            kept.append(unit)
-    return kept
+            owners.setdefault(param, []).append(module)
+    parent = {u: u for u in units}
+
+    def find(u: nn.Module) -> nn.Module:
+        while parent[u] is not u:
+            u = parent[u]
+        return u
+
+    dropped: set[nn.Module] = set()
+    for users in owners.values():
+        groups = set().union(*(holders[m] for m in users))
+        if len(groups) == 1:
+            continue
+        units_hit = groups - {None}
+        joiners = [m for m in users if None in holders[m]]
+        blocked = any(
+            m is root or m in contains_unit or holders[m] != {None} for m in joiners
+        ) or any(a is not b and a in set(b.modules()) for a in units_hit for b in units_hit)
+        if blocked:
+            dropped |= units_hit
+            continue
+        for m in joiners:
+            parent[m] = m
+        first, *rest = [find(u) for u in [*units_hit, *joiners]]
+        for other in rest:
+            parent[find(other)] = first
+    members: dict[nn.Module, list[nn.Module]] = {}
+    for module in parent:
+        members.setdefault(find(module), []).append(module)
+    out = []
+    for group in members.values():
+        if any(m in dropped or find(m) in dropped for m in group):
+            continue
+        out.append(tuple(sorted(group, key=order.__getitem__)))
+    return sorted(out, key=lambda g: order[g[0]])
 
 
 def _is_fsdp1_function_policy(policy: Callable) -> bool:

@@ -16,6 +16,14 @@ import torch
 from torch import nn
 
 CONTAINER_TYPES: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+# Parameter holders with no forward: FSDP2 gathers a unit in its forward pre-hook, so
+# such a module as a unit would never be gathered; its parameters belong to its parent.
+NO_FORWARD_TYPES: tuple[type[nn.Module], ...] = (
+    nn.ModuleList,
+    nn.ModuleDict,
+    nn.ParameterList,
+    nn.ParameterDict,
+)
 # Modules whose forward reads a child's weight directly, so the child can never be a
 # unit of its own (FSDP1 keeps the same set in size_based_auto_wrap_policy).
 FORCE_LEAF_TYPES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
@@ -41,6 +49,11 @@ def is_container(module: nn.Module) -> bool:
     # Exact types: a subclass of Sequential with its own forward is still a container
     # in DeepSpeed's sense (it only chains children), so isinstance is right here.
     return isinstance(module, CONTAINER_TYPES)
+
+
+def can_be_unit(module: nn.Module) -> bool:
+    """Not a container and has a forward of its own (FSDP2 hooks forward)."""
+    return not is_container(module) and not isinstance(module, NO_FORWARD_TYPES)
 
 
 def has_expert_child(module: nn.Module) -> bool:
@@ -103,10 +116,15 @@ def _is_router(module: nn.Module, num_experts: int) -> bool:
 
 
 def is_indivisible(module: nn.Module) -> bool:
-    """Never split: no parameterised child, a force-leaf type, or an MoE block."""
+    """Never split: no child that could be a unit and holds parameters (a
+    ``ParameterList`` child cannot), a force-leaf type, or an MoE block."""
     if isinstance(module, FORCE_LEAF_TYPES):
         return True
-    if not any(True for child in module.children() for _ in child.parameters()):
+    if not any(
+        can_be_unit(child) or is_container(child)
+        for child in module.children()
+        if any(True for _ in child.parameters())
+    ):
         return True
     return has_expert_child(module)
 
