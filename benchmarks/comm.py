@@ -321,24 +321,29 @@ def plot_fidelity(by_deliver: dict, path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 ranks, short runs, 1 seed (< 5 min)")
-    p.add_argument("--steps", type=int, default=None, help="training runs (300; 60 --quick)")
-    p.add_argument("--fidelity-steps", type=int, default=None, help="(200; 60 with --quick)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (3; 1 with --quick)")
+    p.add_argument("--quick", action="store_true", help="short runs, 1 seed, no sweep (< 5 min)")
+    p.add_argument("--steps", type=int, default=None, help="training runs (200; 20 --quick)")
+    p.add_argument("--fidelity-steps", type=int, default=None, help="(200; 30 with --quick)")
+    p.add_argument("--seeds", type=int, default=None, help="regime seeds 0..N-1 (3; 1 --quick)")
+    p.add_argument(
+        "--codec-seeds", type=int, default=1, help="seeds of the group-128 training runs (1)"
+    )
     p.add_argument("--sweep-groups", default=None, help="comma-separated (128,1024,4096)")
-    p.add_argument("--sweep-worlds", default=None, help="comma-separated (2,4)")
-    p.add_argument("--sweep-steps", type=int, default=None, help="(100)")
+    p.add_argument("--sweep-worlds", default="2,4", help="comma-separated (2,4)")
+    p.add_argument("--sweep-steps", type=int, default=50, help="(50)")
     p.add_argument("--regime-group", type=int, default=4096, help="group_size of the regime")
-    p.add_argument("--plot-dir", default=None, help="write comm_fidelity.png etc. here")
+    p.add_argument(
+        "--plot-dir", default=None, help="write comm_fidelity.png, comm_regime_loss.png here"
+    )
     a = p.parse_args(argv)
-    steps = a.steps or (60 if a.quick else 300)
-    fid_steps = a.fidelity_steps or (60 if a.quick else 200)
+    steps = a.steps or (20 if a.quick else 200)
+    fid_steps = a.fidelity_steps or (30 if a.quick else 200)
     seeds = list(range(a.seeds or (1 if a.quick else 3)))
+    codec_seeds = seeds[: max(1, a.codec_seeds)]
     sweep_groups = [
         int(g) for g in (a.sweep_groups or ("" if a.quick else "128,1024,4096")).split(",") if g
     ]
-    sweep_worlds = [int(w) for w in (a.sweep_worlds or "2,4").split(",")]
-    sweep_steps = a.sweep_steps or 100
+    sweep_worlds = [int(w) for w in a.sweep_worlds.split(",")]
     base = TrainConfig(steps=steps, verbose=False, log_every=10**9, out="unused", val_batches=32)
     t_start = time.perf_counter()
 
@@ -352,25 +357,25 @@ def main(argv: list[str] | None = None) -> dict:
     sweep = []
     for world in sweep_worlds if sweep_groups else []:
         for group in sweep_groups:
-            out = fidelity(world, replace(base, steps=sweep_steps), group, deliver="exact")
-            sweep.append({"world_size": world, "group_size": group, **out["summary"]})
+            out = fidelity(world, replace(base, steps=a.sweep_steps), group, deliver="exact")
+            row = {"world_size": world, "group_size": group}
+            for method, metrics in out["summary"].items():
+                row.update({f"{method}_{k}": round(v, 5) for k, v in metrics.items()})
+            sweep.append(row)
 
-    # 3. training loss: the default codec and the regime's, against one fp32 baseline per seed
+    # 3. training loss in the regime, then the default codec, against one fp32 run per seed
+    q4_r, loco_r = f"q4_g{a.regime_group}", f"loco_g{a.regime_group}"
     regime = codecs(a.regime_group)
-    configs = {
-        "default": None,
-        **codecs(),
-        f"q4_g{a.regime_group}": regime["q4"],
-        f"loco_g{a.regime_group}": regime["loco"],
-    }
-    runs = run(2, base, seeds, configs)
+    runs = run(2, base, seeds, {"default": None, q4_r: regime["q4"], loco_r: regime["loco"]})
+    runs.update(run(2, base, codec_seeds, codecs()))
+    at_128 = {m: runs[m][: len(codec_seeds)] for m in MODES}
     result = {
         "bench": "comm",
         "machine": MACHINE,
         "steps": steps,
         "seeds": len(seeds),
         "world_size": 2,
-        **summarize({m: runs[m] for m in MODES}),
+        **summarize(at_128),
         "fidelity_steps": fid_steps,
         "running_sum_rel_err_q4": round(head["q4"][key], 5),
         "running_sum_rel_err_loco": round(head["loco"][key], 5),
@@ -380,17 +385,12 @@ def main(argv: list[str] | None = None) -> dict:
             m: {k: round(v, 5) for k, v in by_deliver[other]["summary"][m].items()}
             for m, other in (("q4", "loco"), ("loco", "q4"))
         },
-        "sweep": [
-            {k: round(v, 5) if isinstance(v, float) else v for k, v in s.items()} for s in sweep
-        ],
+        "sweep": sweep,
         "degradation_regime": regime_summary(
             runs,
-            f"q4_g{a.regime_group}",
-            f"loco_g{a.regime_group}",
+            q4_r,
+            loco_r,
             {"group_size": a.regime_group, "world_size": 2, "steps": steps, "lr": base.lr},
-        ),
-        "default_codec_gaps": regime_summary(
-            runs, "q4", "loco", {"group_size": 128, "world_size": 2, "steps": steps}
         ),
         "wall_s": round(time.perf_counter() - t_start),
     }
@@ -403,13 +403,10 @@ def main(argv: list[str] | None = None) -> dict:
         )
         plot_losses(
             {
-                "group 128": {m: runs[m] for m in MODES},
-                f"group {a.regime_group}": {
-                    m: runs[m]
-                    for m in ("default", *(f"{c}_g{a.regime_group}" for c in ("q4", "loco")))
-                },
+                f"group {a.regime_group}": {m: runs[m] for m in ("default", q4_r, loco_r)},
+                "group 128": at_128,
             },
-            out_dir / "comm_loss.png",
+            out_dir / "comm_regime_loss.png",
         )
     print(json.dumps(result), flush=True)
     return result
