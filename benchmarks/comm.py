@@ -250,6 +250,9 @@ def regime_summary(runs: dict, q4: str, loco: str, config: dict) -> dict:
     """The regime's gaps to fp32, mean and standard error over seeds, and the verdict."""
     q4_gap, q4_se = mean_and_stderr(_gaps(runs, q4))
     loco_gap, loco_se = mean_and_stderr(_gaps(runs, loco))
+    diff, diff_se = mean_and_stderr(
+        [a - b for a, b in zip(_gaps(runs, loco), _gaps(runs, q4), strict=True)]
+    )
     return {
         "config": config,
         "seeds": len(runs[q4]),
@@ -257,6 +260,9 @@ def regime_summary(runs: dict, q4: str, loco: str, config: dict) -> dict:
         "q4_gap_se": round(q4_se, 5),
         "loco_gap": round(loco_gap, 5),
         "loco_gap_se": round(loco_se, 5),
+        # paired LoCo - q4 difference (same seed and batches), relative to fp32
+        "loco_minus_q4": round(diff, 5),
+        "loco_minus_q4_se": round(diff_se, 5),
         "q4_gap_per_seed": [round(g, 5) for g in _gaps(runs, q4)],
         "loco_gap_per_seed": [round(g, 5) for g in _gaps(runs, loco)],
         # q4 degrades beyond its standard error, and LoCo keeps at most half of that gap

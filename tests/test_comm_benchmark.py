@@ -129,6 +129,8 @@ def test_mean_and_stderr_and_regime_verdict():
     assert clear["q4_gap"] == pytest.approx(0.06)
     assert clear["q4_gap_se"] == pytest.approx(0.01 / math.sqrt(3), rel=1e-3)
     assert clear["q4_degrades"] and clear["loco_gap_at_most_half_of_q4"]
+    assert clear["loco_minus_q4"] == pytest.approx(-0.055)
+    assert clear["loco_minus_q4_se"] == pytest.approx(0.005, rel=1e-3)
     # a tie within the noise is reported as one
     tie = regime_summary(runs([0.05, -0.04, 0.01], [0.0, 0.02, -0.01]), "q4", "loco", {})
     assert not tie["q4_degrades"] and not tie["loco_gap_at_most_half_of_q4"]
