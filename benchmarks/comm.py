@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -246,6 +247,11 @@ def summarize(runs: dict) -> dict:
     }
 
 
+def _finite_or_none(x: float) -> float | None:
+    """JSON has no NaN: a standard error of one seed is reported as null."""
+    return None if math.isnan(x) else round(x, 5)
+
+
 def regime_summary(runs: dict, q4: str, loco: str, config: dict) -> dict:
     """The regime's gaps to fp32, mean and standard error over seeds, and the verdict."""
     q4_gap, q4_se = mean_and_stderr(_gaps(runs, q4))
@@ -257,12 +263,12 @@ def regime_summary(runs: dict, q4: str, loco: str, config: dict) -> dict:
         "config": config,
         "seeds": len(runs[q4]),
         "q4_gap": round(q4_gap, 5),
-        "q4_gap_se": round(q4_se, 5),
+        "q4_gap_se": _finite_or_none(q4_se),
         "loco_gap": round(loco_gap, 5),
-        "loco_gap_se": round(loco_se, 5),
+        "loco_gap_se": _finite_or_none(loco_se),
         # paired LoCo - q4 difference (same seed and batches), relative to fp32
         "loco_minus_q4": round(diff, 5),
-        "loco_minus_q4_se": round(diff_se, 5),
+        "loco_minus_q4_se": _finite_or_none(diff_se),
         "q4_gap_per_seed": [round(g, 5) for g in _gaps(runs, q4)],
         "loco_gap_per_seed": [round(g, 5) for g in _gaps(runs, loco)],
         # q4 degrades beyond its standard error, and LoCo keeps at most half of that gap
