@@ -1,21 +1,30 @@
-"""Benchmark: fp32 vs 4-bit vs 4-bit LoCo gradient reduce-scatter on the example LM.
+"""Benchmark: fp32 vs 4-bit (q4) vs 4-bit LoCo gradient reduce-scatter on the example LM.
 
-    python benchmarks/comm.py --quick                 # 2 ranks, 1 seed, 120 steps: < 5 min
-    python benchmarks/comm.py                         # 2 ranks, seeds 0-2, 300 steps
-    python benchmarks/comm.py --worlds 4 --seeds 1    # 4 ranks
+    python benchmarks/comm.py --quick                 # 2 ranks, short runs: < 5 min
+    python benchmarks/comm.py --plot-dir docs         # the full run behind docs/comm.md
 
-For each seed, every mode trains the example model from that seed on the same batches.
-One run's validation loss moves by a few percent with the trajectory alone (the seed-to-seed
-spread of the fp32 baseline is larger than the gaps measured), so the gaps are averaged over
-seeds. Wire bytes are measured: each rank wraps ``all_to_all_single`` and the stock
-reduce-scatter and counts the bytes of the tensors handed to them that are bound for another
-rank. The last line printed is one JSON object.
+Three measurements, each on the example model (examples/train.py, CPython stdlib bytes):
+
+1. **Gradient fidelity** (the primary, low-noise one). Every FSDP unit reduces each step's
+   gradient three ways on the same input: exact fp32, q4 and LoCo (``comm_fidelity.py``).
+   Training follows one method's output (the trajectory of q4, or of LoCo); we report the
+   relative error and cosine of each step's gradient to the exact mean, and of the running
+   sums over 50 and over all steps, which is what the optimizer integrates.
+2. **A sweep** of the same over group sizes and world sizes, on the fp32 trajectory.
+3. **Training loss**: every mode trains from the same seed on the same batches, at the
+   default codec and in the degradation regime (a large ``group_size``); gaps to the fp32
+   run of the same seed are averaged over seeds (mean and standard error). Wire bytes are
+   measured: each rank wraps ``all_to_all_single`` and the stock reduce-scatter and counts
+   the bytes of the tensors handed to them that are bound for another rank.
+
+The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -26,12 +35,30 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
+import examples.train as train_module  # noqa: E402
+from benchmarks.comm_fidelity import (  # noqa: E402
+    FidelityTracker,
+    ShadowReduceScatter,
+    installed_reduce_scatter,
+    mean_and_stderr,
+)
 from examples.train import TrainConfig, train  # noqa: E402
+from fsdp_ext import LoCoConfig, register_comm_hook  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
 MODES = ("default", "q4", "loco")
 TAIL = 20  # the train loss reported is the mean of the last TAIL steps
+MACHINE = "2-core CPU shared with other jobs, gloo"
+
+
+def codecs(group_size: int = 128) -> dict[str, LoCoConfig]:
+    """The two compressed modes at one group size: plain 4-bit (qgZ) and 4-bit LoCo."""
+    return {
+        "q4": LoCoConfig(group_size=group_size, error_feedback=False),
+        "loco": LoCoConfig(group_size=group_size),
+    }
 
 
 class WireCounter:
@@ -72,7 +99,18 @@ class WireCounter:
         return counted
 
 
-def _run_mode(cfg: TrainConfig) -> dict:
+def _attach(config: LoCoConfig | None):
+    """``examples.train.attach_comm`` for an explicit codec (the example knows only group 128)."""
+
+    def attach(model, _cfg):
+        return None if config is None else register_comm_hook(model, config)
+
+    return attach
+
+
+def _run_mode(cfg: TrainConfig, config: LoCoConfig | None = None) -> dict:
+    """One rank of one training run with ``config`` on every unit (None: stock fp32)."""
+    train_module.attach_comm = _attach(config)
     with WireCounter() as wire:
         summary = train(cfg)
     return {
@@ -84,17 +122,27 @@ def _run_mode(cfg: TrainConfig) -> dict:
     }
 
 
-def run(world: int, base: TrainConfig, seeds: list[int]) -> dict:
-    """Train ``base`` once per mode and seed on ``world`` ranks: {mode: [result per seed]}."""
-    runs = {mode: [] for mode in MODES}
-    for seed, mode in ((seed, mode) for seed in seeds for mode in MODES):
+def run(
+    world: int,
+    base: TrainConfig,
+    seeds: list[int],
+    configs: dict[str, LoCoConfig | None] | None = None,
+) -> dict:
+    """Train ``base`` once per mode and seed on ``world`` ranks: {mode: [result per seed]}.
+
+    ``configs`` maps mode names to codecs (None: the stock fp32 reduce-scatter); by default
+    the example's three modes at group size 128.
+    """
+    configs = configs if configs is not None else {"default": None, **codecs()}
+    runs = {mode: [] for mode in configs}
+    for seed, mode in ((seed, mode) for seed in seeds for mode in configs):
         t0 = time.perf_counter()
-        cfg = replace(base, comm=mode, seed=seed)
-        result = run_distributed(_run_mode, world, cfg, timeout=1800)[0]
+        cfg = replace(base, comm="default", seed=seed)
+        result = run_distributed(_run_mode, world, cfg, configs[mode], timeout=3600)[0]
         result["wall_s"] = time.perf_counter() - t0
         runs[mode].append(result)
         print(
-            f"world {world} seed {seed} {mode:8s} val {result['val_loss']:.4f} "
+            f"world {world} seed {seed} {mode:10s} val {result['val_loss']:.4f} "
             f"train(last {TAIL}) {statistics.mean(result['losses'][-TAIL:]):.4f} "
             f"wire {result['wire_bytes_per_step'] / 1e6:.3f} MB/step "
             f"step {result['step_ms']:.0f} ms  ({result['wall_s']:.0f} s)",
@@ -103,15 +151,75 @@ def run(world: int, base: TrainConfig, seeds: list[int]) -> dict:
     return runs
 
 
+def _fidelity_rank(
+    cfg: TrainConfig, configs: dict[str, LoCoConfig], deliver: str, window: int
+) -> dict:
+    """One rank of a training run whose units reduce every gradient exactly and with each
+    codec of ``configs``; FSDP receives the ``deliver`` one."""
+    tracker = FidelityTracker(tuple(configs), cfg.steps, window)
+
+    def attach(model, _cfg):
+        units = [
+            (fqn, m)
+            for fqn, m in model.named_modules()
+            if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_groups
+        ]
+        comms = {}
+        for name, config in configs.items():  # each registration replaces the previous one
+            register_comm_hook(model, config)
+            comms[name] = {fqn: installed_reduce_scatter(m) for fqn, m in units}
+        for fqn, m in units:
+            shadow = {name: comms[name][fqn] for name in configs}
+            m.set_custom_reduce_scatter(ShadowReduceScatter(shadow, deliver, tracker, fqn))
+        return None
+
+    train_module.attach_comm = attach
+    summary = train(cfg)
+    tracker.all_reduce()
+    return {
+        "deliver": deliver,
+        "val_loss": summary["val_loss"],
+        "losses": summary["losses"],
+        "summary": {m: tracker.summary(m) for m in configs},
+        "curves": {
+            m: {kind: tracker.curves(m, kind) for kind in ("step", "cumulative", "window")}
+            for m in configs
+        },
+    }
+
+
+def fidelity(
+    world: int, base: TrainConfig, group_size: int, deliver: str, window: int = 50
+) -> dict:
+    """Gradient fidelity of q4 and LoCo on the trajectory of ``deliver``."""
+    t0 = time.perf_counter()
+    out = run_distributed(
+        _fidelity_rank, world, base, codecs(group_size), deliver, window, timeout=3600
+    )[0]
+    out["wall_s"] = time.perf_counter() - t0
+    s = out["summary"]
+    print(
+        f"fidelity world {world} group {group_size} on the {deliver} trajectory: "
+        + "  ".join(
+            f"{m} step err {s[m]['step_rel_err']:.3f} cos {s[m]['step_cosine']:.4f} "
+            f"sum{base.steps} err {s[m][f'running_sum_{base.steps}_rel_err']:.4f}"
+            for m in s
+        )
+        + f"  ({out['wall_s']:.0f} s)",
+        flush=True,
+    )
+    return out
+
+
 def _mean(results: list[dict], key) -> float:
     return statistics.mean(key(r) for r in results)
 
 
-def _gaps(runs: dict, mode: str) -> list[float]:
+def _gaps(runs: dict, mode: str, baseline: str = "default") -> list[float]:
     """Relative validation-loss gap of ``mode`` to the fp32 run of the same seed."""
     return [
         (r["val_loss"] - b["val_loss"]) / b["val_loss"]
-        for r, b in zip(runs[mode], runs["default"], strict=True)
+        for r, b in zip(runs[mode], runs[baseline], strict=True)
     ]
 
 
@@ -139,7 +247,38 @@ def summarize(runs: dict) -> dict:
     }
 
 
-def plot(runs_by_world: dict, path: Path) -> None:
+def _finite_or_none(x: float) -> float | None:
+    """JSON has no NaN: a standard error of one seed is reported as null."""
+    return None if math.isnan(x) else round(x, 5)
+
+
+def regime_summary(runs: dict, q4: str, loco: str, config: dict) -> dict:
+    """The regime's gaps to fp32, mean and standard error over seeds, and the verdict."""
+    q4_gap, q4_se = mean_and_stderr(_gaps(runs, q4))
+    loco_gap, loco_se = mean_and_stderr(_gaps(runs, loco))
+    diff, diff_se = mean_and_stderr(
+        [a - b for a, b in zip(_gaps(runs, loco), _gaps(runs, q4), strict=True)]
+    )
+    return {
+        "config": config,
+        "seeds": len(runs[q4]),
+        "q4_gap": round(q4_gap, 5),
+        "q4_gap_se": _finite_or_none(q4_se),
+        "loco_gap": round(loco_gap, 5),
+        "loco_gap_se": _finite_or_none(loco_se),
+        # paired LoCo - q4 difference (same seed and batches), relative to fp32
+        "loco_minus_q4": round(diff, 5),
+        "loco_minus_q4_se": _finite_or_none(diff_se),
+        "q4_gap_per_seed": [round(g, 5) for g in _gaps(runs, q4)],
+        "loco_gap_per_seed": [round(g, 5) for g in _gaps(runs, loco)],
+        # q4 degrades beyond its standard error, and LoCo keeps at most half of that gap
+        # even when both are pushed by their standard errors the unfavourable way
+        "q4_degrades": q4_gap > 2 * q4_se,
+        "loco_gap_at_most_half_of_q4": loco_gap + loco_se <= 0.5 * (q4_gap - q4_se),
+    }
+
+
+def plot_losses(runs_by_world: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,15 +286,15 @@ def plot(runs_by_world: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(runs_by_world), figsize=(6 * len(runs_by_world), 3.8))
     axes = [axes] if len(runs_by_world) == 1 else list(axes)
-    for ax, (world, runs) in zip(axes, runs_by_world.items(), strict=True):
-        for mode, style in zip(MODES, ("-", "--", ":"), strict=True):
+    for ax, (title, runs) in zip(axes, runs_by_world.items(), strict=True):
+        for mode, style in zip(runs, ("-", "--", ":", "-.", (0, (1, 3))), strict=False):
             per_step = list(zip(*(r["losses"] for r in runs[mode]), strict=True))
             losses = [statistics.mean(step) for step in per_step]
             smooth = [statistics.mean(losses[max(0, i - 9) : i + 1]) for i in range(len(losses))]
             label = f"{mode} (val {_mean(runs[mode], lambda r: r['val_loss']):.3f})"
-            ax.plot(range(1, len(losses) + 1), smooth, style, label=label)
-        seeds = len(runs["default"])
-        ax.set_title(f"{world} ranks: train loss, mean of {seeds} seed(s), 10-step mean")
+            ax.plot(range(1, len(losses) + 1), smooth, linestyle=style, label=label)
+        seeds = len(next(iter(runs.values())))
+        ax.set_title(f"{title}: train loss, mean of {seeds} seed(s), 10-step mean")
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats/byte)")
         ax.legend()
@@ -164,26 +303,123 @@ def plot(runs_by_world: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_fidelity(by_deliver: dict, path: Path, title: str) -> None:
+    """Per-step and running-sum error vs step: q4 on its trajectory, LoCo on its own."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    panels = (
+        ("step", "error of each step's gradient"),
+        ("window", "error of the running sum (50-step windows)"),
+        ("cumulative", "error of the running sum since step 1"),
+    )
+    for ax, (kind, name) in zip(axes, panels, strict=True):
+        for method, style in (("q4", "-"), ("loco", "-")):
+            rel = by_deliver[method]["curves"][method][kind]["rel_err"]
+            ax.plot(range(1, len(rel) + 1), rel, style, label=f"{method} (its own trajectory)")
+        ax.set_yscale("log")
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.set_ylabel("|delivered - exact| / |exact|")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 ranks, fewer steps (< 5 min)")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--worlds", default=None, help="comma-separated rank counts")
-    p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (3; 1 with --quick)")
-    p.add_argument("--plot", default=None, help="write the loss curves here (PNG)")
+    p.add_argument("--quick", action="store_true", help="short runs, 1 seed, no sweep (< 5 min)")
+    p.add_argument("--steps", type=int, default=None, help="training runs (200; 20 --quick)")
+    p.add_argument("--fidelity-steps", type=int, default=None, help="(200; 30 with --quick)")
+    p.add_argument("--seeds", type=int, default=None, help="regime seeds 0..N-1 (3; 1 --quick)")
+    p.add_argument(
+        "--codec-seeds", type=int, default=1, help="seeds of the group-128 training runs (1)"
+    )
+    p.add_argument("--sweep-groups", default=None, help="comma-separated (128,1024,4096)")
+    p.add_argument("--sweep-worlds", default="2,4", help="comma-separated (2,4)")
+    p.add_argument("--sweep-steps", type=int, default=50, help="(50)")
+    p.add_argument("--regime-group", type=int, default=4096, help="group_size of the regime")
+    p.add_argument(
+        "--plot-dir", default=None, help="write comm_fidelity.png, comm_regime_loss.png here"
+    )
     a = p.parse_args(argv)
-    steps = a.steps or (120 if a.quick else 300)
-    worlds = [int(w) for w in (a.worlds or "2").split(",")]
+    steps = a.steps or (20 if a.quick else 200)
+    fid_steps = a.fidelity_steps or (30 if a.quick else 200)
     seeds = list(range(a.seeds or (1 if a.quick else 3)))
-    base = TrainConfig(steps=steps, verbose=False, log_every=10**9, out="unused")
-    runs_by_world = {world: run(world, base, seeds) for world in worlds}
-    if a.plot:
-        plot(runs_by_world, Path(a.plot))
-    result = {"bench": "comm", "steps": steps, "seeds": len(seeds), "machine": "2-core CPU, gloo"}
-    first = summarize(runs_by_world[worlds[0]])
-    result.update(world_size=worlds[0], **first)
-    for world in worlds[1:]:
-        result[f"world_{world}"] = summarize(runs_by_world[world])
+    codec_seeds = seeds[: max(1, a.codec_seeds)]
+    sweep_groups = [
+        int(g) for g in (a.sweep_groups or ("" if a.quick else "128,1024,4096")).split(",") if g
+    ]
+    sweep_worlds = [int(w) for w in a.sweep_worlds.split(",")]
+    base = TrainConfig(steps=steps, verbose=False, log_every=10**9, out="unused", val_batches=32)
+    t_start = time.perf_counter()
+
+    # 1. fidelity: group 128 on 2 ranks, on the trajectory of q4 and of LoCo
+    fid_base = replace(base, steps=fid_steps)
+    by_deliver = {m: fidelity(2, fid_base, 128, deliver=m) for m in ("q4", "loco")}
+    head = {m: by_deliver[m]["summary"][m] for m in ("q4", "loco")}
+    key = f"running_sum_{fid_steps}_rel_err"
+
+    # 2. sweep on the fp32 trajectory: both codecs on the very same gradients
+    sweep = []
+    for world in sweep_worlds if sweep_groups else []:
+        for group in sweep_groups:
+            out = fidelity(world, replace(base, steps=a.sweep_steps), group, deliver="exact")
+            row = {"world_size": world, "group_size": group}
+            for method, metrics in out["summary"].items():
+                row.update({f"{method}_{k}": round(v, 5) for k, v in metrics.items()})
+            sweep.append(row)
+
+    # 3. training loss in the regime, then the default codec, against one fp32 run per seed
+    q4_r, loco_r = f"q4_g{a.regime_group}", f"loco_g{a.regime_group}"
+    regime = codecs(a.regime_group)
+    runs = run(2, base, seeds, {"default": None, q4_r: regime["q4"], loco_r: regime["loco"]})
+    runs.update(run(2, base, codec_seeds, codecs()))
+    at_128 = {m: runs[m][: len(codec_seeds)] for m in MODES}
+    result = {
+        "bench": "comm",
+        "machine": MACHINE,
+        "steps": steps,
+        "seeds": len(seeds),
+        "world_size": 2,
+        **summarize(at_128),
+        "fidelity_steps": fid_steps,
+        "running_sum_rel_err_q4": round(head["q4"][key], 5),
+        "running_sum_rel_err_loco": round(head["loco"][key], 5),
+        "running_sum_ratio_loco_vs_q4": round(head["loco"][key] / head["q4"][key], 4),
+        "fidelity": {m: {k: round(v, 5) for k, v in head[m].items()} for m in head},
+        "fidelity_shadow": {  # each codec measured on the other's trajectory
+            m: {k: round(v, 5) for k, v in by_deliver[other]["summary"][m].items()}
+            for m, other in (("q4", "loco"), ("loco", "q4"))
+        },
+        "sweep": sweep,
+        "degradation_regime": regime_summary(
+            runs,
+            q4_r,
+            loco_r,
+            {"group_size": a.regime_group, "world_size": 2, "steps": steps, "lr": base.lr},
+        ),
+        "wall_s": round(time.perf_counter() - t_start),
+    }
+    if a.plot_dir:
+        out_dir = Path(a.plot_dir)
+        plot_fidelity(
+            by_deliver,
+            out_dir / "comm_fidelity.png",
+            f"group 128, 2 ranks, {fid_steps} steps of the example model",
+        )
+        plot_losses(
+            {
+                f"group {a.regime_group}": {m: runs[m] for m in ("default", q4_r, loco_r)},
+                "group 128": at_128,
+            },
+            out_dir / "comm_regime_loss.png",
+        )
     print(json.dumps(result), flush=True)
     return result
 

@@ -1,8 +1,14 @@
-"""Smoke test of benchmarks/comm.py: a tiny model, two steps per mode, real ranks."""
+"""benchmarks/comm.py: a smoke run on real ranks, and the metrics checked by hand."""
 
+import math
 from dataclasses import replace
 
-from benchmarks.comm import MODES, run, summarize
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.comm import MODES, fidelity, regime_summary, run, summarize
+from benchmarks.comm_fidelity import FidelityTracker, mean_and_stderr
 from examples.model import ModelConfig
 from examples.train import TrainConfig
 
@@ -18,7 +24,7 @@ TINY = TrainConfig(
 )
 
 
-def test_benchmark_measures_every_mode():
+def test_benchmark_measures_every_mode_and_fidelity():
     runs = run(2, replace(TINY), seeds=[0])
     summary = summarize(runs)
     assert set(summary["runs"]) == set(MODES)
@@ -29,3 +35,102 @@ def test_benchmark_measures_every_mode():
     assert runs["loco"][0]["comm_stats"]["bytes_sent"] == wire["loco"] * TINY.steps
     assert runs["default"][0]["comm_stats"] is None
     assert 0 < summary["bytes_ratio_loco_vs_fp32"] < 0.3
+
+    # On the exact trajectory the shadow comm hands FSDP what the stock reduce-scatter does.
+    out = fidelity(2, replace(TINY, steps=3), 128, deliver="exact", window=2)
+    assert out["losses"][:2] == runs["default"][0]["losses"]
+    for method in ("q4", "loco"):
+        s = out["summary"][method]
+        # 4-bit absmax loses a few percent of each step's gradient, never all of it
+        assert 0.005 < s["step_rel_err"] < 0.5
+        assert 0.9 < s["step_cosine"] < 1
+        assert 0 < s["running_sum_3_rel_err"] < 0.5
+    # step 1: LoCo's error buffer starts at zero, so it sends exactly what q4 sends
+    first = {m: out["curves"][m]["step"]["rel_err"][0] for m in ("q4", "loco")}
+    assert first["q4"] == first["loco"]
+
+
+def _hand_metrics(exact: np.ndarray, delivered: np.ndarray, window: int):
+    """exact, delivered: [steps, n] whole gradients. Independent numpy re-derivation."""
+
+    def rel(d, g):
+        return np.linalg.norm(d - g) / np.linalg.norm(g)
+
+    def cos(d, g):
+        return d @ g / (np.linalg.norm(d) * np.linalg.norm(g))
+
+    steps = len(exact)
+    ends = range(window - 1, steps, window)
+    windows = [
+        (exact[t + 1 - window : t + 1].sum(0), delivered[t + 1 - window : t + 1].sum(0))
+        for t in ends
+    ]
+    return {
+        "step_rel_err": np.mean([rel(d, g) for d, g in zip(delivered, exact, strict=True)]),
+        "step_cosine": np.mean([cos(d, g) for d, g in zip(delivered, exact, strict=True)]),
+        f"running_sum_{steps}_rel_err": rel(delivered.sum(0), exact.sum(0)),
+        f"running_sum_{steps}_cosine": cos(delivered.sum(0), exact.sum(0)),
+        f"running_sum_{window}_rel_err": np.mean([rel(d, g) for g, d in windows]),
+        f"running_sum_{window}_cosine": np.mean([cos(d, g) for g, d in windows]),
+        "cumulative": [rel(delivered[: t + 1].sum(0), exact[: t + 1].sum(0)) for t in range(steps)],
+    }
+
+
+def test_fidelity_tracker_matches_a_hand_computation():
+    """Two units of different sizes, six steps, windows of two: every metric by hand."""
+    steps, window, sizes = 6, 2, (5, 3)
+    gen = np.random.default_rng(0)
+    exact = gen.normal(size=(steps, sum(sizes))) + 0.5  # a shared drift, as in training
+    noisy = exact + 0.3 * gen.normal(size=exact.shape)
+    biased = exact * 0.9
+    tracker = FidelityTracker(("noisy", "biased"), steps, window)
+    for t in range(steps):
+        for unit, (lo, hi) in enumerate(((0, sizes[0]), (sizes[0], sum(sizes)))):
+            tracker.add(
+                unit,
+                torch.tensor(exact[t, lo:hi], dtype=torch.float32),
+                {
+                    "noisy": torch.tensor(noisy[t, lo:hi], dtype=torch.float32),
+                    "biased": torch.tensor(biased[t, lo:hi], dtype=torch.float32),
+                },
+            )
+    exact32 = exact.astype(np.float32).astype(np.float64)
+    for name, delivered in (("noisy", noisy), ("biased", biased)):
+        hand = _hand_metrics(exact32, delivered.astype(np.float32).astype(np.float64), window)
+        got = tracker.summary(name)
+        for key, value in got.items():
+            assert value == pytest.approx(hand[key], rel=1e-9), key
+        cumulative = tracker.curves(name, "cumulative")["rel_err"]
+        assert cumulative == pytest.approx(hand["cumulative"], rel=1e-9)
+    # a constant 10 % shrink is a 10 % error of every sum, and a cosine of exactly 1
+    assert tracker.summary("biased")["running_sum_6_rel_err"] == pytest.approx(0.1, rel=1e-6)
+    assert tracker.summary("biased")["running_sum_6_cosine"] == pytest.approx(1.0, abs=1e-12)
+    with pytest.raises(RuntimeError, match="more than steps"):
+        tracker.add(0, torch.zeros(5), {"noisy": torch.zeros(5), "biased": torch.zeros(5)})
+
+
+def test_mean_and_stderr_and_regime_verdict():
+    mean, se = mean_and_stderr([1.0, 2.0, 6.0])
+    assert mean == 3.0
+    assert se == pytest.approx(math.sqrt(((4 + 1 + 9) / 2) / 3))
+    assert math.isnan(mean_and_stderr([2.0])[1])
+    with pytest.raises(ValueError, match="values"):
+        mean_and_stderr([])
+
+    def runs(q4, loco):
+        base = [{"val_loss": 2.0}] * len(q4)
+        return {
+            "default": base,
+            "q4": [{"val_loss": 2.0 * (1 + g)} for g in q4],
+            "loco": [{"val_loss": 2.0 * (1 + g)} for g in loco],
+        }
+
+    clear = regime_summary(runs([0.05, 0.06, 0.07], [0.0, 0.01, 0.005]), "q4", "loco", {})
+    assert clear["q4_gap"] == pytest.approx(0.06)
+    assert clear["q4_gap_se"] == pytest.approx(0.01 / math.sqrt(3), rel=1e-3)
+    assert clear["q4_degrades"] and clear["loco_gap_at_most_half_of_q4"]
+    assert clear["loco_minus_q4"] == pytest.approx(-0.055)
+    assert clear["loco_minus_q4_se"] == pytest.approx(0.005, rel=1e-3)
+    # a tie within the noise is reported as one
+    tie = regime_summary(runs([0.05, -0.04, 0.01], [0.0, 0.02, -0.01]), "q4", "loco", {})
+    assert not tie["q4_degrades"] and not tie["loco_gap_at_most_half_of_q4"]
