@@ -31,8 +31,10 @@ def test_benchmark_measures_every_mode_and_fidelity():
     wire = {m: runs[m][0]["wire_bytes_per_step"] for m in MODES}
     assert all(w > 0 for w in wire.values())
     assert wire["q4"] == wire["loco"] < wire["default"] / 3
-    # the counted bytes agree with what LoCo itself recorded at its call site
-    assert runs["loco"][0]["comm_stats"]["bytes_sent"] == wire["loco"] * TINY.steps
+    # the counted bytes agree with what LoCo itself recorded at its call site, but for
+    # shard_moe_model's one-off divide-factor probe (a reduce-scatter of a few elements)
+    probe_bytes = wire["loco"] * TINY.steps - runs["loco"][0]["comm_stats"]["bytes_sent"]
+    assert 0 <= probe_bytes <= 64
     assert runs["default"][0]["comm_stats"] is None
     assert 0 < summary["bytes_ratio_loco_vs_fp32"] < 0.3
 
