@@ -104,3 +104,15 @@ def test_register_refuses_what_it_cannot_serve():
         assert "fully_shard" in errors["unsharded"]
         # the several-param-groups refusal ran wherever torch has per-parameter meshes
         assert bool(errors.get("groups")) == hasattr(common, "ShardPlacementResult")
+
+
+def test_a_group_size_the_cuda_kernels_cannot_run_is_refused_at_registration():
+    from fsdp_ext.comm.register import check_kernel_group_size
+
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(
+        ValueError, match=r"group_size in \(32, 64, 128, 256\); got group_size=1024"
+    ):
+        check_kernel_group_size(LoCoConfig(group_size=1024), cuda, "layers.0")
+    check_kernel_group_size(LoCoConfig(group_size=256), cuda, "layers.0")
+    check_kernel_group_size(LoCoConfig(group_size=1024), torch.device("cpu"), "layers.0")

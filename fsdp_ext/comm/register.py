@@ -21,6 +21,7 @@ from fsdp_ext.comm.unit import (
     param_group_of,
     reduce_dtype_of,
 )
+from triton_kernels.codec_common import TRITON_GROUP_SIZES
 
 try:  # the stock comm; ``remove()`` puts it back
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
@@ -200,6 +201,19 @@ def _fsdp_units(model: torch.nn.Module) -> list[tuple[str, FSDPModule, object]]:
     return [("+".join(names), module, group) for names, module, group in seen.values()]
 
 
+def check_kernel_group_size(config: LoCoConfig, device: torch.device, fqn: str) -> None:
+    """Refuse, at registration, a group size the Triton kernels on ``device`` cannot run.
+
+    The torch reference (CPU) takes any power of two; the CUDA kernels are tiled for a fixed
+    set, and finding that out in the middle of the first backward would be too late.
+    """
+    if device.type == "cuda" and config.group_size not in TRITON_GROUP_SIZES:
+        raise ValueError(
+            f"unit {fqn} reduces on {device}, where LoCo's Triton kernels take group_size in "
+            f"{TRITON_GROUP_SIZES}; got group_size={config.group_size}"
+        )
+
+
 def register_comm_hook(
     model: torch.nn.Module,
     config: LoCoConfig | None = None,
@@ -246,6 +260,7 @@ def register_comm_hook(
                 "torch.float32, torch.bfloat16 and torch.float16 (set MixedPrecisionPolicy."
                 "reduce_dtype)"
             )
+        check_kernel_group_size(config, group.device, fqn)
         shard_group = mesh_info.shard_process_group
         plans.append((fqn, module, group, shard_group))
     node_groups: dict[tuple[int, ...], NodeGroups] = {}
