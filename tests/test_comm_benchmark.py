@@ -1,5 +1,6 @@
 """benchmarks/comm.py: a smoke run on real ranks, and the metrics checked by hand."""
 
+import json
 import math
 from dataclasses import replace
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.comm import MODES, fidelity, regime_summary, run, summarize
+from benchmarks.comm import MODES, fidelity, main, regime_summary, run, summarize
 from benchmarks.comm_fidelity import FidelityTracker, mean_and_stderr
 from examples.model import ModelConfig
 from examples.train import TrainConfig
@@ -136,3 +137,12 @@ def test_mean_and_stderr_and_regime_verdict():
     # a tie within the noise is reported as one
     tie = regime_summary(runs([0.05, -0.04, 0.01], [0.0, 0.02, -0.01]), "q4", "loco", {})
     assert not tie["q4_degrades"] and not tie["loco_gap_at_most_half_of_q4"]
+
+
+@pytest.mark.slow  # three short training runs of the example model
+def test_regime_only_reports_the_low_lr_regime(capsys):
+    result = main(["--quick", "--regime-only", "--steps", "3"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    regime = result["degradation_regime"]
+    assert regime["config"] == {"group_size": 4096, "world_size": 2, "steps": 3, "lr": 3e-4}
+    assert regime["seeds"] == 1 and len(regime["q4_gap_per_seed"]) == 1
