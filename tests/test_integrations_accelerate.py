@@ -19,29 +19,16 @@ pytest.importorskip("accelerate")
 
 import fsdp_ext
 from tests.dist import run_distributed
+from tests.hf_models import tiny_qwen2_moe_config
 
 WORLD = 2
 STEPS = 10
 
 
 def _qwen2_moe():
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers import Qwen2MoeForCausalLM
 
-    config = Qwen2MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-    )
+    config = tiny_qwen2_moe_config()
     torch.manual_seed(0)
     return Qwen2MoeForCausalLM(config)
 

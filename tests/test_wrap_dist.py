@@ -20,6 +20,7 @@ from benchmarks.wrap_models import (
     RMSNorm,
 )
 from tests.dist import run_distributed
+from tests.hf_models import TINY_DECODER, tiny_qwen2_moe_config
 
 WORLD = 2
 
@@ -204,26 +205,10 @@ def test_idle_experts_train_without_hang_and_get_zero_grads():
 
 
 def _hf_models():
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeForCausalLM
 
-    common = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    qwen = Qwen2MoeConfig(
-        **common,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-    )
+    common = dict(TINY_DECODER, num_hidden_layers=2)
+    qwen = tiny_qwen2_moe_config()
     mixtral = MixtralConfig(
         **common, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2
     )

@@ -23,6 +23,7 @@ from benchmarks.wrap_models import DecoderLayer, FineMoE, FineMoEConfig
 from fsdp_ext.wrap.measure import UnshardedBytesTracker
 from fsdp_ext.wrap.peak import UnitSpan, estimate_peak
 from tests.dist import run_distributed
+from tests.hf_models import tiny_qwen2_moe_config
 
 WORLD = 2
 _CFG = FineMoEConfig(
@@ -192,23 +193,9 @@ def _check_ep(result_by_raf: dict) -> None:
 
 
 def _qwen_rank() -> dict:
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers import Qwen2MoeForCausalLM
 
-    config = Qwen2MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-    )
+    config = tiny_qwen2_moe_config(num_hidden_layers=4)
     mesh = init_device_mesh("cpu", (WORLD,))
     layer_bytes = sum(
         p.numel() * 4 for p in Qwen2MoeForCausalLM(config).model.layers[0].parameters()
