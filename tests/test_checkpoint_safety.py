@@ -291,3 +291,30 @@ def test_files_are_layer_runs_and_one_per_writer_thread(tmp_path):
     report = verify_checkpoint(threaded)
     assert report.ok and len(report.files) == 3
     assert torch.equal(load_ours(threaded)["layers.1.w"], state()["layers.1.w"])
+
+
+def test_every_file_is_fsynced_before_the_publish(tmp_path, monkeypatch):
+    """Durability: data files, .metadata, the manifest and the staging dir reach the disk
+    before the rename publishes them, and the parent dir after it (so the rename persists)."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rename(src, dst):
+        events.append(("rename", str(dst)))
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    path = save(tmp_path / "ckpt")
+    publish = events.index(("rename", str(path)))
+    synced = [Path(p).name for kind, p in events[:publish] if kind == "fsync"]
+    on_disk = {p.name for p in path.iterdir()}
+    data = {name for name in on_disk if name.endswith(".distcp")}
+    assert len(data) == 3 and on_disk == data | {".metadata", ".manifest.json"}
+    assert data | {".manifest.json.tmp", ".metadata.tmp"} <= set(synced)  # then renamed
+    assert any(name.startswith(".ckpt.partial-") for name in synced)  # the staging dir
+    assert ("fsync", str(tmp_path)) in events[publish:]

@@ -282,8 +282,15 @@ class SpreadFileSystemWriter(FileSystemWriter):
         for file_name, keys in assignment.files:
             path = os.path.join(assignment.staging, file_name)
             file_queue.put((path, file_name, [by_key[k] for k in keys]))
-        results = self._write_data(planner, file_queue).value()
+        # fsync once every file is written, not after each one (what the stock loop does), so
+        # the kernel flushes one file while the next is being written
+        sync, self.sync_files = self.sync_files, False
+        try:
+            results = self._write_data(planner, file_queue).value()
+        finally:
+            self.sync_files = sync
         for file_name, _keys in assignment.files:
+            _fsync_path(Path(assignment.staging) / file_name, sync)
             size, checksum = self.fs.records[os.path.join(assignment.staging, file_name)]
             record = FileRecord(
                 name=file_name,
@@ -351,7 +358,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         (staging / PLAN_NAME).unlink()
         for done in staging.glob(rank_done_name(0).replace("0", "*")):
             done.unlink()
-        _fsync_dir(staging, self.sync_files)
+        _fsync_path(staging, self.sync_files)
         _publish(staging, target, self.sync_files)
 
     def storage_meta(self) -> StorageMeta:
@@ -387,7 +394,8 @@ def _write_synced(path: Path, data: bytes, sync: bool) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_dir(path: Path, sync: bool) -> None:
+def _fsync_path(path: Path, sync: bool) -> None:
+    """fsync a file or a directory by path (a directory, so that renames in it persist)."""
     if not sync:
         return
     fd = os.open(path, os.O_RDONLY)
@@ -407,6 +415,6 @@ def _publish(staging: Path, target: Path, sync: bool) -> None:
         else:
             raise RuntimeError(f"{target} exists and is not a directory; not replacing it")
     os.rename(staging, target)
-    _fsync_dir(target.parent, sync)
+    _fsync_path(target.parent, sync)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
