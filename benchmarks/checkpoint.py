@@ -10,8 +10,19 @@ HSDP 2 x 2, FSDP-sharded), saved by
   ours_nocrc      the same without checksums (to measure what they cost)
 
 Per layout and variant: bytes per rank (max/mean, from the files on disk), save seconds
-(median of 3, variants interleaved and their order rotated each round), load seconds (each
-checkpoint loaded back by its own reader and compared with the saved tensors), files.
+(median of 5, 3 with --quick, after an untimed warm-up round; variants interleaved and their
+order rotated each round), load seconds (each checkpoint loaded back by its own reader and
+compared with the saved tensors), files.
+
+Two more measurements say what the save times mean on the machine at hand:
+
+  raw_write_speedup_4_vs_1   the model's bytes written with plain write + fsync by one rank,
+                             then split over all four: the most that spreading writes can
+                             gain on this storage, whatever the planner
+  linked                     the replicated layout saved again with each rank's writes capped
+                             at --link-mbps (default 200 MB/s, by sleeping): a modelled
+                             per-rank link to storage, as on a cluster where every node has
+                             its own NIC. A model of the hardware, not a measurement of it.
 
 Simulated (``--simulate`` alone, or as part of every run): global save plans of real model
 shapes built on the meta device (Llama-3-8B, Mixtral-8x7B, Qwen1.5-MoE-A2.7B, bf16), fully
@@ -26,6 +37,7 @@ for stock ``dedup_save_plans`` and for ours.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -33,6 +45,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -128,12 +141,88 @@ def same(a: dict, b: dict) -> bool:
     )
 
 
-def writer_and_planner(variant: str, path: Path):
+class _RankLink:
+    """Caps one rank's file writes at ``bytes_per_s``: a modelled per-rank link (a node's NIC
+    to shared storage). It sleeps, so it costs no CPU; every variant gets the same cap."""
+
+    def __init__(self, bytes_per_s: float):
+        self.rate = bytes_per_s
+        self.lock = threading.Lock()
+        self.start: float | None = None
+        self.sent = 0
+
+    def wait_for(self, nbytes: int) -> None:
+        with self.lock:
+            now = time.perf_counter()
+            if self.start is None:
+                self.start = now
+            self.sent += nbytes
+            delay = self.start + self.sent / self.rate - now
+        if delay > 0:
+            time.sleep(delay)
+
+
+class _LinkedStream:
+    def __init__(self, raw, link: _RankLink):
+        self._raw, self._link = raw, link
+
+    def write(self, data) -> int:
+        written = self._raw.write(data)
+        self._link.wait_for(memoryview(data).nbytes)
+        return written
+
+    def __getattr__(self, name):
+        return getattr(self._raw, name)
+
+
+class _LinkedFileSystem:
+    """Wraps a writer's ``fs`` so that the streams it opens for writing go through the link."""
+
+    def __init__(self, inner, link: _RankLink):
+        self._inner, self._link = inner, link
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with self._inner.create_stream(path, mode) as stream:
+            yield _LinkedStream(stream, self._link) if "w" in mode else stream
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def raw_write_seconds(root: Path, total: int, writers: int) -> float:
+    """Plain open/write/fsync of ``total`` bytes split over ``writers`` ranks (the rest idle):
+    the storage's own answer to how much spreading writes can gain, with no DCP in the way."""
+    rank = dist.get_rank()
+    data = torch.ones(total // writers, dtype=torch.uint8).numpy() if rank < writers else None
+
+    def write():
+        if data is None:
+            return
+        with open(root / f"raw-{rank}", "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    return timed(write)
+
+
+def writer_and_planner(variant: str, path: Path, link_bytes_per_s: float | None = None):
     if variant == "lowest_rank":
-        return dcp.FileSystemWriter(path), DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-    if variant == "dcp_default":
-        return dcp.FileSystemWriter(path), DefaultSavePlanner()
-    return SpreadFileSystemWriter(path, checksums=variant == "ours"), SpreadSavePlanner()
+        writer, planner = (
+            dcp.FileSystemWriter(path),
+            DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+        )
+    elif variant == "dcp_default":
+        writer, planner = dcp.FileSystemWriter(path), DefaultSavePlanner()
+    else:
+        writer, planner = (
+            SpreadFileSystemWriter(path, checksums=variant == "ours"),
+            SpreadSavePlanner(),
+        )
+    if link_bytes_per_s:
+        writer.fs = _LinkedFileSystem(writer.fs, _RankLink(link_bytes_per_s))
+    return writer, planner
 
 
 def reader_and_planner(variant: str, path: Path):
@@ -160,23 +249,38 @@ def bytes_per_rank(path: Path) -> list[int]:
     return out
 
 
-def _measure(root: str, dim: int, vocab: int, reps: int, load_reps: int) -> dict:
+def save_rounds(root: str, name: str, state: dict, reps: int, link: float | None) -> dict:
+    """Save seconds per variant: a warm-up round (not timed: the first save of a process pays
+    for page-cache growth and lazy setup), then ``reps`` rounds, variants interleaved and
+    their order rotated each round."""
+    rank = dist.get_rank()
+    save_s: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for rep in range(reps + 1):
+        order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
+        for variant in order:
+            path = Path(root) / f"{name}-{variant}"
+            if rank == 0 and path.exists():
+                shutil.rmtree(path)
+            dist.barrier()
+            writer, planner = writer_and_planner(variant, path, link)
+            seconds = timed(
+                functools.partial(dcp.save, state, storage_writer=writer, planner=planner)
+            )
+            if rep:
+                save_s[variant].append(seconds)
+    return save_s
+
+
+def _measure(
+    root: str, dim: int, vocab: int, reps: int, load_reps: int, link: float | None
+) -> dict:
     rank = dist.get_rank()
     shapes = model_shapes(dim, vocab)
+    total = sum(torch.Size(s).numel() * 4 for s in shapes.values())
     results: dict = {}
     for layout in LAYOUTS:
         state = build_state(layout, shapes)
-        save_s: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        for rep in range(reps):
-            order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
-            for variant in order:
-                path = Path(root) / f"{layout}-{variant}"
-                if rank == 0 and path.exists():
-                    shutil.rmtree(path)
-                dist.barrier()
-                writer, planner = writer_and_planner(variant, path)
-                save = functools.partial(dcp.save, state, storage_writer=writer, planner=planner)
-                save_s[variant].append(timed(save))
+        save_s = save_rounds(root, layout, state, reps, None)
         layout_out = {}
         for variant in VARIANTS:
             path = Path(root) / f"{layout}-{variant}"
@@ -206,16 +310,26 @@ def _measure(root: str, dim: int, vocab: int, reps: int, load_reps: int) -> dict
                 "loads_equal": bool(flags),
             }
         results[layout] = layout_out
-    total = sum(torch.Size(s).numel() * 4 for s in shapes.values())
+        if layout == "replicated" and link:
+            linked = save_rounds(root, "linked", state, reps, link)
+            results["linked"] = {v: round(statistics.median(t), 3) for v, t in linked.items()}
+    raw: dict[int, list[float]] = {1: [], WORLD: []}
+    for rep in range(reps + 1):
+        for writers in (1, WORLD) if rep % 2 else (WORLD, 1):
+            seconds = raw_write_seconds(Path(root), total, writers)
+            if rep:
+                raw[writers].append(seconds)
     data = os.urandom(64 << 20)
     t0 = time.perf_counter()
     zlib.crc32(data)
     crc_gbps = len(data) / (time.perf_counter() - t0) / 1e9
-    return (
-        {"model_mb": round(total / 2**20, 1), "crc32_gb_per_s": round(crc_gbps, 2), **results}
-        if rank == 0
-        else {}
-    )
+    out = {
+        "model_mb": round(total / 2**20, 1),
+        "crc32_gb_per_s": round(crc_gbps, 2),
+        "raw_write_s": {w: round(statistics.median(t), 3) for w, t in raw.items()},
+        **results,
+    }
+    return out if rank == 0 else {}
 
 
 # -- the simulation --------------------------------------------------------------------------
@@ -371,6 +485,13 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="~90 MB model, one load per variant")
     p.add_argument("--simulate", action="store_true", help="planner simulation only")
+    p.add_argument(
+        "--link-mbps",
+        type=float,
+        default=200.0,
+        help="also save the replicated layout with each rank's writes capped at this many "
+        "MB/s, a modelled per-rank link to storage (0: skip)",
+    )
     p.add_argument("--sim-worlds", default=",".join(map(str, SIM_WORLDS)))
     p.add_argument("--sim-models", default="", help="comma-separated subset (default: all)")
     p.add_argument("--plot", default=str(DOCS / "checkpoint_sim.png"), help="'' to skip")
@@ -384,7 +505,15 @@ def main(argv: list[str] | None = None) -> dict:
             prefix="fsdp_ext_ckpt_bench_", dir=os.environ.get("CKPT_BENCH_DIR")
         ) as root:
             measured = run_distributed(
-                _measure, WORLD, root, dim, vocab, 3, 1 if args.quick else 3, timeout=3000
+                _measure,
+                WORLD,
+                root,
+                dim,
+                vocab,
+                3 if args.quick else 5,
+                1 if args.quick else 3,
+                args.link_mbps * 1e6,
+                timeout=3000,
             )[0]
         for layout in LAYOUTS:
             print(f"{layout}: " + json.dumps(measured[layout]), flush=True)
@@ -410,6 +539,18 @@ def main(argv: list[str] | None = None) -> dict:
             rep["ours"]["save_s"] / rep["dcp_default"]["save_s"], 2
         )
         result["checksum_cost"] = round(rep["ours"]["save_s"] / rep["ours_nocrc"]["save_s"] - 1, 3)
+        raw = measured["raw_write_s"]
+        # the most any spreading of writes can gain over one writer on this machine's storage
+        result["raw_write_speedup_4_vs_1"] = round(raw[1] / raw[WORLD], 2)
+        if "linked" in measured:
+            linked = measured["linked"]
+            print("linked: " + json.dumps(linked), flush=True)
+            result["linked"] = {
+                "mb_per_s_per_rank": args.link_mbps,
+                "save_s": linked,
+                "save_speedup_vs_lowest_rank": round(linked["lowest_rank"] / linked["ours"], 2),
+                "save_ratio_vs_dcp_default": round(linked["ours"] / linked["dcp_default"], 2),
+            }
         result["crc32_gb_per_s"] = measured["crc32_gb_per_s"]
         result["crc32_share_of_save"] = round(
             measured["model_mb"]

@@ -34,7 +34,15 @@ def test_quick_benchmark_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("layouts", "imbalance_ours", "imbalance_dcp_default", "sim_max_imbalance_ours"):
+    for key in (
+        "layouts",
+        "imbalance_ours",
+        "imbalance_dcp_default",
+        "sim_max_imbalance_ours",
+        "raw_write_speedup_4_vs_1",
+        "linked",
+    ):
         assert key in last
+    assert set(last["linked"]["save_s"]) == {"lowest_rank", "dcp_default", "ours", "ours_nocrc"}
     assert last["imbalance_ours"] <= 1.05
     assert all(v["loads_equal"] for layout in last["layouts"].values() for v in layout.values())
