@@ -1,0 +1,288 @@
+"""fsdp_ext.integrations.hf_trainer against the real HF Trainer, 2 gloo ranks, tiny Qwen2-MoE.
+
+How the FSDP2 path is forced on CPU: ``TrainingArguments(use_cpu=True, fsdp=True,
+fsdp_config={"version": 2})`` makes the Trainer build a ``FullyShardedDataParallelPlugin``,
+but accelerate's CPU state is ``MULTI_CPU`` (DDP) and drops the plugin. The test's
+``Trainer`` subclass therefore overrides ``create_accelerator_and_postprocess``: after the
+stock one has built the ``Accelerator``, it sets ``distributed_type = FSDP`` on the
+``AcceleratorState`` and the ``PartialState`` (each ``AcceleratorState()`` re-copies the
+latter), hands the state the plugin the Trainer built from ``args.fsdp_plugin_args``, and
+sets the Trainer's ``is_fsdp_enabled``: what accelerate and the Trainer set on GPUs.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+import fsdp_ext
+from tests.dist import run_distributed
+from tests.hf_models import tiny_qwen2_moe_config
+
+WORLD = 2
+STEPS = 8
+SAVE_AT = 4
+BATCH = 2
+LR = 3e-2
+# above the smallest peak of unsharded params + grads (125 kB), below per-block's: units
+# layers.0.mlp, layers.1.self_attn, layers.1.mlp and the root, not one per block
+BUDGET_BYTES = 150_000
+
+
+def _budget():
+    return fsdp_ext.GranularityPolicy(memory_budget_bytes=BUDGET_BYTES)
+
+
+def _loco():
+    return fsdp_ext.LoCoConfig(bits=4, group_size=32)
+
+
+def _qwen2_moe():
+    from transformers import Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(tiny_qwen2_moe_config())
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """WORLD * BATCH * STEPS runs of successive tokens mod 64 (learnable: the loss falls);
+    one epoch is STEPS optimizer steps."""
+
+    def __len__(self) -> int:
+        return WORLD * BATCH * STEPS
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = (7 * i + torch.arange(12)) % 64
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _set_launch_env() -> None:
+    for key, value in {
+        "RANK": dist.get_rank(),
+        "WORLD_SIZE": WORLD,
+        "LOCAL_RANK": dist.get_rank(),
+        "LOCAL_WORLD_SIZE": WORLD,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }.items():
+        os.environ[key] = str(value)
+
+
+def _force_fsdp2(accelerator, plugin) -> None:
+    """See the module docstring: what accelerate sets on GPUs."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    PartialState().distributed_type = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+
+
+def _trainer_class():
+    from accelerate import FullyShardedDataParallelPlugin
+
+    from fsdp_ext.integrations.hf_trainer import FSDPExtTrainer
+
+    class RecordingTrainer(FSDPExtTrainer):
+        """FSDP2 forced on CPU; records each step's batch and loss, and LoCo's error state
+        when step SAVE_AT + 1 begins (what checkpoint-SAVE_AT holds)."""
+
+        steps: list[dict]
+        loco_before: dict[int, dict]
+
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            _force_fsdp2(
+                self.accelerator, FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            )
+            self.is_fsdp_enabled = True
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            step = self.state.global_step
+            self.loco_before[step] = self.comm_handle.state_dict()
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.steps.append(
+                {
+                    "global_step": step,
+                    "input_ids": inputs["input_ids"].clone(),
+                    "labels": inputs["labels"].clone(),
+                    "num_items_in_batch": num_items_in_batch,
+                    "loss": loss.item(),
+                }
+            )
+            return loss
+
+    return RecordingTrainer
+
+
+def _args(output_dir: str):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir,
+        use_cpu=True,
+        ddp_backend="gloo",
+        fsdp=True,
+        fsdp_config={"version": 2},
+        per_device_train_batch_size=BATCH,
+        max_steps=STEPS,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        save_strategy="steps",
+        save_steps=SAVE_AT,
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+
+
+def _run_trainer(output_dir: str, resume: str | None = None) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+
+    _set_launch_env()
+    trainer = _trainer_class()(
+        model=_qwen2_moe(),
+        args=_args(output_dir),
+        train_dataset=_Tokens(),
+        auto_wrap_policy=_budget(),
+        loco=_loco(),
+    )
+    trainer.steps, trainer.loco_before = [], {}
+    trainer.train(resume_from_checkpoint=resume)
+    return {
+        "steps": trainer.steps,
+        "units": sorted(n for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)),
+        "loco_before": trainer.loco_before,
+        "sent": trainer.comm_handle.stats.bytes_sent,
+        "optimizer_params": sum(len(g["params"]) for g in trainer.optimizer.param_groups),
+        "distinct_optimizer_params": len(
+            {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+        ),
+        "model_params": len(list(trainer.model.parameters())),
+    }
+
+
+def _adapter_losses(steps: list[dict], output_dir: str) -> list[float]:
+    """The same batches through fsdp_ext.integrations.accelerate.prepare and a plain loop
+    that does what the Trainer's step does: its loss scaling for a token count gathered
+    over ranks, clipping to max_grad_norm, its optimizer, a constant learning rate."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer
+
+    from fsdp_ext.integrations.accelerate import prepare
+
+    args = _args(output_dir)  # before the reset: building them resets accelerate's state
+    AcceleratorState._reset_state(reset_partial_state=True)
+    _set_launch_env()
+    plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    _force_fsdp2(accelerator, plugin)
+    optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    model, optimizer, _ = prepare(
+        accelerator,
+        _qwen2_moe(),
+        # the Trainer puts weight_decay in its param groups, not in these kwargs
+        lambda params: optimizer_cls(params, weight_decay=args.weight_decay, **optimizer_kwargs),
+        auto_wrap_policy=_budget(),
+        loco=_loco(),
+    )
+    losses = []
+    for step in steps:
+        model.train()
+        out = model(
+            input_ids=step["input_ids"],
+            labels=step["labels"],
+            num_items_in_batch=step["num_items_in_batch"],
+        )
+        # average_tokens_across_devices (the default): the count is every rank's, and the
+        # Trainer multiplies the loss by the number of ranks
+        loss = out.loss * accelerator.num_processes
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        model.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _warning_for_wrap_keys(output_dir: str) -> list[str]:
+    import warnings
+
+    from accelerate.state import AcceleratorState
+
+    args = _args(output_dir)
+    args.fsdp_config["transformer_layer_cls_to_wrap"] = ["Qwen2MoeDecoderLayer"]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer_class()(model=_qwen2_moe(), args=args, train_dataset=_Tokens())
+    return [str(w.message) for w in caught if "FSDPExtTrainer ignores" in str(w.message)]
+
+
+def _uninterrupted(output_dir: str) -> dict:
+    out = _run_trainer(output_dir)
+    out["planned"] = sorted(u.fqn for u in fsdp_ext.plan_units(_qwen2_moe(), _budget()).units)
+    out["plan_text"] = str(fsdp_ext.plan_units(_qwen2_moe(), _budget()))
+    out["adapter"] = _adapter_losses(out["steps"], output_dir + "/adapter")
+    out["wrap_key_warnings"] = _warning_for_wrap_keys(output_dir + "/warn")
+    return out
+
+
+def _resumed(output_dir: str) -> dict:
+    return _run_trainer(output_dir, resume=os.path.join(output_dir, f"checkpoint-{SAVE_AT}"))
+
+
+def _errors(state: dict, rank: int) -> dict:
+    """The error buffers in a CommHandle state_dict: {unit: {name: tensor}}."""
+    return torch.load(io.BytesIO(state[f"rank{rank}"]), weights_only=True)["units"]
+
+
+@pytest.mark.slow  # two process trees (train + reference, then resume): ~40 s on 2 loaded cores
+def test_trainer_recipe_trains_like_the_adapter_and_resumes_with_loco_state(tmp_path):
+    from fsdp_ext.integrations.hf_trainer import LOCO_STATE_NAME
+
+    first = run_distributed(_uninterrupted, WORLD, str(tmp_path), timeout=300)
+    resumed = run_distributed(_resumed, WORLD, str(tmp_path), timeout=300)
+    for rank, (run, again) in enumerate(zip(first, resumed, strict=True)):
+        steps = run["steps"]
+        losses = [s["loss"] for s in steps]
+        assert len(steps) == STEPS and run["sent"] > 0
+        # the budget policy's units are the dry run's, and not one per block
+        assert run["units"] == sorted({"", *run["planned"]}), run["plan_text"]
+        assert "model.layers.0" not in run["units"], run["plan_text"]
+        # accelerate's data_ptr re-mapping undone: one entry per parameter on every rank
+        assert run["optimizer_params"] == run["distinct_optimizer_params"] == run["model_params"]
+        assert all(torch.isfinite(torch.tensor(losses))), losses
+        assert losses[-1] < losses[0] - 0.3, losses
+        # the Trainer recipe and the accelerate adapter: the same losses, bit for bit
+        assert run["adapter"] == losses, (run["adapter"], losses)
+        assert run["wrap_key_warnings"], "fsdp_config['transformer_layer_cls_to_wrap'] unwarned"
+
+        # resume: this rank's own file, restored before the first resumed step
+        assert os.path.isfile(
+            tmp_path / f"checkpoint-{SAVE_AT}" / LOCO_STATE_NAME.format(rank=rank)
+        )
+        saved, restored = (
+            _errors(run["loco_before"][SAVE_AT], rank),
+            _errors(again["loco_before"][SAVE_AT], rank),
+        )
+        assert saved.keys() == restored.keys() and saved
+        for fqn, unit in saved.items():
+            for name, value in unit.items():
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(restored[fqn][name], value), (rank, fqn, name)
+        want = steps[SAVE_AT:]
+        got = again["steps"]
+        assert [s["global_step"] for s in got] == [s["global_step"] for s in want]
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g["input_ids"], w["input_ids"])
+        assert [s["loss"] for s in got] == [s["loss"] for s in want]
