@@ -36,6 +36,10 @@ LR = 3e-2
 BUDGET_BYTES = 150_000
 
 
+def _default():
+    return fsdp_ext.GranularityPolicy()
+
+
 def _budget():
     return fsdp_ext.GranularityPolicy(memory_budget_bytes=BUDGET_BYTES)
 
@@ -85,12 +89,14 @@ def _force_fsdp2(accelerator, plugin) -> None:
     accelerator.state.fsdp_plugin = plugin
 
 
-def _trainer_class():
+def _trainer_class(stock: bool = False):
+    """FSDPExtTrainer, or with ``stock`` the plain Trainer (accelerate's own FSDP2 wrap)."""
     from accelerate import FullyShardedDataParallelPlugin
+    from transformers import Trainer
 
     from fsdp_ext.integrations.hf_trainer import FSDPExtTrainer
 
-    class RecordingTrainer(FSDPExtTrainer):
+    class RecordingTrainer(Trainer if stock else FSDPExtTrainer):
         """FSDP2 forced on CPU; records each step's batch and loss, and LoCo's error state
         when step SAVE_AT + 1 begins (what checkpoint-SAVE_AT holds)."""
 
@@ -106,7 +112,8 @@ def _trainer_class():
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             step = self.state.global_step
-            self.loco_before[step] = self.comm_handle.state_dict()
+            if getattr(self, "comm_handle", None) is not None:
+                self.loco_before[step] = self.comm_handle.state_dict()
             loss = super().training_step(model, inputs, num_items_in_batch)
             self.steps.append(
                 {
@@ -122,51 +129,62 @@ def _trainer_class():
     return RecordingTrainer
 
 
-def _args(output_dir: str):
+def _args(output_dir: str, **overrides):
     from transformers import TrainingArguments
 
-    return TrainingArguments(
-        output_dir=output_dir,
-        use_cpu=True,
-        ddp_backend="gloo",
-        fsdp=True,
-        fsdp_config={"version": 2},
-        per_device_train_batch_size=BATCH,
-        max_steps=STEPS,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        save_strategy="steps",
-        save_steps=SAVE_AT,
-        logging_steps=1,
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
-    )
+    settings = {
+        "output_dir": output_dir,
+        "use_cpu": True,
+        "ddp_backend": "gloo",
+        "fsdp": True,
+        "fsdp_config": {"version": 2},
+        "per_device_train_batch_size": BATCH,
+        "max_steps": STEPS,
+        "learning_rate": LR,
+        "lr_scheduler_type": "constant",
+        "save_strategy": "steps",
+        "save_steps": SAVE_AT,
+        "logging_steps": 1,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+    return TrainingArguments(**{**settings, **overrides})
 
 
-def _run_trainer(output_dir: str, resume: str | None = None) -> dict:
+def _run_trainer(
+    output_dir: str,
+    resume: str | None = None,
+    *,
+    stock: bool = False,
+    train_args: dict | None = None,
+    **recipe,
+) -> dict:
+    """The budget policy with LoCo for STEPS steps, a checkpoint every SAVE_AT steps;
+    ``recipe`` replaces ``auto_wrap_policy`` / ``loco``; ``stock`` runs the plain Trainer."""
     from torch.distributed.fsdp import FSDPModule
 
     _set_launch_env()
-    trainer = _trainer_class()(
+    recipe = {} if stock else {"auto_wrap_policy": _budget(), "loco": _loco(), **recipe}
+    trainer = _trainer_class(stock)(
         model=_qwen2_moe(),
-        args=_args(output_dir),
+        args=_args(output_dir, **(train_args or {})),
         train_dataset=_Tokens(),
-        auto_wrap_policy=_budget(),
-        loco=_loco(),
+        **recipe,
     )
     trainer.steps, trainer.loco_before = [], {}
     trainer.train(resume_from_checkpoint=resume)
+    held = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    handle = getattr(trainer, "comm_handle", None)
     return {
         "steps": trainer.steps,
+        "losses": [s["loss"] for s in trainer.steps],
         "units": sorted(n for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)),
         "loco_before": trainer.loco_before,
-        "sent": trainer.comm_handle.stats.bytes_sent,
-        "optimizer_params": sum(len(g["params"]) for g in trainer.optimizer.param_groups),
-        "distinct_optimizer_params": len(
-            {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
-        ),
-        "model_params": len(list(trainer.model.parameters())),
+        "sent": handle.stats.bytes_sent if handle is not None else 0,
+        # accelerate's data_ptr re-mapping undone: one entry per parameter on every rank
+        "optimizer_holds_each_param_once": sorted(map(id, held))
+        == sorted(map(id, trainer.model.parameters())),
     }
 
 
@@ -228,8 +246,24 @@ def _warning_for_wrap_keys(output_dir: str) -> list[str]:
     return [str(w.message) for w in caught if "FSDPExtTrainer ignores" in str(w.message)]
 
 
+def _per_block_and_stock(output_dir: str) -> dict:
+    """The recipe with the per-block default and no LoCo, and the stock Trainer."""
+    from accelerate.state import AcceleratorState
+
+    out = {"planned": sorted(u.fqn for u in fsdp_ext.plan_units(_qwen2_moe(), _default()).units)}
+    short = {"max_steps": 4, "save_strategy": "no"}
+    per_block = {"auto_wrap_policy": None, "loco": None}
+    for name, recipe in {"per_block": per_block, "stock": {}}.items():
+        AcceleratorState._reset_state(reset_partial_state=True)
+        out[name] = _run_trainer(
+            f"{output_dir}/{name}", stock=name == "stock", train_args=short, **recipe
+        )
+    return out
+
+
 def _uninterrupted(output_dir: str) -> dict:
     out = _run_trainer(output_dir)
+    out["per_block_and_stock"] = _per_block_and_stock(output_dir + "/per_block")
     out["planned"] = sorted(u.fqn for u in fsdp_ext.plan_units(_qwen2_moe(), _budget()).units)
     out["plan_text"] = str(fsdp_ext.plan_units(_qwen2_moe(), _budget()))
     out["adapter"] = _adapter_losses(out["steps"], output_dir + "/adapter")
@@ -262,14 +296,21 @@ def test_trainer_recipe_trains_like_the_adapter_and_resumes_with_loco_state(tmp_
     first = run_distributed(_uninterrupted, WORLD, str(tmp_path), timeout=300)
     resumed = run_distributed(_resumed, WORLD, str(tmp_path), timeout=300)
     for rank, (run, again) in enumerate(zip(first, resumed, strict=True)):
-        steps = run["steps"]
-        losses = [s["loss"] for s in steps]
+        steps, losses = run["steps"], run["losses"]
         assert len(steps) == STEPS and run["sent"] > 0
         # the budget policy's units are the dry run's, and not one per block
         assert run["units"] == sorted({"", *run["planned"]}), run["plan_text"]
         assert "model.layers.0" not in run["units"], run["plan_text"]
-        # accelerate's data_ptr re-mapping undone: one entry per parameter on every rank
-        assert run["optimizer_params"] == run["distinct_optimizer_params"] == run["model_params"]
+        assert run["optimizer_holds_each_param_once"]
+        # per-block default, no LoCo: the dry run's units, and the stock Trainer's losses
+        # (accelerate's own FSDP2 wrap, other units), bit for bit
+        per_block, stock = (
+            run["per_block_and_stock"]["per_block"],
+            run["per_block_and_stock"]["stock"],
+        )
+        assert per_block["units"] == sorted({"", *run["per_block_and_stock"]["planned"]})
+        assert {"model.layers.0", "model.layers.1"} <= set(per_block["units"])
+        assert per_block["losses"] == stock["losses"], (per_block["losses"], stock["losses"])
         assert all(torch.isfinite(torch.tensor(losses))), losses
         assert losses[-1] < losses[0] - 0.3, losses
         # the Trainer recipe and the accelerate adapter: the same losses, bit for bit
