@@ -335,3 +335,34 @@ def test_trainer_recipe_trains_like_the_adapter_and_resumes_with_loco_state(tmp_
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g["input_ids"], w["input_ids"])
         assert [s["loss"] for s in got] == [s["loss"] for s in want]
+
+
+# ------------------------------------------------ default run: refusals, no processes
+
+
+def test_our_policy_in_fsdp_config_is_refused_not_dropped(tmp_path):
+    from transformers import TrainingArguments
+
+    # transformers checks fsdp_config["auto_wrap_policy"] against its names when the
+    # arguments are built; the policy belongs in FSDPExtTrainer(auto_wrap_policy=...)
+    with pytest.raises(ValueError, match=r"auto_wrap_policy.*must be one of"):
+        TrainingArguments(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            fsdp=True,
+            fsdp_config={"version": 2, "auto_wrap_policy": _budget()},
+        )
+
+
+def test_recipe_without_fsdp2_is_refused(tmp_path):
+    from accelerate.state import AcceleratorState
+    from transformers import TrainingArguments
+
+    from fsdp_ext.integrations.hf_trainer import FSDPExtTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    try:
+        with pytest.raises(ValueError, match=r"FSDPExtTrainer needs FSDP2.*fsdp=True"):
+            FSDPExtTrainer(model=_qwen2_moe(), args=args, auto_wrap_policy=_budget())
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # no state for later tests
