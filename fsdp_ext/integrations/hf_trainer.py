@@ -84,7 +84,8 @@ class FSDPExtTrainer(Trainer):
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """Shard ``self.model`` first (once), so the optimizer holds the sharded parameters."""
-        if not isinstance(self.model, FSDPModule):
+        if not isinstance(getattr(self.model, "_orig_mod", self.model), FSDPModule):
+            # (a second train() sees the model torch.compile'd by the first one's prepare)
             shard(self.accelerator, self.model, auto_wrap_policy=self.auto_wrap_policy)
             if self.loco is not None:
                 self.comm_handle = register_comm_hook(self.model, self.loco)
