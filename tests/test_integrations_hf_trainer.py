@@ -272,7 +272,34 @@ def _uninterrupted(output_dir: str) -> dict:
 
 
 def _resumed(output_dir: str) -> dict:
-    return _run_trainer(output_dir, resume=os.path.join(output_dir, f"checkpoint-{SAVE_AT}"))
+    """Resume from checkpoint-SAVE_AT; then, with this rank's LoCo file gone, one more step."""
+    import logging
+
+    from accelerate.state import AcceleratorState
+
+    from fsdp_ext.integrations.hf_trainer import LOCO_STATE_NAME
+
+    checkpoint = os.path.join(output_dir, f"checkpoint-{SAVE_AT}")
+    out = _run_trainer(output_dir, resume=checkpoint)
+    own_file = os.path.join(checkpoint, LOCO_STATE_NAME.format(rank=dist.get_rank()))
+    out["own_file"] = os.path.isfile(own_file)
+    dist.barrier()
+    os.remove(own_file)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("fsdp_ext.comm").addHandler(handler)
+    try:
+        no_file = _run_trainer(
+            output_dir + "/no_file",
+            resume=checkpoint,
+            train_args={"max_steps": SAVE_AT + 1, "save_strategy": "no"},
+        )
+    finally:
+        logging.getLogger("fsdp_ext.comm").removeHandler(handler)
+    out["no_file"] = {"warned": warned, "loco_before": no_file["loco_before"]}
+    return out
 
 
 def _errors(state: dict, rank: int) -> dict[str, torch.Tensor]:
@@ -289,10 +316,8 @@ def _errors(state: dict, rank: int) -> dict[str, torch.Tensor]:
     return flat
 
 
-@pytest.mark.slow  # two process trees (train + reference, then resume): ~40 s on 2 loaded cores
+@pytest.mark.slow  # two process trees (train + references, then resumes): ~20 s on 2 cores
 def test_trainer_recipe_trains_like_the_adapter_and_resumes_with_loco_state(tmp_path):
-    from fsdp_ext.integrations.hf_trainer import LOCO_STATE_NAME
-
     first = run_distributed(_uninterrupted, WORLD, str(tmp_path), timeout=300)
     resumed = run_distributed(_resumed, WORLD, str(tmp_path), timeout=300)
     for rank, (run, again) in enumerate(zip(first, resumed, strict=True)):
@@ -318,9 +343,7 @@ def test_trainer_recipe_trains_like_the_adapter_and_resumes_with_loco_state(tmp_
         assert run["wrap_key_warnings"], "fsdp_config['transformer_layer_cls_to_wrap'] unwarned"
 
         # resume: this rank's own file, restored before the first resumed step
-        assert os.path.isfile(
-            tmp_path / f"checkpoint-{SAVE_AT}" / LOCO_STATE_NAME.format(rank=rank)
-        )
+        assert again["own_file"]
         saved, restored = (
             _errors(run["loco_before"][SAVE_AT], rank),
             _errors(again["loco_before"][SAVE_AT], rank),
@@ -335,6 +358,13 @@ def test_trainer_recipe_trains_like_the_adapter_and_resumes_with_loco_state(tmp_
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g["input_ids"], w["input_ids"])
         assert [s["loss"] for s in got] == [s["loss"] for s in want]
+        # a checkpoint without this rank's LoCo file: one warning, fresh (zero) buffers
+        no_file = again["no_file"]
+        assert any("holds no LoCo state" in w for w in no_file["warned"]), no_file["warned"]
+        fresh = _errors(no_file["loco_before"][SAVE_AT], rank)
+        assert fresh.keys() == saved.keys()
+        errors = [value for path, value in fresh.items() if path.endswith("/error")]
+        assert errors and all(not value.any() for value in errors)
 
 
 # ------------------------------------------------ default run: refusals, no processes
