@@ -6,8 +6,9 @@ but accelerate's CPU state is ``MULTI_CPU`` (DDP) and drops the plugin. The test
 ``Trainer`` subclass therefore overrides ``create_accelerator_and_postprocess``: after the
 stock one has built the ``Accelerator``, it sets ``distributed_type = FSDP`` on the
 ``AcceleratorState`` and the ``PartialState`` (each ``AcceleratorState()`` re-copies the
-latter), hands the state the plugin the Trainer built from ``args.fsdp_plugin_args``, and
-sets the Trainer's ``is_fsdp_enabled``: what accelerate and the Trainer set on GPUs.
+latter), hands the state a plugin built from the same ``args.fsdp_plugin_args`` (the
+Trainer's own was dropped with the DDP state), and sets the Trainer's ``is_fsdp_enabled``:
+what accelerate and the Trainer set on GPUs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ SAVE_AT = 4
 BATCH = 2
 LR = 3e-2
 # above the smallest peak of unsharded params + grads (125 kB), below per-block's: units
-# layers.0.mlp, layers.1.self_attn, layers.1.mlp and the root, not one per block
+# layers.0.mlp, layers.1.self_attn, layers.1.mlp, lm_head and the root, not one per block
 BUDGET_BYTES = 150_000
 
 
