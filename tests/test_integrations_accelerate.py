@@ -99,6 +99,10 @@ def _rank_runs() -> dict:
     out["planned"] = sorted(u.fqn for u in fsdp_ext.plan_units(model, _default()).units)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = prepare(accelerator, model, optimizer)
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    out["optimizer_holds_each_param_once"] = sorted(map(id, held)) == sorted(
+        map(id, model.parameters())
+    )
     out["units"] = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))
     out["adapter"] = _train(accelerator, model, optimizer)
     AcceleratorState._reset_state()
@@ -138,6 +142,8 @@ def test_accelerate_adapter_matches_accelerate_and_honours_policies():
     for run in runs:
         # bit-identical losses, 10 steps, on both ranks
         assert run["adapter"] == run["accelerate"], (run["adapter"], run["accelerate"])
+        # rank 1 holds two empty shards (shared_expert_gate, 1 row): data_ptr 0 for both
+        assert run["optimizer_holds_each_param_once"]
         assert {"model.layers.0", "model.layers.1"} <= set(run["units"])
         assert run["units"] == sorted({"", *run["planned"]})
         assert run["budget_units"] == sorted({"", *run["budget_planned"]})
@@ -195,17 +201,19 @@ def test_loco_state_survives_save_state_and_load_state(tmp_path):
             for run in (first, resumed)
         )
         assert saved.keys() == loaded.keys() and saved
+        compared = 0
         for fqn, unit in saved.items():
-            for name, value in unit.items():
-                if isinstance(value, torch.Tensor):
-                    assert torch.equal(loaded[fqn][name], value), (fqn, name)
-        # The first step after resume is bit-identical. Later ones drift: accelerate's own
-        # resume does so without LoCo (up to 1.9e-6 relative over 5 steps, measured), and
-        # 4-bit rounding amplifies it (up to 1.1e-5 measured); see docs/integrations.md
+            # {"reduce_scatter": {"reductions", "error", "error_scales"}} per unit
+            for part, tensors in unit.items():
+                for name, value in tensors.items():
+                    assert torch.equal(loaded[fqn][part][name], value), (fqn, part, name)
+                    compared += name == "error"
+        assert compared >= 2, saved
+        # bit-identical after resume. Without restore_optimizer_params it drifted from the
+        # second step on (up to 1.1e-5 relative, measured): prepare's data_ptr re-mapping had
+        # left rank 1's optimizer with one empty shard twice; see docs/integrations.md
         want, got = first[rank]["losses"][RESUME_AT:], resumed[rank]["losses"]
-        assert got[0] == want[0]
-        for g, w in zip(got, want, strict=True):
-            assert abs(g - w) <= 5e-5 * abs(w), (rank, got, want)
+        assert got == want, (rank, got, want)
 
 
 # ------------------------------------------------ default run: plugin checks, no processes

@@ -100,11 +100,28 @@ def prepare(
     Returns what ``prepare`` returns, plus the ``CommHandle`` last when ``loco`` is given.
     Call it on every rank.
     """
-    plugin = _fsdp2_plugin(accelerator)
-    policy = GranularityPolicy() if auto_wrap_policy is None else auto_wrap_policy
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
         raise ValueError("optimizer must not have stepped yet: its state cannot be resharded")
     names = {p: n for n, p in model.named_parameters()}
+    shard(accelerator, model, auto_wrap_policy=auto_wrap_policy)
+    optimizer = _optimizer_for(optimizer, model, names)
+    group_names = optimizer_param_names(optimizer, model)
+    prepared = accelerator.prepare(model, optimizer, *other)
+    restore_optimizer_params(optimizer, prepared[0], group_names)
+    if loco is None:
+        return prepared
+    handle = register_comm_hook(prepared[0], loco)
+    accelerator.register_for_checkpointing(AllRanksCommState(handle))
+    return (*prepared, handle)
+
+
+def shard(accelerator: Any, model: nn.Module, *, auto_wrap_policy: Any = None) -> nn.Module:
+    """Steps 1 to 4 of :func:`prepare`: check the plugin, shard ``model`` in place with the
+    plugin's settings, and turn the plugin's own wrap policy off, so that a later
+    ``accelerator.prepare`` takes ``model`` as it is. Also the first step of
+    :class:`fsdp_ext.integrations.hf_trainer.FSDPExtTrainer`."""
+    plugin = _fsdp2_plugin(accelerator)
+    policy = GranularityPolicy() if auto_wrap_policy is None else auto_wrap_policy
     if accelerator.mixed_precision != "no":
         # as accelerate does: FSDP2 wants one orig dtype per unit; fp32 masters, compute
         # in the policy's param_dtype
@@ -114,13 +131,7 @@ def prepare(
     fully_shard(model, auto_wrap_policy=policy, **_fully_shard_kwargs(accelerator, plugin))
     plugin.auto_wrap_policy = None  # prepare would re-derive it from renamed FSDP classes
     plugin.transformer_cls_names_to_wrap = None
-    optimizer = _optimizer_for(optimizer, model, names)
-    prepared = accelerator.prepare(model, optimizer, *other)
-    if loco is None:
-        return prepared
-    handle = register_comm_hook(prepared[0], loco)
-    accelerator.register_for_checkpointing(AllRanksCommState(handle))
-    return (*prepared, handle)
+    return model
 
 
 def _fsdp2_plugin(accelerator: Any) -> Any:
@@ -164,9 +175,36 @@ def _optimizer_for(
     is empty, so nothing else refers to the old parameters)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         return optimizer(model.parameters())
+    model = getattr(model, "_orig_mod", model)  # torch.compile'd by prepare
     sharded = dict(model.named_parameters())
     for group in optimizer.param_groups:
         if any(p not in names for p in group["params"]):
             raise ValueError("optimizer holds parameters that are not model's parameters")
         group["params"] = [sharded[names[p]] for p in group["params"]]
     return optimizer
+
+
+def optimizer_param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[list[str]]:
+    """Each param group's parameters, by name in ``model``: what
+    :func:`restore_optimizer_params` puts back after ``accelerator.prepare``."""
+    names = {p: n for n, p in model.named_parameters()}
+    return [[names[p] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def restore_optimizer_params(
+    optimizer: torch.optim.Optimizer, model: nn.Module, group_names: list[list[str]]
+) -> None:
+    """Point every param group at ``model``'s parameters of the recorded names.
+
+    ``accelerator.prepare`` re-maps an optimizer's parameters by ``data_ptr`` of their local
+    shard. A parameter with fewer dim-0 rows than ranks (Qwen2-MoE's ``shared_expert_gate``,
+    1 row) has an empty shard on the last ranks, and every empty shard has ``data_ptr`` 0, so
+    there the optimizer ends up holding one of them twice and the others not at all. The
+    values do not change (the shards are empty), but the optimizer state differs in
+    structure between ranks, and a full-state-dict save (the ``Trainer``'s default)
+    then fails with a collective mismatch.
+    """
+    model = getattr(model, "_orig_mod", model)  # torch.compile'd by prepare
+    sharded = dict(model.named_parameters())
+    for group, names in zip(optimizer.param_groups, group_names, strict=True):
+        group["params"] = [sharded[n] for n in names]

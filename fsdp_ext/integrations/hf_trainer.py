@@ -1,0 +1,125 @@
+"""HF ``Trainer``: shard with an fsdp-ext policy, optionally with LoCo, under FSDP2.
+
+The ``Trainer`` builds its own ``Accelerator`` from ``TrainingArguments(fsdp=True,
+fsdp_config={"version": 2})`` and calls ``accelerator.prepare`` inside ``train()``, so a
+user cannot call :func:`fsdp_ext.integrations.accelerate.prepare` in its place. Under FSDP2
+the ``Trainer`` creates the optimizer right before that ``prepare``, from ``self.model``;
+:class:`FSDPExtTrainer` shards the model there (``create_optimizer``, a documented override
+point), so the optimizer is built over the sharded parameters and ``prepare`` takes the
+model as it is. LoCo's error buffers differ per rank: every rank writes its own file next
+to the optimizer state in each checkpoint and reads it back on ``resume_from_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from transformers import Trainer
+
+from fsdp_ext.comm import CommHandle, LoCoConfig, register_comm_hook
+from fsdp_ext.integrations.accelerate import (
+    check_plugin,
+    optimizer_param_names,
+    restore_optimizer_params,
+    shard,
+)
+
+LOCO_STATE_NAME = "fsdp_ext_loco_rank{rank}.pt"
+
+_WRAP_KEYS = ("auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params")
+
+
+class FSDPExtTrainer(Trainer):
+    """``Trainer`` whose FSDP2 units come from an fsdp-ext policy, with optional LoCo.
+
+    ``auto_wrap_policy``: anything :func:`fsdp_ext.fully_shard` takes (default
+    ``GranularityPolicy()``, one unit per block); the units are what
+    ``fsdp_ext.plan_units(model, auto_wrap_policy)`` prints. The plugin's mesh, mixed
+    precision, offload and ``reshard_after_forward`` apply as with accelerate's own wrap.
+    ``loco``: register LoCo on every unit; ``self.comm_handle`` is the ``CommHandle``
+    once ``train()`` has sharded the model. Everything else is the stock ``Trainer``.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        auto_wrap_policy: Any = None,
+        loco: LoCoConfig | None = None,
+        **kwargs: Any,
+    ):
+        self.auto_wrap_policy = auto_wrap_policy
+        self.loco = loco
+        self.comm_handle: CommHandle | None = None
+        self._optimizer_param_names: list[list[str]] | None = None
+        super().__init__(*args, **kwargs)
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if not self.is_fsdp_enabled or getattr(plugin, "fsdp_version", 1) != 2:
+            raise ValueError(
+                "FSDPExtTrainer needs FSDP2: TrainingArguments(fsdp=True, fsdp_config="
+                "{'version': 2}) on a distributed launch (got "
+                f"fsdp={self.args.fsdp!r}, distributed_type={self.accelerator.distributed_type})"
+            )
+        check_plugin(plugin)
+        if isinstance(self.model, FSDPModule):
+            raise ValueError(
+                "model is already sharded: pass the unsharded model, FSDPExtTrainer shards it "
+                "with auto_wrap_policy"
+            )
+        ignored = [
+            key
+            for key in _WRAP_KEYS
+            if self.args.fsdp_config.get(key) not in (None, 0)  # min_num_params defaults to 0
+        ]
+        if ignored:
+            warnings.warn(
+                f"FSDPExtTrainer ignores fsdp_config {ignored}: the FSDP units come from "
+                f"auto_wrap_policy={auto_wrap_policy!r} (None means GranularityPolicy())",
+                stacklevel=2,
+            )
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """Shard ``self.model`` first (once), so the optimizer holds the sharded parameters."""
+        if not isinstance(getattr(self.model, "_orig_mod", self.model), FSDPModule):
+            # (a second train() sees the model torch.compile'd by the first one's prepare)
+            shard(self.accelerator, self.model, auto_wrap_policy=self.auto_wrap_policy)
+            if self.loco is not None:
+                self.comm_handle = register_comm_hook(self.model, self.loco)
+        optimizer = super().create_optimizer(model)
+        self._optimizer_param_names = optimizer_param_names(optimizer, self.model)
+        return optimizer
+
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.optim.lr_scheduler.LRScheduler:
+        """The ``Trainer``'s first call after ``accelerator.prepare``: undo prepare's
+        parameter re-mapping (see :func:`restore_optimizer_params`) before anything steps."""
+        if self._optimizer_param_names is not None:
+            restore_optimizer_params(self.optimizer, self.model, self._optimizer_param_names)
+            self._optimizer_param_names = None
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.comm_handle is None:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(self.comm_handle.state_dict(), _loco_state_path(output_dir))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.comm_handle is None:
+            return
+        path = _loco_state_path(checkpoint)
+        # a checkpoint without this rank's file (LoCo newly on, another world size) gives
+        # one warning and fresh buffers; comm_handle.strict = True makes it raise instead
+        state = torch.load(path, weights_only=True) if os.path.isfile(path) else {}
+        self.comm_handle.load_state_dict(state)
+
+
+def _loco_state_path(directory: str) -> str:
+    return os.path.join(directory, LOCO_STATE_NAME.format(rank=dist.get_rank()))
