@@ -39,10 +39,10 @@ from fsdp_ext.wrap.plan import (
     make_atoms,
     root_reshard_after_forward,
     spans_for,
+    unit_groups,
     unit_reshard_after_forward,
-    with_existing_units,
 )
-from fsdp_ext.wrap.policy import GranularityPolicy, granularity_units, group_tied_units
+from fsdp_ext.wrap.policy import GranularityPolicy, granularity_units
 from fsdp_ext.wrap.tree import ModuleInfo, repeated_blocks
 
 _GROUP_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -126,7 +126,7 @@ def plan_for_budget(
     block_units, block_threshold = default_units(root, infos)
     # Hand-written per-block wrapping (torchtitan): the blocks are units, the rest is root.
     blocks = repeated_blocks(root)[0] or block_units
-    block_groups = group_tied_units(root, with_existing_units(root, blocks))
+    block_groups = unit_groups(root, blocks)
     baseline = build_plan(
         root,
         block_groups,
@@ -154,7 +154,7 @@ def plan_for_budget(
         if key in seen:
             continue
         seen.add(key)
-        groups = group_tied_units(root, with_existing_units(root, units))
+        groups = unit_groups(root, units)
         root_atom, atoms = make_atoms(root, groups, layout, param_dtype, fsdp_sizes)
         fixed = [unit_reshard_after_forward(g, reshard_after_forward, {}) for g in groups]
         level_fits = False

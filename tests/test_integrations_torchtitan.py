@@ -1,0 +1,302 @@
+"""fsdp_ext.integrations.torchtitan against torchtitan 0.3.0, 2 gloo ranks, CPU.
+
+Models: torchtitan's Llama3 ``debugmodel`` (2 of its 6 blocks) and Qwen3 ``debugmodel_moe``
+(2 blocks of the same shape, built with torchtitan's own layer builder, 8 experts of
+hidden 128 top-2 instead of 64 of 768 top-8, to stay small). Both use torchtitan's
+``ScaledDotProductAttention`` as the inner attention, swapped into the debug config exactly
+as torchtitan's own tests do (``experiments/graph_trainer/common_utils.py``,
+``build_decoder_config_for_backend``): 0.3.0's model registries refuse ``"sdpa"`` for
+language models, and the flex attention they default to has no backward on CPU
+("FlexAttention does not support backward on CPU", torch 2.13), so a CPU training test
+cannot use it. Without per-document positions SDPA is plain causal attention.
+
+The step is torchtitan's ``Trainer.train_step``: its ``ParallelDims`` meshes, its
+``CrossEntropyLoss`` (sum) divided by the global valid-token count (FSDP's gradient
+division is off), its ``clip_grad_norm_``, ``OptimizersContainer`` (``default_adamw``),
+``LRSchedulersContainer``, MoE load-balancing hook and ``CheckpointManager``. Its
+``ParallelDims`` builds meshes on its module-level ``device_type``, which falls back to
+"cuda" without an accelerator; the test sets it to "cpu". Weights are
+initialised (``init_weights``) before sharding, so both wraps start from the same values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("torchtitan")
+
+import fsdp_ext
+from fsdp_ext.integrations import torchtitan as tt_fsdp
+from tests.dist import run_distributed
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+STEPS = 10
+BATCH, SEQ = 2, 32
+
+
+def _config(name: str):
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    if name == "llama3":
+        from torchtitan.models.llama3 import model_registry
+
+        config = model_registry("debugmodel").model
+        config.layers = config.layers[:2]
+    elif name == "qwen3":  # dense, tied embeddings: only planned, not trained
+        from torchtitan.models.qwen3 import model_registry
+
+        config = model_registry("debugmodel").model
+        config.layers = config.layers[:2]
+    else:
+        from torchtitan.models.common import CosSinRoPE
+        from torchtitan.models.qwen3 import _build_qwen3_moe_layers, model_registry
+
+        config = model_registry("debugmodel_moe").model
+        config.layers = _build_qwen3_moe_layers(
+            n_layers=2,
+            dim=config.dim,
+            n_heads=16,
+            n_kv_heads=8,
+            head_dim=128,
+            moe_hidden_dim=128,
+            num_experts=8,
+            top_k=2,
+            attn_backend="flex",
+            moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=128, max_seq_len=4096, theta=1000000.0),
+        )
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return config
+
+
+def _model(name: str, device: str = "cpu"):
+    config = _config(name)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = config.build()
+    if device != "meta":
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+    return model
+
+
+def _parallel_dims():
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.distributed import ParallelDims
+
+    # torchtitan falls back to "cuda" when no accelerator is found (tools/utils.py)
+    parallel_dims.device_type = "cpu"
+
+    dims = ParallelDims(
+        dp_replicate=1,
+        dp_shard=WORLD,
+        cp=1,
+        tp=1,
+        pp=1,
+        ep=1,
+        world_size=WORLD,
+        spmd_backend="partial_dtensor",
+    )
+    dims.build_mesh()
+    return dims
+
+
+def _shard(model, wrap: str, dims, policy=None, loco=None, **options):
+    """torchtitan's FSDP step (``wrap="torchtitan"``) or the drop-in, same arguments."""
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    args = (model, dims.get_mesh("fsdp"))
+    kwargs = {"param_dtype": torch.float32, "reduce_dtype": torch.float32, "pp_enabled": False}
+    kwargs.update(options)
+    if wrap == "torchtitan":
+        apply_fsdp_to_decoder(*args, **kwargs)
+        return None
+    return tt_fsdp.apply_fsdp(*args, **kwargs, auto_wrap_policy=policy, loco=loco)
+
+
+def _units(model) -> list[tuple]:
+    """Every FSDP unit: members, reshard-after-forward, dtypes, offload, divide factor,
+    and each parameter's placement."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out, seen = [], {}
+    for fqn, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        if id(state) in seen:
+            seen[id(state)][0].append(fqn)
+            continue
+        groups = state._fsdp_param_groups
+        row = [
+            [fqn],
+            tuple(g._reshard_after_forward for g in groups),
+            tuple((g.mp_policy.param_dtype, g.mp_policy.reduce_dtype) for g in groups),
+            tuple(g.mp_policy.cast_forward_inputs for g in groups),
+            tuple(type(g.offload_policy).__name__ for g in groups),
+            tuple(g.gradient_divide_factor for g in groups),
+            tuple(str(p.fsdp_placement) for g in groups for p in g.fsdp_params),
+        ]
+        seen[id(state)] = row
+        out.append(row)
+    return [("+".join(r[0]), *r[1:]) for r in out]
+
+
+def _plan_units(plan) -> list[str]:
+    return [u.fqn for u in plan.units]
+
+
+def _actual_units(model) -> list[str]:
+    return [fqn for fqn, *_ in _units(model)]
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    tokens = torch.randint(0, 2048, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+class _Training:
+    """torchtitan's optimizer, scheduler and MoE hook around a sharded model."""
+
+    def __init__(self, model, dims):
+        from torchtitan.components.loss import CrossEntropyLoss
+        from torchtitan.components.optimizer import (
+            LRSchedulersContainer,
+            default_adamw,
+            register_moe_load_balancing_hook,
+        )
+
+        self.model, self.dims = model, dims
+        self.optimizers = default_adamw(lr=8e-4).build(model_parts=[model])
+        register_moe_load_balancing_hook(self.optimizers, [model], dims)
+        self.lr_schedulers = LRSchedulersContainer.Config(
+            warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
+        ).build(optimizers=self.optimizers, training_steps=2 * STEPS)
+        self.loss_fn = CrossEntropyLoss.Config().build()
+
+    def step(self, step: int) -> float:
+        """One ``Trainer.train_step``; returns the global average loss."""
+        from torchtitan.distributed import utils as dist_utils
+
+        self.optimizers.zero_grad()
+        inputs, labels = _batch(step)
+        global_valid_tokens = dist_utils.dist_sum_tensor(
+            (labels != -100).sum(), self.dims.get_mesh("batch")
+        )
+        pred = self.model(inputs)
+        loss, _ = self.loss_fn(pred, labels, global_valid_tokens)
+        loss.backward()
+        dist_utils.clip_grad_norm_(list(self.model.parameters()), 1.0, foreach=True)
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return total.item()
+
+
+def _train(model, dims, steps: range) -> list[float]:
+    training = _Training(model, dims)
+    return [training.step(s) for s in steps]
+
+
+# ---------------------------------------------------------------- unit plans (meta, cheap)
+
+
+def _rank_unit_plans() -> dict:
+    """torchtitan's units vs the drop-in's and its dry run, for every reshard policy."""
+    dims = _parallel_dims()
+    out = {}
+    for name in ("llama3", "qwen3", "qwen3_moe"):
+        for options in (
+            {},
+            {"reshard_after_forward_policy": "always"},
+            {"reshard_after_forward_policy": "never"},
+            {"pp_enabled": True},
+            {"cpu_offload": True, "param_dtype": torch.bfloat16},
+        ):
+            ref, ours = _model(name, "meta"), _model(name, "meta")
+            _shard(ref, "torchtitan", dims, **options)
+            plan = tt_fsdp.plan_fsdp(
+                ours,
+                dims.get_mesh("fsdp"),
+                **{"param_dtype": torch.float32, "reduce_dtype": torch.float32},
+                pp_enabled=options.get("pp_enabled", False),
+                **{k: v for k, v in options.items() if k not in ("pp_enabled", "param_dtype")},
+            )
+            _shard(ours, "ours", dims, **options)
+            key = f"{name} {options}"
+            out[key] = (_units(ref), _units(ours), _plan_units(plan))
+    return out
+
+
+def test_default_policy_makes_torchtitans_units_with_its_options():
+    """Per-block default: every unit, its members, reshard setting, mixed precision,
+    offload, divide factor (1.0) and placements equal torchtitan's, for the dense, the
+    tied (Qwen3 dense: one embedding+norm+head unit) and the MoE model, under every
+    reshard policy; ``plan_fsdp`` predicts the units."""
+    results = run_distributed(_rank_unit_plans, WORLD)
+    for rank_result in results:
+        for key, (ref, ours, planned) in rank_result.items():
+            assert ours == ref, key
+            assert sorted(planned) == sorted(["", *(u[0] for u in ref if u[0])]), key
+    first = results[0]
+    llama = first["llama3 {}"][0]
+    assert [u[0] for u in llama] == ["", "tok_embeddings", "layers.0", "layers.1", "norm+lm_head"]
+    assert dict((u[0], u[1]) for u in llama)["norm+lm_head"] == (False,)
+    assert dict((u[0], u[1]) for u in llama)["layers.0"] == (True,)
+    tied = first["qwen3 {}"][0]
+    assert "tok_embeddings+norm+lm_head" in [u[0] for u in tied]
+    factors = [f for u in llama for f in u[5]]
+    assert len(factors) == 4 and set(factors) == {1.0}  # the root holds no parameter
+
+
+# ---------------------------------------------------------------- training, bitwise
+
+
+def _rank_losses(name: str, budget: int) -> dict:
+    dims = _parallel_dims()
+    out = {}
+    ref = _model(name)
+    _shard(ref, "torchtitan", dims)
+    out["torchtitan"] = _train(ref, dims, range(STEPS))
+    ours = _model(name)
+    _shard(ours, "ours", dims)
+    out["ours"] = _train(ours, dims, range(STEPS))
+    policy = fsdp_ext.GranularityPolicy(memory_budget_bytes=budget)
+    budgeted = _model(name)
+    plan = tt_fsdp.plan_fsdp(
+        budgeted,
+        dims.get_mesh("fsdp"),
+        torch.float32,
+        torch.float32,
+        False,
+        auto_wrap_policy=policy,
+    )
+    out["plan"] = str(plan)
+    out["planned"] = _plan_units(plan)
+    _shard(budgeted, "ours", dims, policy=policy)
+    out["budget_units"] = _actual_units(budgeted)
+    out["per_block_units"] = _actual_units(ours)
+    out["budget"] = _train(budgeted, dims, range(STEPS))
+    return out
+
+
+@pytest.mark.parametrize(("name", "budget"), [("llama3", 6_000_000), ("qwen3_moe", 20_000_000)])
+def test_drop_in_losses_equal_torchtitans_bitwise(name, budget):
+    """10 steps: the drop-in with the per-block default gives torchtitan's losses bit for
+    bit on both ranks. A memory budget gives another plan, the one ``plan_fsdp`` printed,
+    and trains (same arithmetic per parameter: the same losses)."""
+    results = run_distributed(_rank_losses, WORLD, name, budget)
+    for r in results:
+        assert r["ours"] == r["torchtitan"], name
+        assert all(torch.isfinite(torch.tensor(r["ours"])))
+        assert r["ours"][-1] < r["ours"][0]
+        assert r["budget_units"] and sorted(r["budget_units"]) == sorted(r["planned"])
+        assert sorted(r["budget_units"]) != sorted(r["per_block_units"]), r["plan"]
+        assert r["budget"] == r["torchtitan"], r["plan"]
