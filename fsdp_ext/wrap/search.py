@@ -66,7 +66,7 @@ def _sibling_runs(atoms: list[Atom], layout: Layout) -> list[list[int]]:
     for i, atom in enumerate(atoms):
         single = len(atom.group) == 1 and not isinstance(atom.group[0], FSDPModule)
         parent = layout.parent[atom.group[0]] if single else None
-        if single and runs and runs[-1][-1] == i - 1:
+        if single and runs and runs[-1] and runs[-1][-1] == i - 1:
             prev = atoms[i - 1].group[0]
             if layout.parent[prev] is parent and len(atoms[i - 1].group) == 1:
                 runs[-1].append(i)
