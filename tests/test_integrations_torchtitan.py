@@ -315,3 +315,65 @@ def test_drop_in_losses_equal_torchtitans_bitwise(name, budget):
         assert r["budget_units"] and sorted(r["budget_units"]) == sorted(r["planned"])
         assert sorted(r["budget_units"]) != sorted(r["per_block_units"]), r["plan"]
         torch.testing.assert_close(r["budget"], r["torchtitan"], rtol=2e-5, atol=0)
+
+
+# ---------------------------------------------------------------- LoCo + checkpoint resume
+
+SAVED_AT = 3
+
+
+def _checkpointer(training: _Training, folder: str):
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    config = CheckpointManager.Config(
+        enable=True, folder="checkpoint", interval=SAVED_AT, keep_latest_k=0
+    )
+    return config.build(
+        dataloader=None,
+        model_parts=[training.model],
+        optimizers=training.optimizers,
+        lr_schedulers=training.lr_schedulers,
+        states={},
+        sd_adapter=None,
+        base_folder=folder,
+    )
+
+
+def _rank_loco_run(name: str, folder: str, resume: bool) -> dict:
+    """LoCo 4-bit, torchtitan's CheckpointManager with the handle in its states: either
+    ``2 * SAVED_AT`` steps saving at ``SAVED_AT``, or load that checkpoint (in this new
+    process group) and run the remaining steps."""
+    dims = _parallel_dims()
+    model = _model(name)
+    handle = _shard(model, "ours", dims, loco=fsdp_ext.LoCoConfig(bits=4, group_size=64))
+    training = _Training(model, dims)
+    checkpointer = _checkpointer(training, folder)
+    tt_fsdp.with_comm_state(checkpointer, handle)
+    out = {"losses": [], "error_bytes": None}
+    first = SAVED_AT if resume else 0
+    if resume:
+        assert checkpointer.load(step=SAVED_AT)
+        out["error_bytes"] = handle.state_dict()
+    for step in range(first, 2 * SAVED_AT):
+        out["losses"].append(training.step(step))
+        checkpointer.save(curr_step=step + 1)
+        if step + 1 == SAVED_AT:
+            out["error_bytes"] = handle.state_dict()
+    out["sent"] = handle.stats.bytes_sent
+    checkpointer.close()
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3_moe"])
+def test_loco_resume_through_torchtitans_checkpoint_manager_is_exact(name, tmp_path):
+    """Train with LoCo, save model, optimizer, scheduler and LoCo's error buffers with
+    torchtitan's CheckpointManager (DCP), load them in a new process group and go on:
+    every rank gets its own buffers back, and the losses equal the uninterrupted run's
+    bit for bit."""
+    whole = run_distributed(_rank_loco_run, WORLD, name, str(tmp_path), False)
+    resumed = run_distributed(_rank_loco_run, WORLD, name, str(tmp_path), True)
+    for rank in range(WORLD):
+        assert whole[rank]["sent"] > 0
+        assert resumed[rank]["error_bytes"] == whole[rank]["error_bytes"]
+        assert list(resumed[rank]["error_bytes"]) == [f"rank{rank}"]
+        assert resumed[rank]["losses"] == whole[rank]["losses"][SAVED_AT:]
