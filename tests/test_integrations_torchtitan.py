@@ -377,3 +377,43 @@ def test_loco_resume_through_torchtitans_checkpoint_manager_is_exact(name, tmp_p
         assert resumed[rank]["error_bytes"] == whole[rank]["error_bytes"]
         assert list(resumed[rank]["error_bytes"]) == [f"rank{rank}"]
         assert resumed[rank]["losses"] == whole[rank]["losses"][SAVED_AT:]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "named"),
+    [
+        ({"reshard_after_forward_policy": "sometimes"}, ValueError, "'always', 'never', 'default'"),
+        ({"param_dtype": "bf16"}, TypeError, "param_dtype must be a torch.dtype"),
+        ({"pp_enabled": 1}, TypeError, "pp_enabled must be a bool"),
+        ({"ep_degree": 0}, ValueError, "ep_degree must be an int >= 1"),
+        ({"ep_degree": 2}, ValueError, "needs edp_mesh"),
+        ({"loco": "4bit"}, TypeError, "loco must be a LoCoConfig"),
+        ({"loco": fsdp_ext.LoCoConfig(), "ep_degree": 2}, ValueError, "loco with ep_degree=2"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_sharded(change, error, named):
+    from torch.distributed.fsdp import FSDPModule
+
+    model = _model("llama3", "meta")
+    kwargs = {"param_dtype": torch.float32, "reduce_dtype": torch.float32, "pp_enabled": False}
+    with pytest.raises(error, match=named.replace("(", r"\(").replace("[", r"\[")):
+        tt_fsdp.apply_fsdp(model, None, **{**kwargs, **change})
+    assert not any(isinstance(m, FSDPModule) for m in model.modules())
+    with pytest.raises(TypeError, match="model must be a torchtitan Decoder"):
+        tt_fsdp.apply_fsdp(torch.nn.Linear(2, 2), None, **kwargs)
+
+
+def test_with_comm_state_refuses_what_it_cannot_checkpoint():
+    handle = fsdp_ext.CommHandle({}, fsdp_ext.LoCoConfig())
+    checkpointer = type("Manager", (), {"states": {}})()
+    with pytest.raises(TypeError, match="handle must be a CommHandle"):
+        tt_fsdp.with_comm_state(checkpointer, object())
+    with pytest.raises(ValueError, match="key must be a non-empty str other than"):
+        tt_fsdp.with_comm_state(checkpointer, handle, key="optimizer")
+    with pytest.raises(TypeError, match="enabled torchtitan CheckpointManager"):
+        tt_fsdp.with_comm_state(object(), handle)
+    tt_fsdp.with_comm_state(checkpointer, handle)
+    assert checkpointer.states == {"loco": handle}

@@ -67,6 +67,9 @@ def apply_fsdp(
         enable_fsdp_symm_mem,
     )
 
+    _check_arguments(
+        model, param_dtype, reduce_dtype, pp_enabled, reshard_after_forward_policy, ep_degree
+    )
     if loco is not None and not isinstance(loco, LoCoConfig):
         raise TypeError(f"loco must be a LoCoConfig or None, got {type(loco).__name__}")
     if loco is not None and ep_degree > 1:
