@@ -38,7 +38,7 @@ STEPS = 10
 BATCH, SEQ = 2, 32
 
 
-def _config(name: str):
+def _config(name: str, num_experts: int = 8):
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     if name == "llama3":
@@ -63,8 +63,8 @@ def _config(name: str):
             n_kv_heads=8,
             head_dim=128,
             moe_hidden_dim=128,
-            num_experts=8,
-            top_k=2,
+            num_experts=num_experts,
+            top_k=min(2, num_experts),
             attn_backend="flex",
             moe_comm_backend="standard",
             rope=CosSinRoPE.Config(dim=128, max_seq_len=4096, theta=1000000.0),
@@ -74,8 +74,8 @@ def _config(name: str):
     return config
 
 
-def _model(name: str, device: str = "cpu"):
-    config = _config(name)
+def _model(name: str, device: str = "cpu", num_experts: int = 8):
+    config = _config(name, num_experts)
     torch.manual_seed(0)
     with torch.device(device):
         model = config.build()
@@ -85,12 +85,14 @@ def _model(name: str, device: str = "cpu"):
     return model
 
 
-def _parallel_dims():
+def _parallel_dims(ep: int = 1):
     import torchtitan.distributed.parallel_dims as parallel_dims
     from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import set_spmd_backend
 
     # torchtitan falls back to "cuda" when no accelerator is found (tools/utils.py)
     parallel_dims.device_type = "cpu"
+    set_spmd_backend("partial_dtensor")  # as the Trainer does from its config
 
     dims = ParallelDims(
         dp_replicate=1,
@@ -98,7 +100,7 @@ def _parallel_dims():
         cp=1,
         tp=1,
         pp=1,
-        ep=1,
+        ep=ep,
         world_size=WORLD,
         spmd_backend="partial_dtensor",
     )
@@ -154,6 +156,7 @@ def _units(model) -> list[tuple]:
             tuple(type(g.offload_policy).__name__ for g in groups),
             tuple(g.gradient_divide_factor for g in groups),
             tuple(str(p.fsdp_placement) for g in groups for p in g.fsdp_params),
+            tuple((g.mesh_info.mesh.mesh_dim_names, g.mesh_info.shard_mesh_size) for g in groups),
         ]
         seen[id(state)] = row
         out.append(row)
@@ -267,6 +270,59 @@ def test_default_policy_makes_torchtitans_units_with_its_options():
     assert "tok_embeddings+norm+lm_head" in [u[0] for u in tied]
     factors = [f for u in llama for f in u[5]]
     assert len(factors) == 4 and set(factors) == {1.0}  # the root holds no parameter
+
+
+def _prefetches(model) -> dict[str, tuple[list[str], list[str]]]:
+    from torch.distributed.fsdp import FSDPModule
+
+    units = {n: m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
+    names = {id(m._get_fsdp_state()): n for n, m in units.items()}
+    return {
+        n: (
+            [names[id(s)] for s in m._get_fsdp_state()._states_to_forward_prefetch],
+            [names[id(s)] for s in m._get_fsdp_state()._states_to_backward_prefetch],
+        )
+        for n, m in units.items()
+    }
+
+
+def _rank_expert_units() -> dict:
+    """Experts: Shard(1) when there are fewer than the shard degree (one expert on 2
+    ranks), and EP 2 (model.parallelize, experts on the efsdp mesh)."""
+    out = {}
+    dims = _parallel_dims()
+    ref, ours = _model("qwen3_moe", "meta", 1), _model("qwen3_moe", "meta", 1)
+    _shard(ref, "torchtitan", dims)
+    _shard(ours, "ours", dims)
+    out["shard1"] = (_units(ref), _units(ours))
+    dims = _parallel_dims(ep=2)
+    models = []
+    for wrap in ("torchtitan", "ours"):
+        model = _model("qwen3_moe", "meta")
+        model.parallelize(dims)
+        _shard(model, wrap, dims, ep_degree=2, edp_mesh=dims.get_optional_mesh(["efsdp"]))
+        models.append(model)
+    out["ep2"] = tuple(_units(m) for m in models)
+    out["ep2_prefetch"] = tuple(_prefetches(m) for m in models)
+    return out
+
+
+def test_expert_placements_and_ep_prefetch_are_torchtitans():
+    """Shard(1) experts (1 expert, 2 ranks) and EP 2 (experts on their own mesh: two param
+    groups per MoE block; explicit prefetch in both directions) as torchtitan sets them.
+    Planned on the meta device: torchtitan 0.3.0's EP token dispatch does not run on gloo
+    here, so EP training is not tested."""
+    for r in run_distributed(_rank_expert_units, WORLD):
+        ref, ours = r["shard1"]
+        assert ours == ref
+        assert "S(1)" in dict((u[0], u[6]) for u in ref)["layers.0"]
+        ref, ours = r["ep2"]
+        assert ours == ref
+        meshes = dict((u[0], u[7]) for u in ref)["layers.0"]
+        assert meshes == ((("fsdp",), 2), (("efsdp",), 1))  # dp and edp param groups
+        assert r["ep2_prefetch"][1] == r["ep2_prefetch"][0]
+        forward = {n: f for n, (f, _) in r["ep2_prefetch"][0].items()}
+        assert forward["tok_embeddings"] == ["layers.0"] and forward["layers.0"] == ["layers.1"]
 
 
 # ---------------------------------------------------------------- training, bitwise
