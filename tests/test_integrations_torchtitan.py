@@ -416,20 +416,24 @@ def _rank_loco_run(name: str, folder: str, resume: bool) -> dict:
         if step + 1 == SAVED_AT:
             out["error_bytes"] = handle.state_dict()
     out["sent"] = handle.stats.bytes_sent
+    out["loco_units"] = sorted(handle.header()["layout"])
     checkpointer.close()
     return out
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen3_moe"])
 def test_loco_resume_through_torchtitans_checkpoint_manager_is_exact(name, tmp_path):
-    """Train with LoCo, save model, optimizer, scheduler and LoCo's error buffers with
-    torchtitan's CheckpointManager (DCP), load them in a new process group and go on:
-    every rank gets its own buffers back, and the losses equal the uninterrupted run's
-    bit for bit."""
+    """Train with LoCo on every unit, save model, optimizer, scheduler and LoCo's error
+    buffers with torchtitan's CheckpointManager (DCP), load them in a new process group and
+    go on: every rank gets its own buffers back, and the losses equal the uninterrupted
+    run's bit for bit."""
     whole = run_distributed(_rank_loco_run, WORLD, name, str(tmp_path), False)
     resumed = run_distributed(_rank_loco_run, WORLD, name, str(tmp_path), True)
     for rank in range(WORLD):
         assert whole[rank]["sent"] > 0
+        assert {"tok_embeddings", "layers.0", "layers.1", "norm+lm_head"} <= set(
+            whole[rank]["loco_units"]
+        )  # LoCo on every unit, torchtitan's [norm, lm_head] group included
         assert resumed[rank]["losses"] == whole[rank]["losses"][SAVED_AT:]
         assert list(resumed[rank]["error_bytes"]) == [f"rank{rank}"]
         assert resumed[rank]["error_bytes"] == whole[rank]["error_bytes"]
