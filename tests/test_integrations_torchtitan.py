@@ -378,11 +378,15 @@ def test_drop_in_losses_equal_torchtitans_bitwise(name, budget):
 SAVED_AT = 3
 
 
-def _checkpointer(training: _Training, folder: str):
+def _checkpointer(training: _Training, folder: str, exclude: tuple[str, ...] = ()):
     from torchtitan.components.checkpoint import CheckpointManager
 
     config = CheckpointManager.Config(
-        enable=True, folder="checkpoint", interval=SAVED_AT, keep_latest_k=0
+        enable=True,
+        folder="checkpoint",
+        interval=SAVED_AT,
+        keep_latest_k=0,
+        exclude_from_loading=list(exclude),
     )
     return config.build(
         dataloader=None,
@@ -437,6 +441,45 @@ def test_loco_resume_through_torchtitans_checkpoint_manager_is_exact(name, tmp_p
         assert resumed[rank]["losses"] == whole[rank]["losses"][SAVED_AT:]
         assert list(resumed[rank]["error_bytes"]) == [f"rank{rank}"]
         assert resumed[rank]["error_bytes"] == whole[rank]["error_bytes"]
+
+
+def _rank_without_loco_state(folder: str, phase: str) -> str:
+    """Save without LoCo, then load with a LoCo handle in the states (``phase``: "plain"
+    or "exclude", which excludes it from loading)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    dims = _parallel_dims()
+    model = _model("llama3")
+    loco = None if phase == "save" else fsdp_ext.LoCoConfig()
+    handle = _shard(model, "ours", dims, loco=loco)
+    training = _Training(model, dims)
+    checkpointer = _checkpointer(training, folder, ("loco",) if phase == "exclude" else ())
+    try:
+        if phase == "save":
+            training.step(0)
+            checkpointer.save(curr_step=SAVED_AT)
+            return "saved"
+        tt_fsdp.with_comm_state(checkpointer, handle)
+        try:
+            checkpointer.load(step=SAVED_AT)
+        except CheckpointException as exc:  # a BaseException, raised on every rank
+            return f"{type(exc).__name__}: {exc.failures[dist.get_rank()][0]}"
+        return "loaded"
+    finally:
+        checkpointer.close()
+
+
+def test_a_checkpoint_without_loco_state_loads_with_exclude_from_loading(tmp_path):
+    """A checkpoint from a run without LoCo lacks the handle's keys: DCP refuses it, and
+    ``exclude_from_loading=["loco"]`` loads it (as docs/integrations.md says)."""
+    assert run_distributed(_rank_without_loco_state, WORLD, str(tmp_path), "save") == ["saved"] * 2
+    plain = run_distributed(_rank_without_loco_state, WORLD, str(tmp_path), "plain")
+    assert plain == [
+        f"CheckpointException: Missing key in checkpoint state_dict: loco.rank{r}."
+        for r in range(WORLD)
+    ]
+    excluded = run_distributed(_rank_without_loco_state, WORLD, str(tmp_path), "exclude")
+    assert excluded == ["loaded"] * 2
 
 
 # ---------------------------------------------------------------- bad input
