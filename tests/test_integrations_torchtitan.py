@@ -74,8 +74,13 @@ def _config(name: str, num_experts: int = 8):
     return config
 
 
-def _model(name: str, device: str = "cpu", num_experts: int = 8):
+def _model(name: str, device: str = "cpu", num_experts: int = 8, ep: int = 1):
     config = _config(name, num_experts)
+    if ep > 1:  # what Qwen3Model.Config.update_from_config does for EP (its Decoder part
+        # imports torchtitan.trainer, which needs torchdata)
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+        set_qwen3_sharding_config(config, enable_sp=False, enable_ep=True)
     torch.manual_seed(0)
     with torch.device(device):
         model = config.build()
@@ -208,7 +213,9 @@ class _Training:
         pred = self.model(inputs)
         loss, _ = self.loss_fn(pred, labels, global_valid_tokens)
         loss.backward()
-        dist_utils.clip_grad_norm_(list(self.model.parameters()), 1.0, foreach=True)
+        dist_utils.clip_grad_norm_(
+            list(self.model.parameters()), 1.0, foreach=True, ep_enabled=self.dims.ep_enabled
+        )
         self.optimizers.step()
         self.lr_schedulers.step()
         total = loss.detach().clone()
@@ -288,7 +295,12 @@ def _prefetches(model) -> dict[str, tuple[list[str], list[str]]]:
 
 def _rank_expert_units() -> dict:
     """Experts: Shard(1) when there are fewer than the shard degree (one expert on 2
-    ranks), and EP 2 (model.parallelize, experts on the efsdp mesh)."""
+    ranks, planned on meta), and EP 2 (``model.parallelize``: experts split over ep, on
+    the efsdp mesh for FSDP), trained with torchtitan's wrap, the drop-in, and the drop-in
+    with attention and MoE as separate units."""
+    from torchtitan.models.common.attention import GQAttention
+    from torchtitan.models.common.moe import MoE
+
     out = {}
     dims = _parallel_dims()
     ref, ours = _model("qwen3_moe", "meta", 1), _model("qwen3_moe", "meta", 1)
@@ -296,33 +308,39 @@ def _rank_expert_units() -> dict:
     _shard(ours, "ours", dims)
     out["shard1"] = (_units(ref), _units(ours))
     dims = _parallel_dims(ep=2)
-    models = []
-    for wrap in ("torchtitan", "ours"):
-        model = _model("qwen3_moe", "meta")
+    for key, wrap, policy in [
+        ("torchtitan", "torchtitan", None),
+        ("ours", "ours", None),
+        ("split", "ours", {GQAttention, MoE}),
+    ]:
+        model = _model("qwen3_moe", ep=2)
         model.parallelize(dims)
-        _shard(model, wrap, dims, ep_degree=2, edp_mesh=dims.get_optional_mesh(["efsdp"]))
-        models.append(model)
-    out["ep2"] = tuple(_units(m) for m in models)
-    out["ep2_prefetch"] = tuple(_prefetches(m) for m in models)
+        edp_mesh = dims.get_optional_mesh(["efsdp"])
+        _shard(model, wrap, dims, policy=policy, ep_degree=2, edp_mesh=edp_mesh)
+        out[key] = (_units(model), _prefetches(model), _train(model, dims, range(STEPS)))
     return out
 
 
-def test_expert_placements_and_ep_prefetch_are_torchtitans():
-    """Shard(1) experts (1 expert, 2 ranks) and EP 2 (experts on their own mesh: two param
-    groups per MoE block; explicit prefetch in both directions) as torchtitan sets them.
-    Planned on the meta device: torchtitan 0.3.0's EP token dispatch does not run on gloo
-    here, so EP training is not tested."""
+def test_expert_placements_ep_meshes_and_prefetch_are_torchtitans():
+    """Shard(1) experts and EP 2 (experts on their own mesh: two param groups per MoE
+    block; explicit prefetch in both directions) as torchtitan sets them. EP 2 trains: 10
+    losses bit-identical to torchtitan's wrap, also with attention and MoE as separate
+    units (the per-parameter meshes combine with the policy's units)."""
     for r in run_distributed(_rank_expert_units, WORLD):
         ref, ours = r["shard1"]
         assert ours == ref
         assert "S(1)" in dict((u[0], u[6]) for u in ref)["layers.0"]
-        ref, ours = r["ep2"]
-        assert ours == ref
+        (ref, ref_prefetch, ref_losses), (ours, prefetch, losses) = r["torchtitan"], r["ours"]
+        assert ours == ref and prefetch == ref_prefetch and losses == ref_losses
         meshes = dict((u[0], u[7]) for u in ref)["layers.0"]
         assert meshes == ((("fsdp",), 2), (("efsdp",), 1))  # dp and edp param groups
-        assert r["ep2_prefetch"][1] == r["ep2_prefetch"][0]
-        forward = {n: f for n, (f, _) in r["ep2_prefetch"][0].items()}
+        forward = {n: f for n, (f, _) in ref_prefetch.items()}
         assert forward["tok_embeddings"] == ["layers.0"] and forward["layers.0"] == ["layers.1"]
+        split, split_prefetch, split_losses = r["split"]
+        assert sorted(dict((u[0], u[7]) for u in split)["layers.0.moe"]) == sorted(meshes)
+        forward = {n: f for n, (f, _) in split_prefetch.items()}
+        assert forward["layers.0.attention"] == ["layers.0.moe"]
+        assert split_losses == ref_losses
 
 
 # ---------------------------------------------------------------- training, bitwise
