@@ -25,13 +25,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("torchtitan")
-
 import fsdp_ext
-from fsdp_ext.integrations import torchtitan as tt_fsdp
+from fsdp_ext.integrations import torchtitan as tt_fsdp  # imports torchtitan only when used
 from tests.dist import run_distributed
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _needs_torchtitan() -> None:
+    # here rather than at import, so the default run (which deselects these) never pays
+    # for importing torchtitan
+    pytest.importorskip("torchtitan")
+
 
 WORLD = 2
 STEPS = 10
