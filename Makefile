@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 NPROC ?= 2
 
-.PHONY: venv demo test test-slow bench lint format
+.PHONY: venv demo test test-slow torchtitan bench lint format
 
 venv:
 	@scripts/bootstrap.sh
@@ -16,7 +16,16 @@ test: venv
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
-test-slow: venv
+# torchtitan 0.3.0 with its full dependency set would downgrade huggingface_hub (2.x -> 1.33)
+# under transformers 5.23, so it goes in without dependencies, plus the pure-python packages
+# its model, FSDP and checkpoint modules import (torch, numpy, safetensors are there already).
+TORCHTITAN := torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 tyro==1.0.17 \
+	einops==0.8.2 docstring_parser==0.18.0 typeguard==4.6.0
+
+torchtitan: venv
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(TORCHTITAN)
+
+test-slow: venv torchtitan
 	$(PY) -m pytest -q -m slow
 
 format: venv

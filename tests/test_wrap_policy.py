@@ -242,14 +242,31 @@ def _plan_with_a_unit_sharded_already() -> tuple[list[str], list[str]]:
     model = FineMoE(FineMoEConfig(n_layers=2, num_experts=4))
     torch_fully_shard(model.lm_head, mesh=init_device_mesh("cpu", (1,)))
     plan = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(memory_budget_bytes=10**9))
-    return [u.fqn for u in plan.units], plan.folded
+    # torchtitan's fixed units: the embedding alone, then [norm, lm_head] as one unit
+    fixed = FineMoE(FineMoEConfig(n_layers=2, num_experts=4))
+    torch_fully_shard(fixed.embed_tokens, mesh=init_device_mesh("cpu", (1,)))
+    torch_fully_shard([fixed.norm, fixed.lm_head], mesh=init_device_mesh("cpu", (1,)))
+    per_block = fsdp_ext.plan_units(fixed, fsdp_ext.GranularityPolicy())
+    budget = fsdp_ext.plan_units(fixed, fsdp_ext.GranularityPolicy(memory_budget_bytes=400_000))
+    return (
+        [u.fqn for u in plan.units],
+        plan.folded,
+        [u.fqn for u in per_block.units],
+        [u.fqn for u in budget.units],
+    )
 
 
 def test_units_sharded_already_are_never_folded():
+    """A unit sharded before planning stays as it is, one unit even when it holds several
+    modules (fully_shard([norm, lm_head])); a budget plan around such units works (it
+    used to index an empty run of siblings after one)."""
     from tests.dist import run_distributed
 
-    units, folded = run_distributed(_plan_with_a_unit_sharded_already, 1)[0]
+    units, folded, per_block, budget = run_distributed(_plan_with_a_unit_sharded_already, 1)[0]
     assert units == ["", "lm_head"] and "lm_head" not in folded
+    assert per_block == ["", "embed_tokens", "layers.0", "layers.1", "norm+lm_head"]
+    assert budget[1] == "embed_tokens" and budget[-1] == "norm+lm_head"
+    assert len(budget) > len(per_block)
 
 
 # ---------------------------------------------------------------- DeepSpeed's fixed cases

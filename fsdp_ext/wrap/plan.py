@@ -415,7 +415,7 @@ def plan_units(
             units = granularity_units(module, threshold, infos)
     else:
         units = select_units(module, auto_wrap_policy)
-    groups = group_tied_units(module, with_existing_units(module, units))
+    groups = unit_groups(module, units)
     overrides: dict[nn.Module, dict] = {}
     if isinstance(auto_wrap_policy, CustomPolicy):
         overrides = auto_wrap_policy._run_policy(module, set(), {})
@@ -439,7 +439,7 @@ def unit_reshard_after_forward(
     group: Group, default: bool | int | None, overrides: dict[nn.Module, dict]
 ) -> bool | int | None:
     """A unit's setting: its existing FSDP state, a CustomPolicy dict, or the default."""
-    if len(group) == 1 and isinstance(group[0], FSDPModule):
+    if isinstance(group[0], FSDPModule):
         return existing_reshard_after_forward(group[0])
     return overrides.get(group[0], {}).get("reshard_after_forward", default)
 
@@ -454,6 +454,26 @@ def with_existing_units(root: nn.Module, units: list[nn.Module]) -> list[nn.Modu
     return [
         m for m in root.modules() if m is not root and (m in selected or isinstance(m, FSDPModule))
     ]
+
+
+def unit_groups(root: nn.Module, units: list[nn.Module]) -> list[Group]:
+    """``units`` and the FSDP units already there, as groups: tied modules together
+    (:func:`group_tied_units`), and the members of one existing unit together
+    (``fully_shard([norm, lm_head])`` before planning is one unit, not two)."""
+    merged: dict[int, list[nn.Module]] = {}
+    out: list[list[nn.Module]] = []
+    for group in group_tied_units(root, with_existing_units(root, units)):
+        head = group[0]
+        state = id(head._get_fsdp_state()) if isinstance(head, FSDPModule) else None
+        if state is not None and state in merged:
+            merged[state].extend(group)
+            continue
+        members = list(group)
+        if state is not None:
+            merged[state] = members
+        out.append(members)
+    order = {m: i for i, m in enumerate(root.modules())}
+    return [tuple(sorted(g, key=order.__getitem__)) for g in out]
 
 
 def _describe(policy: object, threshold: int | None) -> str:

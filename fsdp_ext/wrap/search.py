@@ -39,10 +39,10 @@ from fsdp_ext.wrap.plan import (
     make_atoms,
     root_reshard_after_forward,
     spans_for,
+    unit_groups,
     unit_reshard_after_forward,
-    with_existing_units,
 )
-from fsdp_ext.wrap.policy import GranularityPolicy, granularity_units, group_tied_units
+from fsdp_ext.wrap.policy import GranularityPolicy, granularity_units
 from fsdp_ext.wrap.tree import ModuleInfo, repeated_blocks
 
 _GROUP_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -66,7 +66,7 @@ def _sibling_runs(atoms: list[Atom], layout: Layout) -> list[list[int]]:
     for i, atom in enumerate(atoms):
         single = len(atom.group) == 1 and not isinstance(atom.group[0], FSDPModule)
         parent = layout.parent[atom.group[0]] if single else None
-        if single and runs and runs[-1][-1] == i - 1:
+        if single and runs and runs[-1] and runs[-1][-1] == i - 1:
             prev = atoms[i - 1].group[0]
             if layout.parent[prev] is parent and len(atoms[i - 1].group) == 1:
                 runs[-1].append(i)
@@ -126,7 +126,7 @@ def plan_for_budget(
     block_units, block_threshold = default_units(root, infos)
     # Hand-written per-block wrapping (torchtitan): the blocks are units, the rest is root.
     blocks = repeated_blocks(root)[0] or block_units
-    block_groups = group_tied_units(root, with_existing_units(root, blocks))
+    block_groups = unit_groups(root, blocks)
     baseline = build_plan(
         root,
         block_groups,
@@ -154,7 +154,7 @@ def plan_for_budget(
         if key in seen:
             continue
         seen.add(key)
-        groups = group_tied_units(root, with_existing_units(root, units))
+        groups = unit_groups(root, units)
         root_atom, atoms = make_atoms(root, groups, layout, param_dtype, fsdp_sizes)
         fixed = [unit_reshard_after_forward(g, reshard_after_forward, {}) for g in groups]
         level_fits = False
