@@ -1,6 +1,11 @@
-"""Tiny HF transformers MoE configs shared by tests (built from config, nothing downloaded)."""
+"""Tiny HF transformers MoE configs shared by tests (built from config, nothing downloaded),
+and the launch environment accelerate reads."""
 
 from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
 
 TINY_DECODER = dict(
     vocab_size=64,
@@ -26,3 +31,17 @@ def tiny_qwen2_moe_config(num_hidden_layers: int = 2):
         num_experts_per_tok=2,
         decoder_sparse_step=1,
     )
+
+
+def set_launch_env(world: int) -> None:
+    """The variables torchrun would set, which accelerate's state reads (inside a rank of
+    ``run_distributed``, whose process group is already up)."""
+    for key, value in {
+        "RANK": dist.get_rank(),
+        "WORLD_SIZE": world,
+        "LOCAL_RANK": dist.get_rank(),
+        "LOCAL_WORLD_SIZE": world,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }.items():
+        os.environ[key] = str(value)

@@ -9,7 +9,6 @@ latter) and ``state.fsdp_plugin = plugin``, which is what accelerate itself sets
 from __future__ import annotations
 
 import io
-import os
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ pytest.importorskip("accelerate")
 
 import fsdp_ext
 from tests.dist import run_distributed
-from tests.hf_models import tiny_qwen2_moe_config
+from tests.hf_models import set_launch_env, tiny_qwen2_moe_config
 
 WORLD = 2
 STEPS = 10
@@ -46,15 +45,7 @@ def _accelerator(policy: str | None):
     from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
     from accelerate.utils import DistributedType
 
-    for key, value in {
-        "RANK": dist.get_rank(),
-        "WORLD_SIZE": WORLD,
-        "LOCAL_RANK": dist.get_rank(),
-        "LOCAL_WORLD_SIZE": WORLD,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "29500",
-    }.items():
-        os.environ[key] = str(value)
+    set_launch_env(WORLD)
     kwargs = {"auto_wrap_policy": policy} if policy else {}
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **kwargs)
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)

@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 
 import fsdp_ext
 from tests.dist import run_distributed
-from tests.hf_models import tiny_qwen2_moe_config
+from tests.hf_models import set_launch_env, tiny_qwen2_moe_config
 
 WORLD = 2
 STEPS = 8
@@ -66,18 +66,6 @@ class _Tokens(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids = (7 * i + torch.arange(12)) % 64
         return {"input_ids": ids, "labels": ids.clone()}
-
-
-def _set_launch_env() -> None:
-    for key, value in {
-        "RANK": dist.get_rank(),
-        "WORLD_SIZE": WORLD,
-        "LOCAL_RANK": dist.get_rank(),
-        "LOCAL_WORLD_SIZE": WORLD,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "29500",
-    }.items():
-        os.environ[key] = str(value)
 
 
 def _force_fsdp2(accelerator, plugin) -> None:
@@ -165,7 +153,7 @@ def _run_trainer(
     ``recipe`` replaces ``auto_wrap_policy`` / ``loco``; ``stock`` runs the plain Trainer."""
     from torch.distributed.fsdp import FSDPModule
 
-    _set_launch_env()
+    set_launch_env(WORLD)
     recipe = {} if stock else {"auto_wrap_policy": _budget(), "loco": _loco(), **recipe}
     trainer = _trainer_class(stock)(
         model=_qwen2_moe(),
@@ -201,7 +189,7 @@ def _adapter_losses(steps: list[dict], output_dir: str) -> list[float]:
 
     args = _args(output_dir)  # before the reset: building them resets accelerate's state
     AcceleratorState._reset_state(reset_partial_state=True)
-    _set_launch_env()
+    set_launch_env(WORLD)
     plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
     _force_fsdp2(accelerator, plugin)
