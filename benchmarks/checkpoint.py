@@ -32,6 +32,7 @@ for stock ``dedup_save_plans`` and for ours.
     python benchmarks/checkpoint.py --quick      # ~90 MB model, < 5 min
     python benchmarks/checkpoint.py              # ~340 MB model
     python benchmarks/checkpoint.py --simulate   # planner only, seconds
+    python benchmarks/checkpoint.py --link-sweep 50,100,200,400,800,1600,0   # the link plot
 """
 
 from __future__ import annotations
@@ -332,6 +333,54 @@ def _measure(
     return out if rank == 0 else {}
 
 
+def _link_sweep(root: str, dim: int, vocab: int, reps: int, rates: tuple[float, ...]) -> dict:
+    """Save seconds of the replicated layout per variant at each per-rank link rate (MB/s;
+    0: no cap, the machine's own storage)."""
+    state = build_state("replicated", model_shapes(dim, vocab))
+    out = {}
+    for rate in rates:
+        rounds = save_rounds(root, f"sweep{rate:g}", state, reps, rate * 1e6 or None)
+        out[rate] = {v: round(statistics.median(t), 3) for v, t in rounds.items()}
+    return out if dist.get_rank() == 0 else {}
+
+
+def plot_link_sweep(sweep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    capped = sorted(r for r in sweep if r)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    labels = {"lowest_rank": "stock, lowest rank", "dcp_default": "stock default", "ours": "ours"}
+    for i, (variant, label) in enumerate(labels.items()):
+        left.plot(capped, [sweep[r][variant] for r in capped], "-o", color=f"C{i}", label=label)
+        if 0 in sweep:
+            left.axhline(sweep[0][variant], color=f"C{i}", ls=":", lw=1)
+    left.set_xscale("log", base=2)
+    left.set_yscale("log", base=2)
+    left.set_xlabel("per-rank link, MB/s (dotted: no cap, this machine's disk)")
+    left.set_ylabel("save seconds (median)")
+    left.set_title("replicated 344 MB, 4 ranks")
+    left.legend(fontsize=8)
+    speedup = [sweep[r]["lowest_rank"] / sweep[r]["ours"] for r in capped]
+    ratio = [sweep[r]["ours"] / sweep[r]["dcp_default"] for r in capped]
+    right.plot(capped, speedup, "-o", color="C2", label="ours: speedup vs lowest rank")
+    right.plot(capped, ratio, "-s", color="C1", label="ours / stock default")
+    if 0 in sweep:
+        right.axhline(sweep[0]["lowest_rank"] / sweep[0]["ours"], color="C2", ls=":", lw=1)
+        right.axhline(sweep[0]["ours"] / sweep[0]["dcp_default"], color="C1", ls=":", lw=1)
+    right.axhline(1.5, color="grey", lw=0.8, ls="--")
+    right.axhline(1.0, color="grey", lw=0.8, ls="--")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("per-rank link, MB/s (dotted: no cap)")
+    right.set_title("targets: speedup >= 1.5, ratio <= 1.0")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # -- the simulation --------------------------------------------------------------------------
 
 
@@ -492,11 +541,39 @@ def main(argv: list[str] | None = None) -> dict:
         help="also save the replicated layout with each rank's writes capped at this many "
         "MB/s, a modelled per-rank link to storage (0: skip)",
     )
+    p.add_argument(
+        "--link-sweep",
+        default="",
+        help="only this: the replicated layout saved at each of these per-rank link rates "
+        "(comma-separated MB/s, 0 = no cap), plotted to docs/checkpoint_link.png",
+    )
     p.add_argument("--sim-worlds", default=",".join(map(str, SIM_WORLDS)))
     p.add_argument("--sim-models", default="", help="comma-separated subset (default: all)")
     p.add_argument("--plot", default=str(DOCS / "checkpoint_sim.png"), help="'' to skip")
     args = p.parse_args(argv)
     worlds = tuple(int(w) for w in args.sim_worlds.split(","))
+
+    if args.link_sweep:
+        rates = tuple(float(r) for r in args.link_sweep.split(","))
+        dim, vocab = (256, 16384) if args.quick else (512, 32768)
+        with tempfile.TemporaryDirectory(
+            prefix="fsdp_ext_ckpt_bench_", dir=os.environ.get("CKPT_BENCH_DIR")
+        ) as root:
+            sweep = run_distributed(_link_sweep, WORLD, root, dim, vocab, 3, rates, timeout=3000)[0]
+        if args.plot:
+            plot_link_sweep(sweep, DOCS / "checkpoint_link.png")
+        result = {
+            "bench": "checkpoint_link_sweep",
+            "save_s": {f"{r:g}": v for r, v in sweep.items()},
+            "save_speedup_vs_lowest_rank": {
+                f"{r:g}": round(v["lowest_rank"] / v["ours"], 2) for r, v in sweep.items()
+            },
+            "save_ratio_vs_dcp_default": {
+                f"{r:g}": round(v["ours"] / v["dcp_default"], 2) for r, v in sweep.items()
+            },
+        }
+        print(json.dumps(result), flush=True)
+        return result
 
     result: dict = {"bench": "checkpoint"}
     if not args.simulate:
