@@ -46,3 +46,15 @@ def test_quick_benchmark_runs(tmp_path):
     assert set(last["linked"]["save_s"]) == {"lowest_rank", "dcp_default", "ours", "ours_nocrc"}
     assert last["imbalance_ours"] <= 1.05
     assert all(v["loads_equal"] for layout in last["layouts"].values() for v in layout.values())
+
+
+@pytest.mark.slow
+def test_link_sweep_runs(capsys):
+    result = main(["--quick", "--link-sweep", "400,0", "--plot", ""])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == json.loads(json.dumps(result))
+    assert last["bench"] == "checkpoint_link_sweep"
+    assert set(last["save_s"]) == {"400", "0"}
+    for row in last["save_s"].values():
+        assert set(row) == {"lowest_rank", "dcp_default", "ours", "ours_nocrc"}
+        assert all(seconds > 0 for seconds in row.values())
