@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.fsdp.wrap import (
@@ -174,8 +174,32 @@ def _check_ownership(model: nn.Module, plan) -> None:
             assert not isinstance(modules[name], CONTAINER_TYPES)
 
 
+# found by this test: repeated_blocks took the inner ModuleList c0.0 for a block, so the
+# per-block baseline (17.7 ms) was no valid plan and undercut the search (23.0 ms)
+_NESTED_MODULE_LIST = (
+    "node",
+    (
+        [
+            (
+                "list",
+                (
+                    [
+                        ("list", ([("mha", None), ("node", ([("mha", None)], 0))], 0)),
+                        ("node", ([("mha", None)], 0)),
+                        ("linear", (15, 22, False)),
+                    ],
+                    0,
+                ),
+            )
+        ],
+        0,
+    ),
+)
+
+
 @settings(max_examples=40, deadline=None)
 @given(spec=_root, stretch=st.floats(-0.4, 2.0))
+@example(spec=_NESTED_MODULE_LIST, stretch=0.75)
 def test_budget_fits_folds_and_refuses_exactly_below_the_smallest_peak(spec, stretch):
     """Budgets around the smallest achievable peak: below it a ValueError naming it,
     at or above it a plan within the budget, never costlier than the per-block plan
@@ -569,3 +593,16 @@ def test_fully_shard_refuses_units_it_cannot_run():
         fsdp_ext.fully_shard(mha, auto_wrap_policy={nn.Linear})
     with pytest.raises(ValueError, match="no forward"):
         fsdp_ext.fully_shard(FineMoE(cfg), auto_wrap_policy={nn.ModuleList})
+
+
+def test_repeated_blocks_look_into_nested_containers():
+    """A container has no forward, so it is never a block: a ModuleList inside the layer
+    list gives its children; a ParameterList in it is no block either."""
+    from fsdp_ext.wrap.tree import repeated_blocks
+
+    inner = nn.ModuleList([nn.Linear(2, 3), nn.Linear(3, 4)])
+    extra = nn.ParameterList([nn.Parameter(torch.ones(2))])
+    layers = nn.ModuleList([inner, nn.Linear(4, 5), extra])
+    blocks, ancestors = repeated_blocks(nn.Sequential(layers))
+    assert blocks == [inner[0], inner[1], layers[1]]
+    assert {layers, inner} <= ancestors

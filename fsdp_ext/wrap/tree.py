@@ -158,7 +158,10 @@ def module_infos(root: nn.Module) -> dict[nn.Module, ModuleInfo]:
 def repeated_blocks(root: nn.Module) -> tuple[list[nn.Module], frozenset[nn.Module]]:
     """The outermost children of containers (e.g. transformer layers) and their ancestors.
 
-    Indivisible modules are not looked into (an MoE block's experts are not blocks).
+    Indivisible modules are not looked into (an MoE block's experts are not blocks). A
+    container inside a container is looked into (it has no forward, so it cannot be a
+    unit: its children are the blocks); a child with no forward (``ParameterList``) is no
+    block, and its parameters stay with the unit above.
     """
     blocks: list[nn.Module] = []
     ancestors: set[nn.Module] = set()
@@ -169,8 +172,12 @@ def repeated_blocks(root: nn.Module) -> tuple[list[nn.Module], frozenset[nn.Modu
         if is_container(module):
             children = [c for c in module.children() if any(True for _ in c.parameters())]
             if children:
-                blocks.extend(children)
                 ancestors.update(path, [module])
+                for child in children:
+                    if is_container(child):
+                        visit(child, [*path, module])
+                    elif can_be_unit(child):
+                        blocks.append(child)
                 return
         for child in module.children():
             visit(child, [*path, module])
