@@ -56,16 +56,17 @@ def _accelerator(policy: str | None):
     return accelerator
 
 
+def _step(accelerator, model, optimizer, step: int) -> float:
+    tokens = _tokens(dist.get_rank(), step)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 def _train(accelerator, model, optimizer) -> list[float]:
-    losses = []
-    for step in range(STEPS):
-        tokens = _tokens(dist.get_rank(), step)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return [_step(accelerator, model, optimizer, step) for step in range(STEPS)]
 
 
 def _rank_runs() -> dict:
@@ -169,12 +170,7 @@ def _loco_run(checkpoint_dir: str, resume: bool, with_loco: bool = True) -> dict
         if step == RESUME_AT and not resume:
             accelerator.save_state(checkpoint_dir)
             at_checkpoint = handle[0].state_dict() if handle else None
-        tokens = _tokens(dist.get_rank(), step)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(_step(accelerator, model, optimizer, step))
     sent = handle[0].stats.bytes_sent if handle else 0
     return {"losses": losses, "errors": at_checkpoint, "sent": sent}
 
