@@ -11,7 +11,10 @@ from fsdp_ext.checkpoint import verify_checkpoint as verify_checkpoint
 from fsdp_ext.comm import CommHandle as CommHandle
 from fsdp_ext.comm import LoCoConfig as LoCoConfig
 from fsdp_ext.comm import LoCoReduceScatter as LoCoReduceScatter
+from fsdp_ext.comm import QuantizedAllGather as QuantizedAllGather
+from fsdp_ext.comm import WeightGatherHandle as WeightGatherHandle
 from fsdp_ext.comm import register_comm_hook as register_comm_hook
+from fsdp_ext.comm import register_weight_all_gather as register_weight_all_gather
 from fsdp_ext.moe import MoE as MoE
 from fsdp_ext.moe import apply_expert_parallel as apply_expert_parallel
 from fsdp_ext.moe import clip_grad_norm_ as clip_grad_norm_

@@ -1,10 +1,14 @@
-"""Compressed gradient communication for FSDP2: 4-/8-bit LoCo reduce-scatter and HSDP hook."""
+"""Compressed communication for FSDP2: 4-/8-bit LoCo reduce-scatter and HSDP hook, int8
+parameter all-gather (qwZ)."""
 
 from fsdp_ext.comm.all_reduce_hook import LoCoAllReduceHook
 from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.reduce_scatter import LoCoReduceScatter
 from fsdp_ext.comm.register import CommHandle, register_comm_hook
 from fsdp_ext.comm.stats import CommStats
+from fsdp_ext.comm.weight_all_gather import QuantizedWeightAllGather, WeightGatherStats
+from fsdp_ext.comm.weight_config import QuantizedAllGather
+from fsdp_ext.comm.weight_register import WeightGatherHandle, register_weight_all_gather
 
 __all__ = [
     "CommHandle",
@@ -12,5 +16,10 @@ __all__ = [
     "LoCoAllReduceHook",
     "LoCoConfig",
     "LoCoReduceScatter",
+    "QuantizedAllGather",
+    "QuantizedWeightAllGather",
+    "WeightGatherHandle",
+    "WeightGatherStats",
     "register_comm_hook",
+    "register_weight_all_gather",
 ]
