@@ -35,4 +35,5 @@ from fsdp_ext.wrap import UnshardedBytesTracker as UnshardedBytesTracker
 from fsdp_ext.wrap import WrapPlan as WrapPlan
 from fsdp_ext.wrap import calibrate_cost_model as calibrate_cost_model
 from fsdp_ext.wrap import fully_shard as fully_shard
+from fsdp_ext.wrap import node_local_reshard as node_local_reshard
 from fsdp_ext.wrap import plan_units as plan_units

@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp.wrap import CustomPolicy
 
+from fsdp_ext.wrap.node_reshard import resolve_reshard_after_forward
 from fsdp_ext.wrap.plan import WrapPlan, plan_units
 from fsdp_ext.wrap.tree import (
     EXPERTS_ALWAYS_RUN_ATTR,
@@ -116,7 +118,7 @@ def check_wrap(
     auto_wrap_policy: object = None,
     *,
     mp_policy: object | None = None,
-    reshard_after_forward: bool | int | None = None,
+    reshard_after_forward: bool | int | str | None = None,
     world_size: int | None = None,
 ) -> WrapPlan:
     """The plan :func:`fully_shard` would apply, checked, with nothing sharded.
@@ -150,6 +152,11 @@ def fully_shard(module: nn.Module, *, auto_wrap_policy: object = None, **kwargs:
     ranks whose routing differs would send reduce-scatters of different lengths.
     """
     mesh = kwargs.get("mesh")
+    if "reshard_after_forward" in kwargs:
+        world = mesh.size() if mesh is not None else dist.get_world_size()
+        kwargs["reshard_after_forward"] = resolve_reshard_after_forward(
+            kwargs["reshard_after_forward"], mesh, world
+        )
     plan = check_wrap(
         module,
         auto_wrap_policy,
