@@ -173,7 +173,9 @@ class Cluster:
         self._check_node(node)
         enter = ["ip", "netns", "exec", self.topology.node_namespaces[node]]
         if self._mounts:
-            enter = ["nsenter", f"--target={self._mounts[node].pid}", "--mount", "--", *enter]
+            # nsenter --mount starts in the mount namespace's root unless told the directory
+            target = f"--target={self._mounts[node].pid}"
+            enter = ["nsenter", target, "--mount", f"--wd={os.getcwd()}", "--", *enter]
         return enter + list(argv)
 
     def exec(
