@@ -72,7 +72,7 @@ from fsdp_ext.checkpoint import (
     spread_plans,
 )
 from fsdp_ext.checkpoint.planner import item_nbytes
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 WORLD = 4
 LAYOUTS = ("replicated", "hsdp", "fsdp")

@@ -46,7 +46,7 @@ from benchmarks.comm_fidelity import (  # noqa: E402
 )
 from examples.train import TrainConfig, train  # noqa: E402
 from fsdp_ext import LoCoConfig, register_comm_hook  # noqa: E402
-from tests.dist import run_distributed  # noqa: E402
+from fsdp_ext.testing import run_distributed  # noqa: E402
 
 MODES = ("default", "q4", "loco")
 TAIL = 20  # the train loss reported is the mean of the last TAIL steps

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from tests.dist import run_distributed  # noqa: E402
+from fsdp_ext.testing import run_distributed  # noqa: E402
 
 ERROR_DTYPES = {"int8": torch.int8, "bf16": torch.bfloat16, "fp32": torch.float32}
 

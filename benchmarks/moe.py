@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.steps, args.layouts, args.bf16_layouts, args.timed_steps = 2, "2x2", "", 1
         throughput_case = Case(steps=1)
-    from tests.dist import run_distributed
+    from fsdp_ext.testing import run_distributed
 
     case = Case(steps=args.steps)
     reference = reference_run(case)

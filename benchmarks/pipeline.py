@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
     if any(m not in (4, 8) for m in microbatches):
         parser.error("--microbatches: values must be 4 or 8 (16 sequences over dp=2)")
     steps, warmup = (3, 1) if args.quick else (args.steps, args.warmup)
-    from tests.dist import run_distributed
+    from fsdp_ext.testing import run_distributed
 
     t0 = time.perf_counter()
     per_rank = run_distributed(

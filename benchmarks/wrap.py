@@ -50,8 +50,8 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 import fsdp_ext
 from benchmarks.wrap_models import DecoderLayer, FineMoE, FineMoEConfig
+from fsdp_ext.testing import run_distributed
 from fsdp_ext.wrap.measure import UnshardedBytesTracker
-from tests.dist import run_distributed
 
 WORLD = 2
 GATHER_NAMES = ("all_gather_single", "all_gather_into_tensor")

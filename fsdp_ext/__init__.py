@@ -13,11 +13,11 @@ from fsdp_ext.comm import LoCoConfig as LoCoConfig
 from fsdp_ext.comm import LoCoReduceScatter as LoCoReduceScatter
 from fsdp_ext.comm import register_comm_hook as register_comm_hook
 from fsdp_ext.moe import MoE as MoE
-from fsdp_ext.moe import ParallelDims as ParallelDims
 from fsdp_ext.moe import apply_expert_parallel as apply_expert_parallel
 from fsdp_ext.moe import clip_grad_norm_ as clip_grad_norm_
 from fsdp_ext.moe import set_aux_loss_scale as set_aux_loss_scale
 from fsdp_ext.moe import shard_moe_model as shard_moe_model
+from fsdp_ext.parallel_dims import ParallelDims as ParallelDims
 from fsdp_ext.pipeline import FSDPPipelineStage as FSDPPipelineStage
 from fsdp_ext.pipeline import PipelineState as PipelineState
 from fsdp_ext.pipeline import StagePlan as StagePlan

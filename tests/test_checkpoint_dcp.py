@@ -29,7 +29,7 @@ from fsdp_ext.checkpoint import (
     verify_checkpoint,
 )
 from fsdp_ext.checkpoint.unpickler import load_metadata
-from tests.dist import RankError, run_distributed
+from fsdp_ext.testing import RankError, run_distributed
 
 SHAPES = {
     "embed.weight": (96, 16),  # big: more than a fair share, so it gets split

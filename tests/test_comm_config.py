@@ -9,7 +9,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
 from fsdp_ext import LoCoConfig, register_comm_hook
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fsdp_ext import LoCoConfig, LoCoReduceScatter
 from fsdp_ext.comm.reduce_scatter import reduce_op_scale
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 _stock_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from fsdp_ext import LoCoConfig, LoCoReduceScatter, register_comm_hook
 from fsdp_ext.comm.error_feedback import ErrorFeedback
 from fsdp_ext.comm.layout import ParamLayout
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 WORLD, GROUP, BETA, DIM = 2, 32, 0.8, 32
 

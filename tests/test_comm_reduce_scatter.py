@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_ext import LoCoConfig, LoCoReduceScatter
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 from triton_kernels.dequantize_reduce import dequantize_reduce_reference
 from triton_kernels.quantize_ef import quantize_ef_reference
 

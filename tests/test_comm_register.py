@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_ext import CommHandle, LoCoConfig, register_comm_hook
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 
 def _sharded(dims, mesh=None, seed=0):

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_ext import LoCoConfig, register_comm_hook
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 CONFIG = LoCoConfig(group_size=32, error_dtype=torch.int8)
 

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fsdp_ext.comm.all_reduce_hook as all_reduce_hook
 from fsdp_ext import LoCoConfig, register_comm_hook
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 
 def _net():

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist import RankError, RankTimeout, run_distributed
+from fsdp_ext.testing import RankError, RankTimeout, run_distributed
 
 
 def _all_reduce_rank(scale, *, offset):

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_ext import clip_grad_norm_
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 NORM_TYPES = [2.0, 1.0, 3.0, math.inf]
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 pytest.importorskip("accelerate")
 
 import fsdp_ext
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 from tests.hf_models import set_launch_env, tiny_qwen2_moe_config
 
 WORLD = 2

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import fsdp_ext
 from fsdp_ext.integrations import torchtitan as tt_fsdp  # imports torchtitan only when used
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fsdp_ext import LoCoConfig, LoCoReduceScatter, register_comm_hook
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 from triton_kernels.backend import use_backend
 
 pytestmark = [

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.moe import Case, compare, max_rel_diff, rank_run, reference_run
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 CASE = Case(steps=10)
 # (world, ep, dp_replicate): FSDP layouts, and HSDP with and without an efsdp reduce-scatter

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from benchmarks.moe import Case, build_model, global_batch, lm_loss
 from fsdp_ext import ParallelDims, apply_expert_parallel, shard_moe_model
 from fsdp_ext.moe.sharding import expert_reduce_settings
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 CASE = dataclasses.replace(Case(), num_layers=1)
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

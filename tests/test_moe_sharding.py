@@ -12,7 +12,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 from benchmarks.moe import Case, build_model, global_batch, lm_loss
 from fsdp_ext import ParallelDims, apply_expert_parallel, shard_moe_model
 from fsdp_ext.moe.layer import GroupedExperts
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 CASE = Case(num_layers=1)
 

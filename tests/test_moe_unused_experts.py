@@ -15,8 +15,8 @@ from torch import nn
 
 from benchmarks.moe import Case, build_model, global_batch, lm_loss
 from fsdp_ext import MoE, ParallelDims, apply_expert_parallel, shard_moe_model
+from fsdp_ext.testing import run_distributed
 from fsdp_ext.wrap.apply import NATIVE_UNUSED_PARAM_REDUCE_SCATTER
-from tests.dist import run_distributed
 
 CASE = dataclasses.replace(Case(), num_layers=1, load_balance_coef=0.0)
 BANNED_EVERYWHERE = [0]

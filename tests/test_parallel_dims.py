@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsdp_ext import ParallelDims
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 VIEWS = ["pp", "dp_replicate", "efsdp", "ep", "dp_shard", "edp", "dp"]
 

@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import fsdp_ext
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 from tests.pipeline_cases import GLOBAL_BATCH, batches, loss_fn, make_model
 
 STEPS, SPLIT = 4, 2

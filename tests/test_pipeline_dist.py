@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 from tests.pipeline_cases import reference, run_many
 
 WORLD, PP, DP, M = 4, 2, 2, 4

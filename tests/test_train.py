@@ -12,7 +12,7 @@ import pytest
 from examples.model import ModelConfig
 from examples.train import TrainConfig, train
 from fsdp_ext import verify_checkpoint
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = TrainConfig(

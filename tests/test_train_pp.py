@@ -7,7 +7,7 @@ import pytest
 
 from examples.model import ModelConfig
 from examples.train import TrainConfig, parse_args, train
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 
 TINY_PP = TrainConfig(
     steps=4,

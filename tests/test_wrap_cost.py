@@ -7,8 +7,8 @@ import torch
 
 import fsdp_ext
 from benchmarks.wrap_models import FineMoE, FineMoEConfig
+from fsdp_ext.testing import run_distributed
 from fsdp_ext.wrap.cost import CostModel, calibrate_cost_model
-from tests.dist import run_distributed
 
 
 def test_step_cost_by_hand():

@@ -13,7 +13,7 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 
 import fsdp_ext
 from benchmarks.wrap_models import MLPBlock, ModelWithFineGrainedBlock
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 from tests.test_wrap_policy import _TiedBlocks, _TiedHead
 
 WORLD = 2

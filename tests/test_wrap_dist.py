@@ -19,7 +19,7 @@ from benchmarks.wrap_models import (
     ModelWithFineGrainedBlock,
     RMSNorm,
 )
-from tests.dist import run_distributed
+from fsdp_ext.testing import run_distributed
 from tests.hf_models import TINY_DECODER, tiny_qwen2_moe_config
 
 WORLD = 2

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_ext
 from fsdp_ext import MoE
+from fsdp_ext.testing import run_distributed
 from fsdp_ext.wrap.tree import has_expert_child
-from tests.dist import run_distributed
 
 WORLD = 2
 VOCAB, DIM, HIDDEN, NUM_EXPERTS = 32, 16, 8, 4

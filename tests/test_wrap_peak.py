@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_ext
 from benchmarks.wrap_models import DecoderLayer, FineMoE, FineMoEConfig
+from fsdp_ext.testing import run_distributed
 from fsdp_ext.wrap.measure import UnshardedBytesTracker
 from fsdp_ext.wrap.peak import UnitSpan, estimate_peak
-from tests.dist import run_distributed
 from tests.hf_models import tiny_qwen2_moe_config
 
 WORLD = 2

@@ -284,7 +284,7 @@ def test_units_sharded_already_are_never_folded():
     """A unit sharded before planning stays as it is, one unit even when it holds several
     modules (fully_shard([norm, lm_head])); a budget plan around such units works (it
     used to index an empty run of siblings after one)."""
-    from tests.dist import run_distributed
+    from fsdp_ext.testing import run_distributed
 
     units, folded, per_block, budget = run_distributed(_plan_with_a_unit_sharded_already, 1)[0]
     assert units == ["", "lm_head"] and "lm_head" not in folded

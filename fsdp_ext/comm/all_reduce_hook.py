@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fsdp_ext._torch import all_gather_into
 from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.error_feedback import ErrorFeedback, ErrorSubset
 from fsdp_ext.comm.layout import ParamLayout
@@ -27,9 +28,6 @@ from fsdp_ext.comm.quantized_exchange import (
 from fsdp_ext.comm.stats import CommStats
 from fsdp_ext.comm.unit import UnitBinding
 from triton_kernels.dequantize_reduce import dequantize_reduce
-
-# torch 2.13 renamed the tensor collectives; 2.11 has only the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def hold_for_current_stream(tensor: torch.Tensor) -> None:
@@ -141,7 +139,7 @@ class LoCoAllReduceHook:
             if isinstance(fb, ErrorSubset):
                 fb.write_back()
         gathered = payload.new_empty(replicas, payload.shape[1])
-        _all_gather(gathered.view(-1), payload.view(-1), group=self.replicate_group)
+        all_gather_into(gathered.view(-1), payload.view(-1), group=self.replicate_group)
         codes, scales = split_payload(gathered, self.config)
         mean = dequantize_reduce(
             codes.view(1, -1),

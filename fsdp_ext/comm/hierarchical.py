@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the tensor collectives; 2.11 has only the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from fsdp_ext._torch import reduce_scatter_into
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,7 @@ def node_local_reduce_scatter(
             block = rows[members[0] : members[0] + k]
         else:
             block = rows.index_select(0, torch.tensor(members, device=rows.device))
-        _reduce_scatter(
+        reduce_scatter_into(
             output=partial[node],
             input=block.reshape(-1),
             op=dist.ReduceOp.SUM,

@@ -9,24 +9,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp_ext._torch import DefaultReduceScatter, fsdp_state_id, param_groups
 from fsdp_ext.comm.all_reduce_hook import LoCoAllReduceHook
 from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.hierarchical import NodeGroups, all_shard_groups, build_node_groups
 from fsdp_ext.comm.quantized_exchange import round_up
 from fsdp_ext.comm.reduce_scatter import LoCoReduceScatter
 from fsdp_ext.comm.stats import CommStats
-from fsdp_ext.comm.unit import (
-    SUPPORTED_REDUCE_DTYPES,
-    UnitBinding,
-    param_group_of,
-    reduce_dtype_of,
-)
+from fsdp_ext.comm.unit import SUPPORTED_REDUCE_DTYPES, UnitBinding, reduce_dtype_of
 from triton_kernels.codec_common import TRITON_GROUP_SIZES
-
-try:  # the stock comm; ``remove()`` puts it back
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-except ImportError:  # pragma: no cover - layout of older torch
-    DefaultReduceScatter = None
 
 logger = logging.getLogger("fsdp_ext.comm")
 
@@ -187,17 +178,17 @@ def _fsdp_units(model: torch.nn.Module) -> list[tuple[str, FSDPModule, object]]:
     for fqn, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        state = module._get_fsdp_state()
-        if id(state) in seen:
-            seen[id(state)][0].append(fqn or "<root>")
+        state = fsdp_state_id(module)
+        if state in seen:
+            seen[state][0].append(fqn or "<root>")
             continue
-        groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; 2.11 has one
-        if groups is not None and len(groups) > 1:
+        groups = param_groups(module)
+        if len(groups) > 1:
             raise ValueError(
                 f"unit {fqn or '<root>'} has several param groups (per-parameter meshes); "
                 "give each mesh its own fully_shard call to use LoCo"
             )
-        seen[id(state)] = [[fqn or "<root>"], module, param_group_of(module)]
+        seen[state] = [[fqn or "<root>"], module, groups[0] if groups else None]
     return [("+".join(names), module, group) for names, module, group in seen.values()]
 
 

@@ -13,14 +13,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp_ext._torch import param_group, unsharded_param
 from fsdp_ext.comm.layout import ParamLayout, Present
 
 SUPPORTED_REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def param_group_of(module: FSDPModule):
-    """The unit's ``FSDPParamGroup`` (None when it manages no parameter)."""
-    return module._get_fsdp_state()._fsdp_param_group
 
 
 def reduce_dtype_of(group) -> torch.dtype:
@@ -57,7 +53,7 @@ class UnitBinding:
 
     @classmethod
     def for_module(cls, module: FSDPModule, names: dict[int, str] | None = None, fqn: str = ""):
-        group = param_group_of(module)
+        group = param_group(module)
         if group is None:
             raise ValueError(f"unit {fqn or '<root>'} manages no parameter")
         if names is None:
@@ -71,7 +67,7 @@ class UnitBinding:
     def attach(self) -> None:
         """Hook every unsharded parameter that exists by now (FSDP creates them lazily)."""
         for i, fsdp_param in enumerate(self._fsdp_params):
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            unsharded = unsharded_param(fsdp_param)
             if unsharded is None or self._hooked.get(i) is unsharded:
                 continue
             self._hooked[i] = unsharded

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils._pytree import tree_map
 
+from fsdp_ext._torch import tree_map
 from fsdp_ext.comm import CommHandle, LoCoConfig, register_comm_hook
 from fsdp_ext.wrap import GranularityPolicy, fully_shard
 

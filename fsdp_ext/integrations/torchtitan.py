@@ -28,6 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Shard
 
+from fsdp_ext._torch import ShardPlacementResult, fsdp_mesh_info, fsdp_state_id
 from fsdp_ext.comm import CommHandle, LoCoConfig, register_comm_hook
 from fsdp_ext.wrap import GranularityPolicy, WrapPlan, check_wrap, fully_shard
 
@@ -259,10 +260,7 @@ def _expert_shard_placement_fn(
     if ep_degree == 1:
         return placements.get
 
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
-
-    edp_mesh_info = _get_mesh_info(edp_mesh, edp_mesh_dims)
+    edp_mesh_info = fsdp_mesh_info(edp_mesh, edp_mesh_dims)
 
     def expert_placement(param: nn.Parameter) -> Any:
         if param in placements:
@@ -282,7 +280,7 @@ def _prefetch_in_order(model: nn.Module) -> None:
     body, seen = [], set()
     for module in model.layers.modules():
         if isinstance(module, FSDPModule) and id(module) not in fixed:
-            state = id(module._get_fsdp_state())
+            state = fsdp_state_id(module)
             if state not in seen:
                 seen.add(state)
                 body.append(module)

@@ -1,14 +1,12 @@
-"""MoE and expert parallelism: meshes, the MoE layer, all-to-all dispatch, sharding, clipping."""
+"""MoE and expert parallelism: the MoE layer, all-to-all dispatch, sharding, clipping."""
 
 from fsdp_ext.moe.expert_parallel import apply_expert_parallel
 from fsdp_ext.moe.grad_norm import clip_grad_norm_
 from fsdp_ext.moe.layer import MoE, set_aux_loss_scale
-from fsdp_ext.moe.parallel_dims import ParallelDims
 from fsdp_ext.moe.sharding import shard_moe_model
 
 __all__ = [
     "MoE",
-    "ParallelDims",
     "apply_expert_parallel",
     "clip_grad_norm_",
     "set_aux_loss_scale",

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from fsdp_ext.moe.layer import MoE
-from fsdp_ext.moe.parallel_dims import ParallelDims
+from fsdp_ext.parallel_dims import ParallelDims
 from triton_kernels.permute_indices import permute_indices
 
 

@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fsdp_ext.moe.layer import MoE
-from fsdp_ext.moe.parallel_dims import ParallelDims
+from fsdp_ext.parallel_dims import ParallelDims
 from fsdp_ext.wrap import GranularityPolicy, check_wrap, fully_shard
 
 

@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from fsdp_ext._torch import ReduceScatter
 from fsdp_ext.comm import LoCoConfig, register_comm_hook
-from fsdp_ext.moe import MoE, ParallelDims, apply_expert_parallel, shard_moe_model
+from fsdp_ext.moe import MoE, apply_expert_parallel, shard_moe_model
+from fsdp_ext.parallel_dims import ParallelDims
 from fsdp_ext.pipeline.split import Cost, build_stage, plan_stages
 from fsdp_ext.pipeline.stage import GRAD_SYNC_MODES, FSDPPipelineStage
 from fsdp_ext.wrap import GranularityPolicy, fully_shard

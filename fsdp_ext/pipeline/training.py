@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from fsdp_ext.moe import ParallelDims
+from fsdp_ext.parallel_dims import ParallelDims
 
 
 def pipeline_step(

@@ -21,38 +21,43 @@ import functools
 from typing import Any
 
 import torch
-from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor import DTensor
 
-_SAMPLE_BEFORE = ("_to_sharded", "_to_sharded_post_forward", "post_backward")
-_SAMPLE_AFTER = ("unshard",)
+from fsdp_ext._torch import (
+    GROUP_TRANSITIONS_AFTER,
+    GROUP_TRANSITIONS_BEFORE,
+    FSDPParamGroup,
+    gathered_bytes,
+    has_all_gather_in_flight,
+    sharded_post_forward_data,
+    unsharded_param,
+)
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
     if tensor is None:
         return 0
     if isinstance(tensor, DTensor):
-        tensor = tensor._local_tensor
+        tensor = tensor.to_local()
     return tensor.numel() * tensor.element_size()
 
 
 def _group_param_bytes(group: FSDPParamGroup) -> int:
-    return sum(
-        p._orig_size.numel() * (p.param_dtype or p.orig_dtype).itemsize for p in group.fsdp_params
-    )
+    return sum(gathered_bytes(p) for p in group.fsdp_params)
 
 
 def live_unsharded_bytes(groups: list[FSDPParamGroup]) -> int:
     """Unsharded parameter, post-forward shard and unsharded gradient bytes held now."""
     total = 0
     for group in groups:
-        if group.is_unsharded or group._all_gather_result is not None:
+        if group.is_unsharded or has_all_gather_in_flight(group):
             total += _group_param_bytes(group)
         elif group.is_sharded_post_forward:
-            total += sum(_nbytes(p._sharded_post_forward_param_data) for p in group.fsdp_params)
+            total += sum(_nbytes(sharded_post_forward_data(p)) for p in group.fsdp_params)
         for param in group.fsdp_params:
-            if hasattr(param, "_unsharded_param"):
-                total += _nbytes(param._unsharded_param.grad)
+            unsharded = unsharded_param(param)
+            if unsharded is not None:
+                total += _nbytes(unsharded.grad)
             total += _nbytes(param.unsharded_accumulated_grad)
     return total
 
@@ -80,11 +85,13 @@ class UnshardedBytesTracker:
 
     def __enter__(self) -> UnshardedBytesTracker:
         tracker = self
-        for name in (*_SAMPLE_BEFORE, *_SAMPLE_AFTER):
+        for name in (*GROUP_TRANSITIONS_BEFORE, *GROUP_TRANSITIONS_AFTER):
             original = getattr(FSDPParamGroup, name)
             self._originals[name] = original
 
-            def wrapped(group, *args, _original=original, _after=name in _SAMPLE_AFTER, **kw):
+            def wrapped(
+                group, *args, _original=original, _after=name in GROUP_TRANSITIONS_AFTER, **kw
+            ):
                 if not _after:
                     tracker._sample(group)
                 out = _original(group, *args, **kw)

@@ -19,6 +19,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.wrap import CustomPolicy
 from torch.distributed.tensor import DTensor
 
+from fsdp_ext._torch import (
+    auto_reshard_after_forward,
+    fsdp_state_id,
+    gathered_bytes,
+    group_reshard_after_forward,
+    param_group,
+    param_groups,
+)
 from fsdp_ext.wrap.cost import CostModel
 from fsdp_ext.wrap.peak import UnitSpan, estimate_peak
 from fsdp_ext.wrap.policy import (
@@ -147,7 +155,7 @@ def _fsdp_unsharded_bytes(root: nn.Module) -> dict[int, int]:
     for module in root.modules():
         if not isinstance(module, FSDPModule):
             continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
+        for group in param_groups(module):
             for p in group.fsdp_params:
                 # param_dtype is set at FSDP's lazy init; before it, the unit's policy.
                 dtype = (
@@ -155,7 +163,7 @@ def _fsdp_unsharded_bytes(root: nn.Module) -> dict[int, int]:
                     or group.mp_policy.param_dtype
                     or p.sharded_param.dtype
                 )
-                sizes[id(p.sharded_param)] = p._orig_size.numel() * dtype.itemsize
+                sizes[id(p.sharded_param)] = gathered_bytes(p, dtype)
     return sizes
 
 
@@ -165,7 +173,7 @@ def param_bytes(
     """Bytes FSDP gathers for ``param``: local (post-EP/TP) size for a DTensor."""
     if id(param) in fsdp_sizes:
         return fsdp_sizes[id(param)]
-    numel = param._local_tensor.numel() if isinstance(param, DTensor) else param.numel()
+    numel = param.to_local().numel() if isinstance(param, DTensor) else param.numel()
     return numel * (param_dtype or param.dtype).itemsize
 
 
@@ -259,18 +267,13 @@ def spans_for(
 
 def existing_reshard_after_forward(module: nn.Module) -> bool | int:
     """The setting a unit sharded before planning was given."""
-    group = module._get_fsdp_state()._fsdp_param_group
-    if group is None or not group._reshard_after_forward:
-        return False
-    if group._use_post_forward_mesh:
-        return group.post_forward_mesh_info.shard_mesh_size
-    return True
+    return group_reshard_after_forward(param_group(module))
 
 
 def root_reshard_after_forward(root: nn.Module, default: bool | int | None) -> bool | int:
     """FSDP2 keeps the root gathered after forward only when the argument was None."""
     if isinstance(root, FSDPModule):
-        if root._get_fsdp_state()._auto_reshard_after_forward:
+        if auto_reshard_after_forward(root):
             return False
         return existing_reshard_after_forward(root)
     return False if default is None else default
@@ -464,7 +467,7 @@ def unit_groups(root: nn.Module, units: list[nn.Module]) -> list[Group]:
     out: list[list[nn.Module]] = []
     for group in group_tied_units(root, with_existing_units(root, units)):
         head = group[0]
-        state = id(head._get_fsdp_state()) if isinstance(head, FSDPModule) else None
+        state = fsdp_state_id(head) if isinstance(head, FSDPModule) else None
         if state is not None and state in merged:
             merged[state].extend(group)
             continue

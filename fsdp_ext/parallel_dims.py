@@ -16,10 +16,14 @@ Views (1-D unless ``dp_replicate > 1``, then ``(dp_replicate, shard)`` for HSDP)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_ext._torch import flatten_mesh, unflatten_mesh
+
+__all__ = ["MESH_DIM_NAMES", "ParallelDims"]
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "efsdp", "ep")
 
@@ -29,6 +33,7 @@ class ParallelDims:
     """Degrees of each parallelism; ``dp_shard=-1`` takes whatever the others leave."""
 
     world_size: int
+    _: KW_ONLY
     dp_replicate: int = 1
     dp_shard: int = -1
     ep: int = 1
@@ -36,25 +41,7 @@ class ParallelDims:
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _views: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
-    def __init__(
-        self,
-        world_size: int,
-        *,
-        dp_replicate: int = 1,
-        dp_shard: int = -1,
-        ep: int = 1,
-        pp: int = 1,
-    ):
-        self.world_size = world_size
-        self.dp_replicate = dp_replicate
-        self.dp_shard = dp_shard
-        self.ep = ep
-        self.pp = pp
-        self._mesh = None
-        self._views = {}
-        self._validate()
-
-    def _validate(self) -> None:
+    def __post_init__(self) -> None:
         for name in ("world_size", "dp_replicate", "ep", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -123,7 +110,7 @@ class ParallelDims:
         # Flattened views are kept here rather than sliced from the root again: torch is
         # deprecating root slicing of flattened dims.
         self._views = {
-            name: mesh[dims] if len(dims) == 1 else mesh[dims]._flatten(name)
+            name: mesh[dims] if len(dims) == 1 else flatten_mesh(mesh[dims], name)
             for name, dims in _VIEW_DIMS.items()
         }
         self._mesh = mesh
@@ -147,11 +134,10 @@ class ParallelDims:
         """The FSDP mesh for dense modules: 1-D ``dp_shard``, or 2-D HSDP."""
         if self.dp_replicate == 1:
             return self.view("dp_shard")
-        if hasattr(DeviceMesh, "_unflatten"):
-            return self.view("dp")._unflatten(
-                0, (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
-            )
-        return self.world_mesh["dp_replicate", "dp_shard"]  # torch without _unflatten
+        mesh = unflatten_mesh(
+            self.view("dp"), (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
+        )
+        return self.world_mesh["dp_replicate", "dp_shard"] if mesh is None else mesh
 
     @property
     def edp_mesh(self) -> DeviceMesh:

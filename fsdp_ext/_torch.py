@@ -1,0 +1,139 @@
+"""Every private PyTorch name fsdp-ext touches, in one place.
+
+FSDP2 exposes its comm extension points (``ReduceScatter``, ``AllGather``), its per-unit
+state and DeviceMesh flattening only under private names. Reading them here means a torch
+upgrade touches this file alone. Each shim says which torch versions it covers; the suite
+runs on 2.13 and 2.14, and 2.11 is the oldest supported release.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+# 2.11-2.14: the comm interfaces a custom reduce-scatter / all-gather implements.
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+# 2.11-2.14: what ``shard_placement_fn`` may return to put a parameter on another mesh.
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+
+# 2.11-2.14: builds the mesh info a ``ShardPlacementResult`` carries.
+from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info as fsdp_mesh_info
+
+# 2.11-2.14: the per-unit state FSDP2 keeps (parameters, mixed precision, reshard setting).
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+# 2.11-2.14: pytree mapping (no public equivalent).
+from torch.utils._pytree import tree_map
+
+try:  # 2.13-2.14: the stock reduce-scatter object, put back by ``CommHandle.remove()``
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+except ImportError:  # 2.11-2.12: no comm object is set by default
+    DefaultReduceScatter = None
+
+__all__ = [
+    "GROUP_TRANSITIONS_AFTER",
+    "GROUP_TRANSITIONS_BEFORE",
+    "AllGather",
+    "DefaultReduceScatter",
+    "FSDPParamGroup",
+    "ReduceScatter",
+    "ShardPlacementResult",
+    "all_gather_into",
+    "auto_reshard_after_forward",
+    "flatten_mesh",
+    "fsdp_mesh_info",
+    "fsdp_state_id",
+    "gathered_bytes",
+    "group_reshard_after_forward",
+    "has_all_gather_in_flight",
+    "param_group",
+    "param_groups",
+    "reduce_scatter_into",
+    "sharded_post_forward_data",
+    "tree_map",
+    "unflatten_mesh",
+    "unsharded_param",
+]
+
+# 2.13 renamed the tensor collectives (``*_single``); 2.11-2.12 have only the old names.
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# FSDPParamGroup methods at which unsharded memory changes (2.11-2.14): a memory tracker
+# samples before the first three (memory is freed inside) and after ``unshard``.
+GROUP_TRANSITIONS_BEFORE = ("_to_sharded", "_to_sharded_post_forward", "post_backward")
+GROUP_TRANSITIONS_AFTER = ("unshard",)
+
+
+def fsdp_state_id(module: nn.Module) -> int:
+    """Identity of a unit's FSDP state: modules sharded in one ``fully_shard([a, b])`` share it."""
+    return id(module._get_fsdp_state())
+
+
+def param_groups(module: nn.Module) -> list[FSDPParamGroup]:
+    """Every param group of a unit (2.13-2.14 allow several, one per mesh; 2.11-2.12 one)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
+def param_group(module: nn.Module) -> FSDPParamGroup | None:
+    """The unit's single param group (None when it manages no parameter)."""
+    return module._get_fsdp_state()._fsdp_param_group
+
+
+def auto_reshard_after_forward(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` got ``reshard_after_forward=None`` (root stays gathered)."""
+    return bool(module._get_fsdp_state()._auto_reshard_after_forward)
+
+
+def group_reshard_after_forward(group: FSDPParamGroup | None) -> bool | int:
+    """The ``reshard_after_forward`` a unit was sharded with: False, True or the int size."""
+    if group is None or not group._reshard_after_forward:
+        return False
+    if group._use_post_forward_mesh:
+        return group.post_forward_mesh_info.shard_mesh_size
+    return True
+
+
+def gathered_bytes(fsdp_param: Any, dtype: Any = None) -> int:
+    """Bytes one parameter takes when gathered: its local (post-EP/TP) original size in
+    ``dtype`` (default: the dtype FSDP gathers it in, or its own before lazy init)."""
+    dtype = dtype or getattr(fsdp_param, "param_dtype", None) or fsdp_param.orig_dtype
+    return fsdp_param._orig_size.numel() * dtype.itemsize
+
+
+def unsharded_param(fsdp_param: Any) -> nn.Parameter | None:
+    """The unsharded parameter FSDP creates at its first all-gather, or None before it."""
+    return getattr(fsdp_param, "_unsharded_param", None)
+
+
+def sharded_post_forward_data(fsdp_param: Any) -> Any:
+    """The node-local shard kept between forward and backward under an int reshard."""
+    return fsdp_param._sharded_post_forward_param_data
+
+
+def has_all_gather_in_flight(group: FSDPParamGroup) -> bool:
+    """Whether the group's all-gather was issued and its result not yet consumed."""
+    return group._all_gather_result is not None
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """A multi-dim mesh flattened to one named dim (2.11-2.14: ``DeviceMesh._flatten``)."""
+    return mesh._flatten(name)
+
+
+def unflatten_mesh(
+    mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]
+) -> DeviceMesh | None:
+    """A 1-D mesh split into named dims, or None where torch lacks ``_unflatten`` (2.11)."""
+    if not hasattr(DeviceMesh, "_unflatten"):
+        return None
+    return mesh._unflatten(0, sizes, names)

@@ -1,0 +1,9 @@
+"""Test utilities shared by the test suite and the benchmarks (as torch keeps
+``torch.testing._internal.common_fsdp``): run a function on real multi-process gloo ranks.
+
+Not imported by the library itself.
+"""
+
+from fsdp_ext.testing.multiprocess import RankError, RankTimeout, run_distributed
+
+__all__ = ["RankError", "RankTimeout", "run_distributed"]
