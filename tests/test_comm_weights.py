@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_ext
+from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.testing import run_distributed
 from triton_kernels.quantize_blockwise import (
     dequantize_blockwise_reference,
@@ -247,3 +248,40 @@ def test_mixed_precision_and_forward_only():
         assert torch.equal(fwd["backward"][0], exact.blocks[0].up.weight.detach())
         assert fwd["stats"].full_precision_gathers == 2  # the two blocks' backward gathers
         assert fwd["stats"].quantized_gathers == 3
+
+
+def test_the_weight_codec_keeps_the_seams_contract():
+    """``int8_blockwise`` through the codec seam: payload size, decode of every row, and
+    decode_reduce = the fp32 sum of the decoded rows in row order, scaled once, cast once."""
+    codec = make_codec("int8_blockwise", fsdp_ext.QuantizedAllGather(group_size=64))
+    rows = torch.randn(3, 150, generator=torch.Generator().manual_seed(3))
+    payload = torch.empty(3, codec.payload_bytes(150), dtype=torch.uint8)
+    assert payload.shape[1] == 3 * (64 + 4) and codec.padded(150) == 192
+    codec.encode(rows, payload)
+    decoded = torch.empty(3, 150)
+    codec.decode(payload, decoded)
+    assert (decoded - rows).abs().max() <= rows.abs().max() / 127 / 2 * 1.001
+    out = torch.empty(150, dtype=torch.bfloat16)
+    codec.decode_reduce(payload, out, out_scale=1 / 3)
+    want = ((decoded[0] + decoded[1]) + decoded[2]) * torch.tensor(1 / 3)
+    assert torch.equal(out, want.bfloat16())
+    assert codec.header() == {"bits": 8, "group_size": 64} and not codec.keeps_feedback
+    with pytest.raises(ValueError, match="group_size in"):
+        make_codec("int8_blockwise", fsdp_ext.QuantizedAllGather(group_size=4096)).check_device(
+            torch.device("cuda")
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"bits": 4}, "bits must be 8"),
+        ({"group_size": 100}, "group_size must be a power of two from 32 to 4096"),
+        ({"backward": "yes"}, "backward must be a bool"),
+        ({"codec": "zstd"}, "codec must be one of"),
+        ({"codec": "absmax"}, "cannot be built from a QuantizedAllGather"),
+    ],
+)
+def test_bad_configs_are_refused_naming_the_field(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        fsdp_ext.QuantizedAllGather(**kwargs)

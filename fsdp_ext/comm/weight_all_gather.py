@@ -2,10 +2,11 @@
 
 FSDP2 hands its all-gather comm the flat input of one unit (this rank's padded shard of
 every parameter, concatenated, already cast to the param dtype) and the ``[W * n]`` output
-it will copy the unsharded parameters from. This comm quantises the input into one payload
-row (``triton_kernels.quantize_blockwise``: groups never straddle two ranks' shards),
-all-gathers the payloads, and dequantises every rank's row, its own included, into the
-output, so every rank computes with the same weights. The sharded parameters are never
+it will copy the unsharded parameters from. This comm encodes the input into one payload
+row with the config's codec (:class:`~fsdp_ext.comm.blockwise_int8_codec.BlockwiseInt8Codec`
+by default: groups never straddle two ranks' shards), all-gathers the payloads, and decodes
+every rank's row, its own included, into the output, so every rank computes with the same
+weights. The sharded parameters are never
 touched: the optimizer keeps updating them in full precision.
 
 Which gathers are quantised:
@@ -27,13 +28,11 @@ import torch
 import torch.distributed as dist
 
 from fsdp_ext._torch import AllGather, FSDPParamGroup, gathering_for_backward
+from fsdp_ext.comm.codec import Codec
+from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.weight_config import QuantizedAllGather
-from triton_kernels.quantize_blockwise import (
-    FLOAT_DTYPES,
-    dequantize_blockwise,
-    payload_row_bytes,
-    quantize_blockwise,
-)
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -79,6 +78,7 @@ class QuantizedWeightAllGather(AllGather):
 
     def __init__(self, config: QuantizedAllGather, group: FSDPParamGroup, fqn: str = ""):
         self.config = config
+        self.codec: Codec = make_codec(config.codec, config)  # feedback-free: checked there
         self.fqn = fqn
         self._group = group
         self.stats = WeightGatherStats()
@@ -88,7 +88,7 @@ class QuantizedWeightAllGather(AllGather):
     ) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def _quantize(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> str:
+    def _kind(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> str:
         """``"quantized"``, ``"full_precision"`` or ``"intra_node"`` for this gather."""
         if group is not self._group.mesh_info.shard_process_group:
             return "intra_node"  # hpZ: the post-forward group, inside a node
@@ -106,7 +106,7 @@ class QuantizedWeightAllGather(AllGather):
         async_op: bool = False,
     ) -> None:
         world, n = group.size(), input_tensor.numel()
-        kind = self._quantize(input_tensor, group)
+        kind = self._kind(input_tensor, group)
         plain = (world - 1) * n * input_tensor.element_size()
         if kind == "intra_node":
             _all_gather(output_tensor, input_tensor, group)
@@ -118,16 +118,15 @@ class QuantizedWeightAllGather(AllGather):
             self.stats.full_precision_bytes += plain
             self.stats.full_precision_gathers += 1
             return None
-        group_size = self.config.group_size
         payload = torch.empty(
-            1, payload_row_bytes(n, group_size), dtype=torch.uint8, device=input_tensor.device
+            1, self.codec.payload_bytes(n), dtype=torch.uint8, device=input_tensor.device
         )
-        # input_tensor is this rank's slot of output_tensor: quantise it before the
-        # dequantised rows overwrite it
-        quantize_blockwise(input_tensor.view(1, n), payload, group_size=group_size)
+        # input_tensor is this rank's slot of output_tensor: encode it before the decoded
+        # rows overwrite it
+        self.codec.encode(input_tensor.view(1, n), payload)
         gathered = torch.empty(world, payload.shape[1], dtype=torch.uint8, device=payload.device)
         _all_gather(gathered.view(-1), payload.view(-1), group)
-        dequantize_blockwise(gathered, output_tensor.view(world, n), group_size=group_size)
+        self.codec.decode(gathered, output_tensor.view(world, n))
         self.stats.bytes_sent += (world - 1) * payload.shape[1]
         self.stats.bytes_uncompressed += plain
         self.stats.quantized_gathers += 1

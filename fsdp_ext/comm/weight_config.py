@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_ext.comm.registry import CODECS, make_codec
+
 MIN_GROUP_SIZE, MAX_GROUP_SIZE = 32, 4096
 
 
@@ -21,12 +23,15 @@ class QuantizedAllGather:
     carries the forward's dequantised weights, unquantised, whatever ``backward`` says.
 
     Only the wire and the unsharded compute copy are quantised: FSDP's sharded parameters,
-    which the optimizer updates, keep their dtype and values.
+    which the optimizer updates, keep their dtype and values. ``codec`` names the wire
+    format in :data:`fsdp_ext.comm.registry.CODECS` (built from this config); a weight
+    codec keeps no error feedback.
     """
 
     bits: int = 8
     group_size: int = 256
     backward: bool = True
+    codec: str = "int8_blockwise"
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or self.bits != 8:
@@ -44,8 +49,19 @@ class QuantizedAllGather:
             )
         if not isinstance(self.backward, bool):
             raise ValueError(f"QuantizedAllGather.backward must be a bool, got {self.backward!r}")
-
-    def payload_bytes(self, numel: int) -> int:
-        """Bytes one rank contributes to a gather of ``numel`` values: codes and scales."""
-        groups = -(-numel // self.group_size)
-        return groups * (self.group_size + 4)
+        if self.codec not in CODECS:
+            raise ValueError(
+                f"QuantizedAllGather.codec must be one of {sorted(CODECS)}, got {self.codec!r}"
+            )
+        try:
+            codec = make_codec(self.codec, self)
+        except (AttributeError, TypeError) as exc:
+            raise ValueError(
+                f"QuantizedAllGather.codec={self.codec!r} cannot be built from a "
+                f"QuantizedAllGather ({exc}); its factory wants another config"
+            ) from exc
+        if codec.keeps_feedback:
+            raise ValueError(
+                f"QuantizedAllGather.codec={self.codec!r} keeps error feedback; a weight "
+                "all-gather takes a codec that is a pure function of the weights"
+            )

@@ -8,7 +8,6 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_ext._torch import DefaultAllGather, fsdp_state_id, param_groups
 from fsdp_ext.comm.weight_all_gather import QuantizedWeightAllGather, WeightGatherStats
 from fsdp_ext.comm.weight_config import QuantizedAllGather
-from triton_kernels.quantize_blockwise import TRITON_GROUP_SIZES
 
 
 class WeightGatherHandle:
@@ -80,12 +79,12 @@ def register_weight_all_gather(
         if not groups or not hasattr(groups[0].mesh_info, "shard_process_group"):
             continue  # no parameter, or replicate-only (nothing is gathered)
         group = groups[0]
-        if group.device.type == "cuda" and config.group_size not in TRITON_GROUP_SIZES:
-            raise ValueError(
-                f"unit {fqn or '<root>'} gathers on {group.device}, where the Triton kernels "
-                f"take group_size in {TRITON_GROUP_SIZES}; got group_size={config.group_size}"
-            )
-        comms[state] = (module, QuantizedWeightAllGather(config, group, fqn or "<root>"))
+        comm = QuantizedWeightAllGather(config, group, fqn or "<root>")
+        try:
+            comm.codec.check_device(group.device)
+        except ValueError as exc:
+            raise ValueError(f"unit {fqn or '<root>'} gathers on {group.device}: {exc}") from exc
+        comms[state] = (module, comm)
     if not comms:
         raise ValueError(
             "model has no FSDP unit to gather: call fully_shard before register_weight_all_gather"
