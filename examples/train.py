@@ -41,16 +41,20 @@ from fsdp_ext import (
     LoCoConfig,
     ParallelDims,
     PipelineState,
+    QuantizedAllGather,
     SafeLoadPlanner,
     SpreadFileSystemWriter,
     SpreadSavePlanner,
     VerifiedFileSystemReader,
+    WeightGatherHandle,
     apply_expert_parallel,
     build_pipeline,
     clip_grad_norm_,
+    node_local_reshard,
     pipeline_step,
     reduce_pipeline_loss,
     register_comm_hook,
+    register_weight_all_gather,
     shard_moe_model,
 )
 
@@ -88,7 +92,12 @@ class TrainConfig:
     param_dtype: str = "fp32"
     wrap: str = "granularity"  # dense FSDP units: a key of WRAP_POLICIES
     comm: str = "loco"
-    intra_node_size: int | None = None  # set: LoCo emulates nodes of this many ranks
+    intra_node_size: int | str | None = None  # ranks per node (LoCo hierarchical, hpZ); "auto"
+    qwz: bool = False  # ZeRO++ qwZ: int8 parameter all-gathers
+    qwz_group_size: int = 256
+    qwz_forward_only: bool = False
+    hpz: bool = False  # ZeRO++ hpZ: post-forward copies and backward gathers inside the node
+    zeropp: bool = False  # --comm loco, --intra-node-size auto, --qwz, --hpz
     log_every: int = 25
     val_batches: int = 8
     ckpt_every: int = 0
@@ -145,9 +154,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--intra-node-size",
-        type=_positive_int,
+        type=_node_size,
         default=d.intra_node_size,
-        help="ranks per node for LoCo's hierarchical mode (e.g. 2 on 4 ranks emulates 2 nodes)",
+        help="ranks per node for LoCo's hierarchical mode and --hpz ('auto': the launcher's "
+        "LOCAL_WORLD_SIZE; 2 on 4 ranks emulates 2 nodes)",
+    )
+    p.add_argument(
+        "--qwz",
+        action="store_true",
+        help="ZeRO++ qwZ: all-gather the weights as block-wise int8 (fp32 shards stay exact)",
+    )
+    p.add_argument(
+        "--qwz-group-size",
+        type=_positive_int,
+        default=d.qwz_group_size,
+        help="values per fp32 scale of --qwz's int8 weights",
+    )
+    p.add_argument(
+        "--qwz-forward-only",
+        action="store_true",
+        help="--qwz on forward all-gathers only; backward gathers full precision",
+    )
+    p.add_argument(
+        "--hpz",
+        action="store_true",
+        help="ZeRO++ hpZ: keep each unit's post-forward copy in the node, so backward "
+        "all-gathers never leave it (node size: --intra-node-size, else the launcher's)",
+    )
+    p.add_argument(
+        "--zeropp",
+        action="store_true",
+        help="the ZeRO++ stack: --comm loco --intra-node-size auto --qwz --hpz",
     )
     p.add_argument("--log-every", type=_positive_int, default=d.log_every)
     p.add_argument("--val-batches", type=_positive_int, default=d.val_batches)
@@ -163,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=d.out)
     p.add_argument("--seed", type=int, default=d.seed)
     return p
+
+
+def _node_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    return _positive_int(text)
 
 
 def _positive_int(text: str) -> int:
@@ -203,6 +246,30 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
         )
     if a.pp > a.n_layers:
         parser.error(f"argument --pp: {a.pp} stages need --n-layers >= {a.pp}, got {a.n_layers}")
+    if a.zeropp:
+        if a.comm != "loco":
+            parser.error(
+                f"argument --zeropp: it is --comm loco --intra-node-size auto --qwz --hpz; "
+                f"drop --comm {a.comm}"
+            )
+        a.qwz = a.hpz = True
+        a.intra_node_size = "auto" if a.intra_node_size is None else a.intra_node_size
+    zeropp_flags = [f for f in ("zeropp", "qwz", "hpz") if getattr(a, f)]
+    if a.pp > 1 and zeropp_flags:
+        parser.error(
+            f"argument --{zeropp_flags[0]}: not under --pp (the pipeline builds its own FSDP "
+            "units); drop --qwz, --hpz and --zeropp, or --pp"
+        )
+    if a.hpz and a.ep > 1:
+        parser.error(
+            f"argument --hpz: torch cannot reshard expert-parallel experts (--ep {a.ep}) to a "
+            "node; use --ep 1 or drop --hpz"
+        )
+    if a.qwz_group_size < 32 or a.qwz_group_size & (a.qwz_group_size - 1):
+        parser.error(
+            f"argument --qwz-group-size: must be a power of two from 32 to 4096, "
+            f"got {a.qwz_group_size}"
+        )
     model = ModelConfig(
         dim=a.dim,
         n_layers=a.n_layers,
@@ -226,6 +293,11 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
         wrap=a.wrap,
         comm=a.comm,
         intra_node_size=a.intra_node_size,
+        qwz=a.qwz,
+        qwz_group_size=a.qwz_group_size,
+        qwz_forward_only=a.qwz_forward_only,
+        hpz=a.hpz,
+        zeropp=a.zeropp,
         log_every=a.log_every,
         val_batches=a.val_batches,
         ckpt_every=a.ckpt_every,
@@ -286,25 +358,48 @@ def _check_resumable(parser: argparse.ArgumentParser, cfg: TrainConfig, world_si
         )
 
 
+def node_size(cfg: TrainConfig, world: int) -> int | None:
+    """Ranks per node: --intra-node-size, 'auto' (or --hpz alone) from the launcher's
+    LOCAL_WORLD_SIZE, one node when no launcher set it."""
+    if isinstance(cfg.intra_node_size, int):
+        return cfg.intra_node_size
+    if cfg.intra_node_size == "auto" or cfg.hpz:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return None
+
+
 def shard_model(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Transformer:
-    """Experts over ep, one FSDP unit per expert group, the --wrap policy's units, the root."""
+    """Experts over ep, one FSDP unit per expert group, the --wrap policy's units, the root;
+    with --hpz every unit keeps its post-forward copy inside the node."""
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=torch.float32
     )
+    kwargs = {}
+    if cfg.hpz:
+        nodes = node_size(cfg, dims.world_size)
+        kwargs["reshard_after_forward"] = node_local_reshard(dims.dp_mesh, nodes)
     apply_expert_parallel(model, dims)
     return shard_moe_model(
-        model, dims, auto_wrap_policy=WRAP_POLICIES[cfg.wrap], mp_policy=mp_policy
+        model, dims, auto_wrap_policy=WRAP_POLICIES[cfg.wrap], mp_policy=mp_policy, **kwargs
     )
 
 
-def attach_comm(model: Transformer, cfg: TrainConfig) -> CommHandle | None:
-    """Compressed gradient reduce-scatter on every FSDP unit (none for `--comm default`)."""
-    config = COMMS[cfg.comm]
-    if config is None:
+def weights_config(cfg: TrainConfig) -> QuantizedAllGather | None:
+    if not cfg.qwz:
         return None
-    if cfg.intra_node_size is not None:  # full precision inside a node, 4-bit across nodes
-        config = replace(config, intra_node_size=cfg.intra_node_size)
-    return register_comm_hook(model, config)
+    return QuantizedAllGather(group_size=cfg.qwz_group_size, backward=not cfg.qwz_forward_only)
+
+
+def attach_comm(model: Transformer, cfg: TrainConfig) -> CommHandle | WeightGatherHandle | None:
+    """Compressed gradient reduce-scatter on every FSDP unit (none for `--comm default`),
+    and with --qwz int8 parameter all-gathers (their handle alone under `--comm default`)."""
+    config, weights = COMMS[cfg.comm], weights_config(cfg)
+    if config is None:
+        return None if weights is None else register_weight_all_gather(model, weights)
+    nodes = node_size(cfg, dist.get_world_size()) if cfg.intra_node_size is not None else None
+    if nodes is not None:  # full precision inside a node, 4-bit across nodes
+        config = replace(config, intra_node_size=nodes)
+    return register_comm_hook(model, config, weights=weights)
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -492,11 +587,15 @@ def train(cfg: TrainConfig) -> dict:
     dims.build_mesh(device.type)
     if cfg.pp > 1:
         schedule, stages = build_pipelined(model, cfg, dims)
-        comm = stages[0].comm_handle
+        comm, weights = stages[0].comm_handle, None
         params = [p for s in stages for p in s.submod.parameters()]
     else:
         shard_model(model, cfg, dims)
         comm = attach_comm(model, cfg)
+        if isinstance(comm, WeightGatherHandle):  # qwZ alone: nothing to checkpoint
+            weights, comm = comm, None
+        else:
+            weights = None if comm is None else comm.weights
         params = list(model.parameters())
     optimizer = torch.optim.AdamW(
         params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
@@ -579,6 +678,7 @@ def train(cfg: TrainConfig) -> dict:
         "tokens_per_s": tokens_per_step / median_ms * 1e3,
         "world_size": world,
         "comm_stats": None if comm is None else asdict(comm.stats),
+        "weight_stats": None if weights is None else asdict(weights.stats),
     }
 
 
