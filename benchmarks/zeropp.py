@@ -1,0 +1,245 @@
+"""Benchmark: the ZeRO++ stack (LoCo 4-bit hierarchical + qwZ + hpZ) against stock fp32 FSDP.
+
+    python benchmarks/zeropp.py                    # 4 ranks as 2 nodes x 2, 3 seeds
+    python benchmarks/zeropp.py --steps 20 --seeds 0
+
+Both modes train the example LM (examples/train.py) from the same seed on the same batches,
+on 4 gloo ranks that emulate 2 nodes of 2 (``--intra-node-size 2``). Each rank wraps every
+all-gather, reduce-scatter and all-to-all that ``torch.distributed`` offers and counts the
+bytes it sends (a ring all-gather: ``(g - 1) x`` its input; a reduce-scatter or equal-split
+all-to-all: ``(g - 1) / g`` of it, for a group of ``g`` ranks), split by whether the group
+lies inside one emulated node. Those counts are checked against the per-collective formula
+of docs/comm.md computed from FSDP's own shard sizes. The validation-loss gap of ZeRO++ to
+fp32 is averaged over seeds (mean and standard error).
+
+The last line printed is one JSON object; ``val_loss_gap_zeropp`` is in percent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import ClassVar
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+
+import examples.train as train_module  # noqa: E402
+from examples.train import TrainConfig, train  # noqa: E402
+from fsdp_ext._torch import fsdp_state_id, param_groups  # noqa: E402
+from fsdp_ext.comm import hierarchical  # noqa: E402
+from fsdp_ext.testing import run_distributed  # noqa: E402
+
+WORLD, NODE = 4, 2
+MODES = {
+    "fp32": {"comm": "default"},
+    "zeropp": {"comm": "loco", "intra_node_size": NODE, "qwz": True, "hpz": True, "zeropp": True},
+}
+
+
+class CollectiveBytes:
+    """Bytes this rank hands to each kind of collective, per scope (in-node or crossing)."""
+
+    KINDS: ClassVar[dict[str, str]] = {
+        "all_gather_single": "all_gather",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_single": "reduce_scatter",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "all_to_all_single": "all_to_all",
+    }
+
+    def __init__(self, node_size: int):
+        self.node_size = node_size
+        self.bytes: dict[str, int] = {}
+        self.paused = True  # counting starts at resume(): training steps only
+        self._originals = {}
+        self._inside = False  # an old name called by its new one counts once
+
+    def __enter__(self):
+        for name in self.KINDS:
+            if hasattr(dist, name):
+                self._originals[(dist, name)] = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, self._originals[(dist, name)]))
+        # hierarchical LoCo calls the in-node reduce-scatter by the name it imported
+        original = hierarchical.reduce_scatter_into
+        self._originals[(hierarchical, "reduce_scatter_into")] = original
+        hierarchical.reduce_scatter_into = self._wrap("reduce_scatter_single", original)
+        return self
+
+    def __exit__(self, *exc):
+        for (owner, name), fn in self._originals.items():
+            setattr(owner, name, fn)
+
+    def _wrap(self, name, fn):
+        def counted(output, input, *args, **kwargs):
+            if self._inside or self.paused:
+                return fn(output, input, *args, **kwargs)
+            group = kwargs.get("group") or dist.group.WORLD
+            ranks = dist.get_process_group_ranks(group)
+            g = len(ranks)
+            nbytes = input.numel() * input.element_size()
+            sent = (g - 1) * nbytes if self.KINDS[name] == "all_gather" else nbytes * (g - 1) // g
+            scope = "intra" if len({r // self.node_size for r in ranks}) == 1 else "inter"
+            key = f"{self.KINDS[name]}_{scope}"
+            self.bytes[key] = self.bytes.get(key, 0) + sent
+            self._inside = True
+            try:
+                return fn(output, input, *args, **kwargs)
+            finally:
+                self._inside = False
+
+        return counted
+
+
+def unit_shards(model) -> list[tuple[int, bool]]:
+    """Per FSDP unit with more than one rank: (this rank's all-gather input, the padded
+    shard numel from FSDP's own sizes; whether the unit is the root)."""
+    out, seen = [], set()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule) or fsdp_state_id(module) in seen:
+            continue
+        seen.add(fsdp_state_id(module))
+        for group in param_groups(module):
+            if group.mesh_info.shard_mesh_size > 1:
+                numel = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+                out.append((numel, module is model))
+    return out
+
+
+def predicted_bytes(shards: list[tuple[int, bool]], mode: str, group_size: int) -> dict[str, int]:
+    """The formulas of docs/comm.md: bytes this rank sends per step, per collective.
+
+    ``n``: a unit's shard (elements), ``W`` ranks, ``r`` per node, ``N = W / r`` nodes.
+    fp32: all-gather ``(W - 1) 4n`` in forward and again in backward (the root once: FSDP
+    keeps it gathered), reduce-scatter ``(W - 1) 4n``. ZeRO++: forward all-gather
+    ``(W - 1) ceil(n / G)(G + 4)`` (qwZ, int8 and a scale per G); backward all-gather in the
+    node ``(r - 1) N 4n`` (hpZ: the fp32 node copy; the root too); reduce-scatter in the node
+    ``(r - 1) N 4n`` (LoCo's full-precision stage), then across nodes an all-to-all of
+    ``(N - 1) ceil(n / 128)(64 + 4)`` (4-bit codes and a scale per 128).
+    """
+    w, r = WORLD, NODE
+    nodes = w // r
+    sizes = [n for n, _ in shards]
+    if mode == "fp32":
+        gathers = sum((w - 1) * 4 * n * (1 if root else 2) for n, root in shards)
+        return {
+            "all_gather_inter": gathers,
+            "reduce_scatter_inter": sum((w - 1) * 4 * n for n in sizes),
+        }
+    return {
+        "all_gather_inter": sum((w - 1) * -(-n // group_size) * (group_size + 4) for n in sizes),
+        "all_gather_intra": sum((r - 1) * nodes * 4 * n for n in sizes),
+        "reduce_scatter_intra": sum((r - 1) * nodes * 4 * n for n in sizes),
+        "all_to_all_inter": sum((nodes - 1) * -(-n // 128) * 68 for n in sizes),
+    }
+
+
+def _run_rank(cfg: TrainConfig, mode: str) -> dict:
+    shards: list[tuple[int, bool]] = []
+    attach, evaluate = train_module.attach_comm, train_module.evaluate
+    wire = CollectiveBytes(NODE)
+
+    def attach_and_measure(model, c):
+        shards.extend(unit_shards(model))
+        handle = attach(model, c)
+        wire.paused = False  # after sharding (and its one-off probes): the steps
+        return handle
+
+    def evaluate_unmeasured(*args, **kwargs):
+        wire.paused = True
+        return evaluate(*args, **kwargs)
+
+    train_module.attach_comm = attach_and_measure
+    train_module.evaluate = evaluate_unmeasured
+    try:
+        with wire:
+            summary = train(cfg)
+    finally:
+        train_module.attach_comm, train_module.evaluate = attach, evaluate
+    steps = len(summary["losses"])
+    return {
+        "mode": mode,
+        "val_loss": summary["val_loss"],
+        "losses": summary["losses"],
+        "step_ms": summary["step_ms"],
+        "bytes": wire.bytes,
+        "steps": steps,
+        "shards": shards,
+        "weight_stats": summary["weight_stats"],
+        "comm_stats": summary["comm_stats"],
+    }
+
+
+def run(base: TrainConfig, seeds: list[int]) -> dict[str, list[dict]]:
+    runs = {mode: [] for mode in MODES}
+    for seed in seeds:
+        for mode, fields in MODES.items():
+            t0 = time.perf_counter()
+            cfg = replace(base, seed=seed, **fields)
+            result = run_distributed(_run_rank, WORLD, cfg, mode, timeout=3600)[0]
+            result["wall_s"] = time.perf_counter() - t0
+            runs[mode].append(result)
+            print(
+                f"seed {seed} {mode:7s} val {result['val_loss']:.4f} "
+                f"step {result['step_ms']:.0f} ms ({result['wall_s']:.0f} s)",
+                flush=True,
+            )
+    return runs
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    mean = statistics.fmean(values)
+    se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+    return mean, se
+
+
+def summarize(runs: dict[str, list[dict]], base: TrainConfig) -> dict:
+    gaps = [
+        100 * (z["val_loss"] / f["val_loss"] - 1)
+        for f, z in zip(runs["fp32"], runs["zeropp"], strict=True)
+    ]
+    gap, se = mean_and_stderr(gaps)
+    per_step, predicted = {}, {}
+    for mode in MODES:
+        first = runs[mode][0]
+        per_step[mode] = {k: v / first["steps"] for k, v in sorted(first["bytes"].items())}
+        predicted[mode] = predicted_bytes(first["shards"], mode, base.qwz_group_size)
+    crossing = {m: sum(v for k, v in per_step[m].items() if k.endswith("inter")) for m in MODES}
+    return {
+        "benchmark": "zeropp",
+        "world": WORLD,
+        "node_size": NODE,
+        "steps": base.steps,
+        "seeds": len(gaps),
+        "val_loss": {m: [r["val_loss"] for r in runs[m]] for m in MODES},
+        "val_loss_gap_zeropp_per_seed": [round(g, 3) for g in gaps],
+        "val_loss_gap_zeropp": round(gap, 3),
+        "val_loss_gap_zeropp_stderr": round(se, 3),
+        "bytes_per_step": per_step,
+        "bytes_per_step_predicted": predicted,
+        "cross_node_bytes_ratio_zeropp_vs_fp32": round(crossing["zeropp"] / crossing["fp32"], 4),
+        "step_ms": {m: round(statistics.median(r["step_ms"] for r in runs[m]), 1) for m in MODES},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    args = parser.parse_args(argv)
+    base = TrainConfig(steps=args.steps, verbose=False, log_every=10**9)
+    summary = summarize(run(base, args.seeds), base)
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
