@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.utils._pytree import tree_map
 
 import fsdp_ext
 from benchmarks.wrap_models import DecoderLayer, FineMoE, FineMoEConfig
@@ -274,3 +276,72 @@ def test_int_reshard_peak_estimate_bounds_the_measured_peak():
             assert measured <= estimate <= 1.25 * measured, (raf, estimate, measured)
         assert r["node"][2] == [2] * 4 and r[True][2] == [True] * 4
         assert r["node"][1] > r[True][1]  # the node copies are held through forward
+
+
+# ------------------------------------------------ why qwZ is an AllGather comm
+
+
+class GatherAsIs(torch.Tensor):
+    """The smallest parameter subclass with FSDP2's all-gather extension (the route of
+    torchao's float8 weights): ``fsdp_pre_all_gather`` hands its data over as is."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, dtype=data.dtype, device=data.device, requires_grad=data.requires_grad
+        )
+
+    def __init__(self, data):
+        self._data = data
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return GatherAsIs(inner["_data"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t._data if isinstance(t, GatherAsIs) else t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return tree_map(lambda t: GatherAsIs(t) if isinstance(t, torch.Tensor) else t, out)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self._data,), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        if out is None:
+            return outputs[0], (outputs[0],)
+        return None
+
+
+def _extension_rank() -> dict:
+    mesh = init_device_mesh("cpu", (WORLD,))
+    out = {}
+    for raf in (True, NODE):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        for layer in model:
+            layer.weight = torch.nn.Parameter(GatherAsIs(layer.weight.detach()))
+            torch_fully_shard(layer, mesh=mesh, reshard_after_forward=raf)
+        torch_fully_shard(model, mesh=mesh)
+        try:
+            model(torch.randn(4, 8)).sum().backward()
+            out[raf] = "ok"
+        except NotImplementedError:
+            out[raf] = "NotImplementedError"
+    return out
+
+
+def test_torch_refuses_the_all_gather_extension_with_an_int_reshard():
+    """Canary for the design: a parameter subclass with ``fsdp_pre_all_gather`` (the
+    torchao route) trains with a full reshard, but FSDP2 (2.11-2.14) raises
+    NotImplementedError when an int reshard gathers it again in backward
+    (``FSDPParam.all_gather_inputs`` in ``SHARDED_POST_FORWARD``). qwZ is therefore an
+    FSDP2 ``AllGather`` comm, which hpZ's backward gather goes through unchanged. When
+    this fails, torch supports both: revisit docs/comm.md, "ZeRO++"."""
+    for r in run_distributed(_extension_rank, WORLD):
+        assert r == {True: "ok", NODE: "NotImplementedError"}
