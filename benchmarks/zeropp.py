@@ -99,9 +99,9 @@ class CollectiveBytes:
         return counted
 
 
-def unit_shards(model) -> list[tuple[int, bool]]:
-    """Per FSDP unit with more than one rank: (this rank's all-gather input, the padded
-    shard numel from FSDP's own sizes; whether the unit is the root)."""
+def unit_shards(model) -> list[tuple[list[int], bool]]:
+    """Per FSDP unit with more than one rank: (this rank's all-gather input of each of its
+    parameters, the padded shard numel from FSDP's own sizes; whether it is the root)."""
     out, seen = [], set()
     for module in model.modules():
         if not isinstance(module, FSDPModule) or fsdp_state_id(module) in seen:
@@ -109,33 +109,37 @@ def unit_shards(model) -> list[tuple[int, bool]]:
         seen.add(fsdp_state_id(module))
         for group in param_groups(module):
             if group.mesh_info.shard_mesh_size > 1:
-                numel = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
-                out.append((numel, module is model))
+                sizes = [p.padded_sharded_param_size.numel() for p in group.fsdp_params]
+                out.append((sizes, module is model))
     return out
 
 
-def predicted_bytes(shards: list[tuple[int, bool]], mode: str, group_size: int) -> dict[str, int]:
+def predicted_bytes(
+    shards: list[tuple[list[int], bool]], mode: str, group_size: int
+) -> dict[str, int]:
     """The formulas of docs/comm.md: bytes this rank sends per step, per collective.
 
-    ``n``: a unit's shard (elements), ``W`` ranks, ``r`` per node, ``N = W / r`` nodes.
-    fp32: all-gather ``(W - 1) 4n`` in forward and again in backward (the root once: FSDP
-    keeps it gathered), reduce-scatter ``(W - 1) 4n``. ZeRO++: forward all-gather
-    ``(W - 1) ceil(n / G)(G + 4)`` (qwZ, int8 and a scale per G); backward all-gather in the
-    node ``(r - 1) N 4n`` (hpZ: the fp32 node copy; the root too); reduce-scatter in the node
-    ``(r - 1) N 4n`` (LoCo's full-precision stage), then across nodes an all-to-all of
-    ``(N - 1) ceil(n / 128)(64 + 4)`` (4-bit codes and a scale per 128).
+    Per unit, ``n = sum_i n_i`` its shard (elements; ``n_i`` a parameter's); ``W`` ranks,
+    ``r`` per node, ``N = W / r`` nodes. fp32: all-gather ``(W - 1) 4n`` in forward and
+    again in backward (the root once: FSDP keeps it gathered), reduce-scatter ``(W - 1) 4n``.
+    ZeRO++: forward all-gather ``(W - 1) sum_i ceil(n_i / G)(G + 4)`` (qwZ: int8 and a scale
+    per G values of one parameter); backward all-gather in the node ``(r - 1) N 4n`` (hpZ:
+    the fp32 node copy; the root too); reduce-scatter in the node ``(r - 1) N 4n`` (LoCo's
+    full-precision stage), then across nodes an all-to-all of ``(N - 1) ceil(n / 128) 68``
+    (4-bit codes and a scale per 128).
     """
     w, r = WORLD, NODE
     nodes = w // r
-    sizes = [n for n, _ in shards]
     if mode == "fp32":
-        gathers = sum((w - 1) * 4 * n * (1 if root else 2) for n, root in shards)
+        gathers = sum((w - 1) * 4 * sum(p) * (1 if root else 2) for p, root in shards)
         return {
             "all_gather_inter": gathers,
-            "reduce_scatter_inter": sum((w - 1) * 4 * n for n in sizes),
+            "reduce_scatter_inter": sum((w - 1) * 4 * sum(p) for p, _ in shards),
         }
+    payload = sum(-(-n // group_size) * (group_size + 4) for p, _ in shards for n in p)
+    sizes = [sum(p) for p, _ in shards]
     return {
-        "all_gather_inter": sum((w - 1) * -(-n // group_size) * (group_size + 4) for n in sizes),
+        "all_gather_inter": (w - 1) * payload,
         "all_gather_intra": sum((r - 1) * nodes * 4 * n for n in sizes),
         "reduce_scatter_intra": sum((r - 1) * nodes * 4 * n for n in sizes),
         "all_to_all_inter": sum((nodes - 1) * -(-n // 128) * 68 for n in sizes),
@@ -143,7 +147,7 @@ def predicted_bytes(shards: list[tuple[int, bool]], mode: str, group_size: int) 
 
 
 def _run_rank(cfg: TrainConfig, mode: str) -> dict:
-    shards: list[tuple[int, bool]] = []
+    shards: list[tuple[list[int], bool]] = []
     attach, evaluate = train_module.attach_comm, train_module.evaluate
     wire = CollectiveBytes(NODE)
 

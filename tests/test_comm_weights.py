@@ -66,32 +66,25 @@ def _units(net: Net) -> list[tuple[str, nn.Module, list[str]]]:
 def quantized_copy(
     net: Net, world: int, group_size: int, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
-    """What every rank computes with under qwZ: by hand, unit by unit (see module doc)."""
+    """What every rank computes with under qwZ, by hand: each parameter padded on dim 0 to
+    a multiple of the world, cut into one dim-0 chunk per rank, each chunk quantised on its
+    own groups (no group mixes two parameters or two ranks), dequantised, put back."""
     out = {}
     for prefix, unit, names in _units(net):
         params = dict(unit.named_parameters())
-        rows, layout = [[] for _ in range(world)], []
         for name in names:
             p = params[name].detach().to(dtype)
             chunk = -(-p.shape[0] // world)
             padded = p.new_zeros(world * chunk, *p.shape[1:])
             padded[: p.shape[0]] = p
-            for r in range(world):
-                rows[r].append(padded[r * chunk : (r + 1) * chunk].reshape(-1))
-            layout.append((name, p.shape, chunk))
-        flat = torch.stack([torch.cat(r) for r in rows])
-        payload = torch.empty(
-            world, payload_row_bytes(flat.shape[1], group_size), dtype=torch.uint8
-        )
-        quantize_blockwise_reference(flat, payload, group_size=group_size)
-        back = torch.empty_like(flat)
-        dequantize_blockwise_reference(payload, back, group_size=group_size)
-        offset = 0
-        for name, shape, chunk in layout:
-            width = chunk * shape[1:].numel()
-            pieces = back[:, offset : offset + width].reshape(world * chunk, *shape[1:])
-            out[prefix + name] = pieces[: shape[0]].clone()
-            offset += width
+            rows = padded.reshape(world, -1)
+            payload = torch.empty(
+                world, payload_row_bytes(rows.shape[1], group_size), dtype=torch.uint8
+            )
+            quantize_blockwise_reference(rows, payload, group_size=group_size)
+            back = torch.empty_like(rows)
+            dequantize_blockwise_reference(payload, back, group_size=group_size)
+            out[prefix + name] = back.reshape(padded.shape)[: p.shape[0]].clone()
     return out
 
 

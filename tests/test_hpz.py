@@ -144,10 +144,10 @@ class _Collectives:
         return [(r, b) for n, p, r, b in self.calls if n.startswith("all_gather") and p == phase]
 
 
-def _unit_numel(unit, names, world):
-    """Per-rank all-gather input of a unit, from the parameter shapes alone."""
+def _unit_chunks(unit, names, world):
+    """Each parameter's per-rank all-gather input, from the parameter shapes alone."""
     params = dict(unit.named_parameters())
-    return sum(-(-params[n].shape[0] // world) * params[n][0].numel() for n in names)
+    return [-(-params[n].shape[0] // world) * params[n][0].numel() for n in names]
 
 
 def _zeropp_rank() -> dict:
@@ -157,8 +157,8 @@ def _zeropp_rank() -> dict:
     net = Net()
     exact = quantized_copy(net, WORLD, 32)["blocks.0.up.weight"]
     numels = [
-        _unit_numel(net, [n for n, _ in net.named_parameters() if "blocks" not in n], WORLD),
-        *(_unit_numel(b, [n for n, _ in b.named_parameters()], WORLD) for b in net.blocks),
+        _unit_chunks(net, [n for n, _ in net.named_parameters() if "blocks" not in n], WORLD),
+        *(_unit_chunks(b, [n for n, _ in b.named_parameters()], WORLD) for b in net.blocks),
     ]
     fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh, reshard_after_forward="node")
     handle = fsdp_ext.register_comm_hook(
@@ -242,9 +242,9 @@ def test_zeropp_on_two_emulated_nodes():
         assert [ranks_ for ranks_, _ in forward] == [tuple(range(WORLD))] * 9
         assert [ranks_ for ranks_, _ in backward] == [node] * 9
         # bytes: forward payloads int8 + fp32 scales per 32; backward the fp32 node copy
-        root, b0, b1 = r["numels"]
-        per_step_fwd = [payload_row_bytes(n, 32) for n in (root, b0, b1)]
-        per_step_bwd = [WORLD // NODE * n * 4 for n in (root, b1, b0)]
+        root, b0, b1 = r["numels"]  # per parameter: its own groups, its own scales
+        per_step_fwd = [sum(payload_row_bytes(n, 32) for n in u) for u in (root, b0, b1)]
+        per_step_bwd = [WORLD // NODE * sum(u) * 4 for u in (root, b1, b0)]
         assert [b for _, b in forward] == per_step_fwd * 3
         assert [b for _, b in backward] == per_step_bwd * 3
         w = r["weights"]

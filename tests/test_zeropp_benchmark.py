@@ -28,13 +28,14 @@ def test_collective_bytes_match_the_formula_in_both_modes():
 
 
 def test_formula_by_hand():
-    # one unit of 1000 elements per rank, W = 4, r = 2, group 256
-    z = predicted_bytes([(1000, False)], "zeropp", 256)
-    assert z["all_gather_inter"] == 3 * 4 * 260  # ceil(1000/256) = 4 groups of 256 + 4 B
+    # one unit of 1000 + 24 elements per rank (two parameters), W = 4, r = 2, group 256
+    z = predicted_bytes([([976, 24], False)], "zeropp", 256)
+    assert z["all_gather_inter"] == 3 * (4 + 1) * 260  # 4 groups + 1 group, 256 B + a scale
+    z = predicted_bytes([([1000], False)], "zeropp", 256)
     assert z["all_gather_intra"] == 1 * 2 * 4000
     assert z["reduce_scatter_intra"] == 1 * 2 * 4000
     assert z["all_to_all_inter"] == 1 * 8 * 68
     # the root gathers once under fp32 (FSDP keeps it gathered), the others twice
-    f = predicted_bytes([(1000, True), (10, False)], "fp32", 256)
+    f = predicted_bytes([([1000], True), ([4, 6], False)], "fp32", 256)
     assert f["all_gather_inter"] == 3 * 4000 + 2 * 3 * 40
     assert f["reduce_scatter_inter"] == 3 * 4040
