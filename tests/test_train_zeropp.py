@@ -6,6 +6,7 @@ group, a load through its verified reader and 4 more steps give the 8 losses of 
 run bit for bit.
 """
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -66,3 +67,15 @@ def test_zeropp_flags_refuse_in_one_line(args, needle, capsys, monkeypatch):
     assert exit_.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], lines
+
+
+@pytest.mark.slow
+def test_qwz_with_expert_parallel_experts():
+    """Experts split over ep=2 (DTensors, their own units on the efsdp mesh) gather in int8
+    like every other unit: every gather quantised, training finite, ranks agree."""
+    cfg = replace(TINY, steps=2, ep=2, qwz=True, qwz_group_size=32, comm="default")
+    ranks = run_distributed(_train, 4, cfg)
+    w = ranks[0]["weight_stats"]
+    assert w["quantized_gathers"] > 0 and w["full_precision_gathers"] == 0
+    assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
+    assert all(math.isfinite(loss) for loss in ranks[0]["losses"])
