@@ -1,7 +1,7 @@
 """Benchmark: the ZeRO++ stack (LoCo 4-bit hierarchical + qwZ + hpZ) against stock fp32 FSDP.
 
     python benchmarks/zeropp.py                    # 4 ranks as 2 nodes x 2, 3 seeds
-    python benchmarks/zeropp.py --steps 20 --seeds 0
+    python benchmarks/zeropp.py --steps 20 --seeds 0 --modes zeropp hpz qwz loco_hierarchical
 
 Both modes train the example LM (examples/train.py) from the same seed on the same batches,
 on 4 gloo ranks that emulate 2 nodes of 2 (``--intra-node-size 2``). Each rank wraps every
@@ -42,7 +42,12 @@ WORLD, NODE = 4, 2
 MODES = {
     "fp32": {"comm": "default"},
     "zeropp": {"comm": "loco", "intra_node_size": NODE, "qwz": True, "hpz": True, "zeropp": True},
+    # one part at a time: hpZ alone moves bytes, not values (bit-identical to fp32)
+    "hpz": {"comm": "default", "intra_node_size": NODE, "hpz": True},
+    "qwz": {"comm": "default", "qwz": True},
+    "loco_hierarchical": {"comm": "loco", "intra_node_size": NODE},
 }
+DEFAULT_MODES = ("fp32", "zeropp")
 
 
 class CollectiveBytes:
@@ -182,12 +187,15 @@ def _run_rank(cfg: TrainConfig, mode: str) -> dict:
     }
 
 
-def run(base: TrainConfig, seeds: list[int]) -> dict[str, list[dict]]:
-    runs = {mode: [] for mode in MODES}
+def run(
+    base: TrainConfig, seeds: list[int], modes: tuple[str, ...] = DEFAULT_MODES
+) -> dict[str, list[dict]]:
+    """Train ``base`` once per mode and seed on 4 ranks: {mode: [result per seed]}."""
+    runs = {mode: [] for mode in modes}
     for seed in seeds:
-        for mode, fields in MODES.items():
+        for mode in modes:
             t0 = time.perf_counter()
-            cfg = replace(base, seed=seed, **fields)
+            cfg = replace(base, seed=seed, **MODES[mode])
             result = run_distributed(_run_rank, WORLD, cfg, mode, timeout=3600)[0]
             result["wall_s"] = time.perf_counter() - t0
             runs[mode].append(result)
@@ -206,41 +214,63 @@ def mean_and_stderr(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(runs: dict[str, list[dict]], base: TrainConfig) -> dict:
-    gaps = [
-        100 * (z["val_loss"] / f["val_loss"] - 1)
-        for f, z in zip(runs["fp32"], runs["zeropp"], strict=True)
-    ]
-    gap, se = mean_and_stderr(gaps)
-    per_step, predicted = {}, {}
-    for mode in MODES:
-        first = runs[mode][0]
-        per_step[mode] = {k: v / first["steps"] for k, v in sorted(first["bytes"].items())}
-        predicted[mode] = predicted_bytes(first["shards"], mode, base.qwz_group_size)
-    crossing = {m: sum(v for k, v in per_step[m].items() if k.endswith("inter")) for m in MODES}
-    return {
+    """Validation-loss gaps to fp32 per mode (percent, mean and standard error over seeds),
+    bytes per step per collective (measured and predicted), median step times."""
+    gaps = {
+        mode: [
+            100 * (r["val_loss"] / f["val_loss"] - 1)
+            for f, r in zip(runs["fp32"], results, strict=True)
+        ]
+        for mode, results in runs.items()
+        if mode != "fp32"
+    }
+    out = {
         "benchmark": "zeropp",
         "world": WORLD,
         "node_size": NODE,
         "steps": base.steps,
-        "seeds": len(gaps),
-        "val_loss": {m: [r["val_loss"] for r in runs[m]] for m in MODES},
-        "val_loss_gap_zeropp_per_seed": [round(g, 3) for g in gaps],
-        "val_loss_gap_zeropp": round(gap, 3),
-        "val_loss_gap_zeropp_stderr": round(se, 3),
-        "bytes_per_step": per_step,
-        "bytes_per_step_predicted": predicted,
-        "cross_node_bytes_ratio_zeropp_vs_fp32": round(crossing["zeropp"] / crossing["fp32"], 4),
-        "step_ms": {m: round(statistics.median(r["step_ms"] for r in runs[m]), 1) for m in MODES},
+        "seeds": len(runs["fp32"]),
+        "val_loss": {m: [r["val_loss"] for r in results] for m, results in runs.items()},
     }
+    for mode, values in gaps.items():
+        mean, se = mean_and_stderr(values)
+        out[f"val_loss_gap_{mode}_per_seed"] = [round(g, 3) for g in values]
+        out[f"val_loss_gap_{mode}"] = round(mean, 3)
+        out[f"val_loss_gap_{mode}_stderr"] = round(se, 3)
+    per_step, predicted = {}, {}
+    for mode, results in runs.items():
+        first = results[0]
+        per_step[mode] = {k: v / first["steps"] for k, v in sorted(first["bytes"].items())}
+        if mode in ("fp32", "zeropp"):
+            predicted[mode] = predicted_bytes(first["shards"], mode, base.qwz_group_size)
+    crossing = {m: sum(v for k, v in per_step[m].items() if k.endswith("inter")) for m in per_step}
+    out["bytes_per_step"] = per_step
+    out["bytes_per_step_predicted"] = predicted
+    if "zeropp" in crossing:
+        out["cross_node_bytes_ratio_zeropp_vs_fp32"] = round(
+            crossing["zeropp"] / crossing["fp32"], 4
+        )
+    out["step_ms"] = {
+        m: round(statistics.median(r["step_ms"] for r in results), 1) for m, results in runs.items()
+    }
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=list(DEFAULT_MODES),
+        help="fp32 always runs (the baseline); the others one part of ZeRO++ at a time",
+    )
     args = parser.parse_args(argv)
+    modes = ("fp32", *(m for m in args.modes if m != "fp32"))
     base = TrainConfig(steps=args.steps, verbose=False, log_every=10**9)
-    summary = summarize(run(base, args.seeds), base)
+    summary = summarize(run(base, args.seeds, modes), base)
     print(json.dumps(summary), flush=True)
     return summary
 
