@@ -34,6 +34,8 @@ from fsdp_ext.comm.codec import Codec
 from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.weight_config import QuantizedAllGather
 
+__all__ = ["QuantizedWeightAllGather", "WeightGatherStats"]
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
