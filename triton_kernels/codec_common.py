@@ -27,6 +27,7 @@ packed away into a finite nibble.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +84,19 @@ def payload_views(
     codes = payload[:, :code_bytes]
     scales = payload.view(torch.float32)[:, code_bytes // 4 :]
     return codes, scales
+
+
+# The fast CPU paths work on blocks of whole groups, about this many elements, so that the
+# block's handful of fp32 work buffers stays in the core's L2 cache while each torch op
+# makes its pass over it: the reference makes its ~30 passes over memory-sized temporaries.
+CPU_BLOCK_ELEMENTS = 32768
+# The CPU paths pair 4-bit codes through int16 views of byte pairs where that is the byte order.
+LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def cpu_block_groups(group_size: int) -> int:
+    """Groups per block of the fast CPU paths."""
+    return max(1, CPU_BLOCK_ELEMENTS // group_size)
 
 
 # Tile table: (groups per program, num_warps) by kernel and group size. A program of 4 warps

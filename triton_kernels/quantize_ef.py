@@ -11,7 +11,12 @@ One pass over the gradient ``g`` and the error ``e`` (updated in place):
 with a non-finite ``h`` is sent as ``q = 0`` with scale NaN and its error is reset to zero
 (see :mod:`triton_kernels.codec_common`).
 
-Two entry points share one kernel:
+Three implementations (chosen by :mod:`triton_kernels.backend`): the torch reference (the
+spec), the Triton kernel, and a fast CPU path that makes the reference's passes block by
+block over cache-resident buffers, with the same IEEE operations in the same order, so it is
+bit-exact with the reference (``tests/test_codec_cpu.py``).
+
+Two entry points share each implementation:
 
 - :func:`quantize_ef` takes a flat ``x`` and returns ``(packed, scales)``;
 - :func:`quantize_ef_to_payload` takes ``[W, n]`` rows (any ``n``; each row is zero-padded to
@@ -27,12 +32,14 @@ import torch
 from triton_kernels import backend
 from triton_kernels.codec_common import (
     ERROR_QMAX,
+    LITTLE_ENDIAN,
     QMAX,
     TRITON_GROUP_SIZES,
     CompileCase,
     as_int16_bits,
     bytes_per_group,
     check_payload,
+    cpu_block_groups,
     launch_options,
     payload_views,
     qmax,
@@ -169,6 +176,144 @@ def quantize_ef_to_payload_reference(
     codes, payload_scales = payload_views(payload, groups, group_size, bits)
     codes.copy_(packed.view(num_rows, -1))
     payload_scales.copy_(scales.view(num_rows, -1))
+
+
+def _quantize_rows_cpu(rows, codes, scales, error, error_scales, group_size, bits, beta) -> None:
+    """The fast CPU path's core: ``[W, n]`` rows -> ``codes`` ``[W, G * bytes per group]`` and
+    ``scales`` ``[W, G]`` (both with unit column stride), error updated in place.
+
+    Row by row, block by block of whole groups, every step of
+    :func:`quantize_ef_reference` runs as one in-place op on a few fp32 block buffers, in the
+    reference's order (each op rounds as the reference's does); a group's non-finite test
+    reads its absmax (``amax`` propagates NaN and Inf), and the rare non-finite groups are
+    masked after the fact. 4-bit codes are paired through an int16 view of the byte codes:
+    ``v = c0 + 256 c1`` (little-endian), so ``(v | v >> 4)`` has ``c0 | c1 << 4`` in its low byte.
+    """
+    num_rows, n = rows.shape
+    groups = -(-n // group_size)
+    if num_rows == 0 or groups == 0:
+        return
+    q_max = qmax(bits)
+    per_block = cpu_block_groups(group_size)
+    k_max = min(per_block, groups)
+    dev = rows.device
+    h, q, e, r = torch.empty(4, k_max, group_size, device=dev)
+    absmax, safe = torch.empty(2, k_max, 1, device=dev)
+    ones = torch.ones(k_max, 1, device=dev)
+    code_bytes = torch.empty(k_max * group_size, dtype=torch.uint8, device=dev)
+    pairs = torch.empty(k_max * group_size // 2, dtype=torch.int16, device=dev)
+    beta32 = torch.tensor(beta, dtype=torch.float32)
+    one_minus_beta32 = torch.tensor(1.0 - beta, dtype=torch.float32)
+    per_group = bytes_per_group(group_size, bits)
+    for w in range(num_rows):
+        row = rows[w]
+        for g0 in range(0, groups, per_block):
+            k = min(groups, g0 + per_block) - g0
+            lo, hi = g0 * group_size, min((g0 + k) * group_size, n)
+            hb, qb, eb, rb = h[:k], q[:k], e[:k], r[:k]
+            am, sf, one = absmax[:k], safe[:k], ones[:k]
+            flat = hb.view(-1)
+            flat[: hi - lo].copy_(row[lo:hi])
+            if hi - lo < k * group_size:
+                flat[hi - lo :].zero_()  # padding to whole groups, as the reference pads
+            if error is not None:
+                start = (w * groups + g0) * group_size
+                err = error[start : start + k * group_size].view(k, group_size)
+                eb.copy_(err)
+                if error_scales is not None:
+                    err_scales = error_scales[w * groups + g0 : w * groups + g0 + k].view(k, 1)
+                    eb.mul_(err_scales)
+                hb.add_(eb)
+            torch.abs(hb, out=qb)
+            torch.amax(qb, dim=1, keepdim=True, out=am)
+            sc = scales[w, g0 : g0 + k].view(k, 1)
+            torch.div(am, q_max, out=sc)
+            bad = ~torch.isfinite(am)
+            any_bad = bool(bad.any())
+            torch.where(sc > 0, sc, one, out=sf)
+            torch.div(hb, sf, out=qb)
+            qb.add_(0.5).floor_().clamp_(-q_max - 1, q_max)
+            if any_bad:
+                qb.masked_fill_(bad, 0.0)
+            if error is not None:
+                torch.mul(qb, sc, out=rb)
+                torch.sub(hb, rb, out=rb)  # the residual h - q s
+                rb.mul_(one_minus_beta32)
+                eb.mul_(beta32).add_(rb)
+                if any_bad:
+                    eb.masked_fill_(bad, 0.0)
+                if error_scales is not None:
+                    torch.abs(eb, out=hb)
+                    torch.amax(hb, dim=1, keepdim=True, out=am)
+                    torch.div(am, ERROR_QMAX, out=err_scales)
+                    torch.where(err_scales > 0, err_scales, one, out=sf)
+                    torch.div(eb, sf, out=hb)
+                    hb.add_(0.5).floor_().clamp_(-ERROR_QMAX, ERROR_QMAX)
+                    err.copy_(hb)
+                else:
+                    err.copy_(eb)  # bf16: round to nearest even, as the reference
+            if any_bad:
+                sc.masked_fill_(bad, float("nan"))
+            qb.add_(q_max + 1)
+            out = codes[w, g0 * per_group : (g0 + k) * per_group]
+            if bits == 8:
+                out.copy_(qb.view(-1))
+                continue
+            c = code_bytes[: k * group_size]
+            c.copy_(qb.view(-1))
+            if not LITTLE_ENDIAN:
+                out.copy_(c[0::2] | (c[1::2] << 4))
+                continue
+            v = c.view(torch.int16)
+            packed = pairs[: k * group_size // 2]
+            torch.bitwise_right_shift(v, 4, out=packed)
+            out.copy_(packed.bitwise_or_(v))  # int16 -> uint8 keeps the low byte
+
+
+def quantize_ef_cpu(
+    x: torch.Tensor,
+    error: torch.Tensor | None = None,
+    error_scales: torch.Tensor | None = None,
+    *,
+    group_size: int = 128,
+    bits: int = 4,
+    beta: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fast CPU path; same contract and bits as :func:`quantize_ef_reference`."""
+    _check_args(x, error, error_scales, group_size, bits)
+    groups = x.numel() // group_size
+    packed = torch.empty(
+        groups * bytes_per_group(group_size, bits), dtype=torch.uint8, device=x.device
+    )
+    scales = torch.empty(groups, dtype=torch.float32, device=x.device)
+    _quantize_rows_cpu(
+        x.view(1, -1),
+        packed.view(1, -1),
+        scales.view(1, -1),
+        error,
+        error_scales,
+        group_size,
+        bits,
+        beta,
+    )
+    return packed, scales
+
+
+def quantize_ef_to_payload_cpu(
+    rows: torch.Tensor,
+    payload: torch.Tensor,
+    error: torch.Tensor | None = None,
+    error_scales: torch.Tensor | None = None,
+    *,
+    group_size: int = 128,
+    bits: int = 4,
+    beta: float = 0.0,
+) -> None:
+    """Fast CPU path; same contract and bits as :func:`quantize_ef_to_payload_reference`."""
+    groups = _check_rows(rows, error, error_scales, group_size, bits)
+    check_payload(payload, rows.shape[0], groups, group_size, bits)
+    codes, scales = payload_views(payload, groups, group_size, bits)
+    _quantize_rows_cpu(rows, codes, scales, error, error_scales, group_size, bits, beta)
 
 
 if triton is not None:
@@ -416,6 +561,18 @@ def quantize_ef_to_payload_triton(
     )
 
 
+_QUANTIZE_EF = {
+    "triton": quantize_ef_triton,
+    "cpu": quantize_ef_cpu,
+    "reference": quantize_ef_reference,
+}
+_QUANTIZE_EF_TO_PAYLOAD = {
+    "triton": quantize_ef_to_payload_triton,
+    "cpu": quantize_ef_to_payload_cpu,
+    "reference": quantize_ef_to_payload_reference,
+}
+
+
 # Explicit schemas: the same registration on every torch from 2.4 (the GPU machines' 2.11
 # included), whatever its reading of string annotations.
 @torch.library.custom_op(
@@ -432,7 +589,7 @@ def _quantize_ef_op(
     bits: int,
     beta: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    fn = quantize_ef_triton if backend.use_triton(x) else quantize_ef_reference
+    fn = _QUANTIZE_EF[backend.implementation(x, cpu_path=True)]
     return fn(x, error, error_scales, group_size=group_size, bits=bits, beta=beta)
 
 
@@ -459,8 +616,7 @@ def _quantize_ef_to_payload_op(
     bits: int,
     beta: float,
 ) -> None:
-    use = backend.use_triton(rows)
-    fn = quantize_ef_to_payload_triton if use else quantize_ef_to_payload_reference
+    fn = _QUANTIZE_EF_TO_PAYLOAD[backend.implementation(rows, cpu_path=True)]
     fn(rows, payload, error, error_scales, group_size=group_size, bits=bits, beta=beta)
 
 
