@@ -10,11 +10,13 @@ from triton_kernels.codec_common import TILE_ELEMENTS
 
 
 @st.composite
-def gradients(draw, group_sizes=(2, 4, 32, 64, 128), max_groups=None):
+def gradients(draw, group_sizes=(2, 4, 32, 64, 128), max_groups=None, subnormal=False):
     """Small gradients with outliers, all-zero groups, tiny groups, and NaN/Inf.
 
     ``max_groups=None`` draws 1-4 groups; ``"tiles"`` draws up to three kernel tiles' worth,
-    so shapes cross the tile boundaries of the Triton kernels.
+    so shapes cross the tile boundaries of the Triton kernels. ``subnormal`` adds groups of
+    subnormal values (whose scales are subnormal too; the Triton interpreter converts bf16
+    subnormals differently from torch, so its tests leave them out).
     """
     group_size = draw(st.sampled_from(group_sizes))
     if max_groups == "tiles":
@@ -28,7 +30,9 @@ def gradients(draw, group_sizes=(2, 4, 32, 64, 128), max_groups=None):
     flat = x.view(groups, group_size)
     kinds = draw(
         st.lists(
-            st.sampled_from(["plain", "zero", "outlier", "nan", "inf", "tiny"]),
+            st.sampled_from(
+                ["plain", "zero", "outlier", "nan", "inf", "tiny"] + ["subnormal"] * subnormal
+            ),
             min_size=groups,
             max_size=groups,
         )
@@ -45,6 +49,8 @@ def gradients(draw, group_sizes=(2, 4, 32, 64, 128), max_groups=None):
             flat[g, pos] = float("-inf") if pos % 2 else float("inf")
         elif kind == "tiny":
             flat[g] *= 1e-30
+        elif kind == "subnormal":
+            flat[g] = flat[g] / flat[g].abs().amax().clamp_min(1e-30) * 2e-43
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
     return x.to(dtype), group_size, seed
 

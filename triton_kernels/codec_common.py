@@ -89,7 +89,7 @@ def payload_views(
 # The fast CPU paths work on blocks of whole groups, about this many elements, so that the
 # block's handful of fp32 work buffers stays in the core's L2 cache while each torch op
 # makes its pass over it: the reference makes its ~30 passes over memory-sized temporaries.
-CPU_BLOCK_ELEMENTS = 32768
+CPU_BLOCK_ELEMENTS = 131072
 # The CPU paths pair 4-bit codes through int16 views of byte pairs where that is the byte order.
 LITTLE_ENDIAN = sys.byteorder == "little"
 

@@ -182,12 +182,18 @@ def _quantize_rows_cpu(rows, codes, scales, error, error_scales, group_size, bit
     """The fast CPU path's core: ``[W, n]`` rows -> ``codes`` ``[W, G * bytes per group]`` and
     ``scales`` ``[W, G]`` (both with unit column stride), error updated in place.
 
-    Row by row, block by block of whole groups, every step of
-    :func:`quantize_ef_reference` runs as one in-place op on a few fp32 block buffers, in the
-    reference's order (each op rounds as the reference's does); a group's non-finite test
-    reads its absmax (``amax`` propagates NaN and Inf), and the rare non-finite groups are
-    masked after the fact. 4-bit codes are paired through an int16 view of the byte codes:
-    ``v = c0 + 256 c1`` (little-endian), so ``(v | v >> 4)`` has ``c0 | c1 << 4`` in its low byte.
+    Row by row, block by block of whole groups, the operations of
+    :func:`quantize_ef_reference` run in its order on a few fp32 block buffers that stay in
+    cache, so every value is rounded exactly as there. Fewer passes, same arithmetic:
+
+    - ``h = x + e`` is one mixed-dtype op (``x`` bf16 or fp32, ``e`` decoded by one
+      ``int8 * fp32`` op), which converts exactly and then adds in fp32;
+    - a group's non-finite test reads its absmax (``amax`` propagates NaN and Inf), and the
+      rare non-finite groups are masked after the fact;
+    - an fp32 error buffer is updated in place, without a copy;
+    - codes go through int8: ``q`` converted exactly, then ``+ qmax + 1`` in uint8; 4-bit
+      pairs through an int16 view of the codes, ``v = c0 + 256 c1`` (little-endian), so
+      ``v | v >> 4`` holds ``c0 | c1 << 4`` in its low byte.
     """
     num_rows, n = rows.shape
     groups = -(-n // group_size)
@@ -212,18 +218,27 @@ def _quantize_rows_cpu(rows, codes, scales, error, error_scales, group_size, bit
             lo, hi = g0 * group_size, min((g0 + k) * group_size, n)
             hb, qb, eb, rb = h[:k], q[:k], e[:k], r[:k]
             am, sf, one = absmax[:k], safe[:k], ones[:k]
-            flat = hb.view(-1)
-            flat[: hi - lo].copy_(row[lo:hi])
-            if hi - lo < k * group_size:
-                flat[hi - lo :].zero_()  # padding to whole groups, as the reference pads
+            if hi - lo == k * group_size:
+                x = row[lo:hi].view(k, group_size)
+            else:  # the row's last block: padded to whole groups, as the reference pads
+                x = hb
+                x.view(-1)[: hi - lo].copy_(row[lo:hi])
+                x.view(-1)[hi - lo :].zero_()
             if error is not None:
                 start = (w * groups + g0) * group_size
                 err = error[start : start + k * group_size].view(k, group_size)
-                eb.copy_(err)
                 if error_scales is not None:
                     err_scales = error_scales[w * groups + g0 : w * groups + g0 + k].view(k, 1)
-                    eb.mul_(err_scales)
-                hb.add_(eb)
+                    torch.mul(err, err_scales, out=eb)
+                elif err.dtype == torch.float32:
+                    eb = err  # updated in place below
+                else:
+                    eb.copy_(err)
+                torch.add(x, eb, out=hb)
+            elif x.dtype == torch.float32:
+                hb = x  # only read from here on
+            else:
+                hb.copy_(x)
             torch.abs(hb, out=qb)
             torch.amax(qb, dim=1, keepdim=True, out=am)
             sc = scales[w, g0 : g0 + k].view(k, 1)
@@ -243,24 +258,25 @@ def _quantize_rows_cpu(rows, codes, scales, error, error_scales, group_size, bit
                 if any_bad:
                     eb.masked_fill_(bad, 0.0)
                 if error_scales is not None:
-                    torch.abs(eb, out=hb)
-                    torch.amax(hb, dim=1, keepdim=True, out=am)
+                    torch.abs(eb, out=rb)
+                    torch.amax(rb, dim=1, keepdim=True, out=am)
                     torch.div(am, ERROR_QMAX, out=err_scales)
                     torch.where(err_scales > 0, err_scales, one, out=sf)
-                    torch.div(eb, sf, out=hb)
-                    hb.add_(0.5).floor_().clamp_(-ERROR_QMAX, ERROR_QMAX)
-                    err.copy_(hb)
-                else:
+                    torch.div(eb, sf, out=rb)
+                    rb.add_(0.5).floor_().clamp_(-ERROR_QMAX, ERROR_QMAX)
+                    err.copy_(rb)
+                elif eb is not err:
                     err.copy_(eb)  # bf16: round to nearest even, as the reference
             if any_bad:
                 sc.masked_fill_(bad, float("nan"))
-            qb.add_(q_max + 1)
             out = codes[w, g0 * per_group : (g0 + k) * per_group]
             if bits == 8:
-                out.copy_(qb.view(-1))
+                out.view(torch.int8).copy_(qb.view(-1))
+                out.add_(q_max + 1)  # uint8 arithmetic: q + 128, from q's two's complement
                 continue
             c = code_bytes[: k * group_size]
-            c.copy_(qb.view(-1))
+            c.view(torch.int8).copy_(qb.view(-1))
+            c.add_(q_max + 1)
             if not LITTLE_ENDIAN:
                 out.copy_(c[0::2] | (c[1::2] << 4))
                 continue
