@@ -29,6 +29,7 @@ from triton_kernels.codec_common import (
     bytes_per_group,
     check_payload,
     cpu_block_groups,
+    cpu_workspace,
     launch_options,
     payload_views,
     qmax,
@@ -140,9 +141,8 @@ def _dequantize_rows_cpu(codes, scales, out, group_size, bits, out_scale) -> Non
     offset = qmax(bits) + 1
     per_block = cpu_block_groups(group_size)
     k_max = min(per_block, groups)
-    dev = codes.device
-    acc, q = torch.empty(2, k_max, group_size, device=dev)
-    low, high = torch.empty(2, k_max * group_size // 2, dtype=torch.int16, device=dev)
+    work = cpu_workspace(codes.device, k_max, group_size)
+    acc, q, low, high = work.h, work.q, work.low, work.high
     out_scale32 = torch.tensor(out_scale, dtype=torch.float32)
     per_group = bytes_per_group(group_size, bits)
     for g0 in range(0, groups, per_block):

@@ -27,6 +27,8 @@ Two entry points share each implementation:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from triton_kernels import backend
@@ -34,12 +36,14 @@ from triton_kernels.codec_common import (
     ERROR_QMAX,
     LITTLE_ENDIAN,
     QMAX,
+    SMALLEST_NORMAL,
     TRITON_GROUP_SIZES,
     CompileCase,
     as_int16_bits,
     bytes_per_group,
     check_payload,
     cpu_block_groups,
+    cpu_workspace,
     launch_options,
     payload_views,
     qmax,
@@ -189,7 +193,8 @@ def _quantize_rows_cpu(rows, codes, scales, error, error_scales, group_size, bit
     - ``h = x + e`` is one mixed-dtype op (``x`` bf16 or fp32, ``e`` decoded by one
       ``int8 * fp32`` op), which converts exactly and then adds in fp32;
     - a group's non-finite test reads its absmax (``amax`` propagates NaN and Inf), and the
-      rare non-finite groups are masked after the fact;
+      rare non-finite groups are masked after the fact; the clamps run only where a scale
+      is subnormal (see :func:`_block_checks`);
     - an fp32 error buffer is updated in place, without a copy;
     - codes go through int8: ``q`` converted exactly, then ``+ qmax + 1`` in uint8; 4-bit
       pairs through an int16 view of the codes, ``v = c0 + 256 c1`` (little-endian), so
@@ -202,12 +207,7 @@ def _quantize_rows_cpu(rows, codes, scales, error, error_scales, group_size, bit
     q_max = qmax(bits)
     per_block = cpu_block_groups(group_size)
     k_max = min(per_block, groups)
-    dev = rows.device
-    h, q, e, r = torch.empty(4, k_max, group_size, device=dev)
-    absmax, safe = torch.empty(2, k_max, 1, device=dev)
-    ones = torch.ones(k_max, 1, device=dev)
-    code_bytes = torch.empty(k_max * group_size, dtype=torch.uint8, device=dev)
-    pairs = torch.empty(k_max * group_size // 2, dtype=torch.int16, device=dev)
+    work = cpu_workspace(rows.device, k_max, group_size)
     beta32 = torch.tensor(beta, dtype=torch.float32)
     one_minus_beta32 = torch.tensor(1.0 - beta, dtype=torch.float32)
     per_group = bytes_per_group(group_size, bits)
@@ -216,8 +216,8 @@ def _quantize_rows_cpu(rows, codes, scales, error, error_scales, group_size, bit
         for g0 in range(0, groups, per_block):
             k = min(groups, g0 + per_block) - g0
             lo, hi = g0 * group_size, min((g0 + k) * group_size, n)
-            hb, qb, eb, rb = h[:k], q[:k], e[:k], r[:k]
-            am, sf, one = absmax[:k], safe[:k], ones[:k]
+            hb, qb, eb, rb = work.h[:k], work.q[:k], work.e[:k], work.r[:k]
+            am, sf, one = work.absmax[:k], work.safe[:k], work.ones[:k]
             if hi - lo == k * group_size:
                 x = row[lo:hi].view(k, group_size)
             else:  # the row's last block: padded to whole groups, as the reference pads
@@ -243,12 +243,14 @@ def _quantize_rows_cpu(rows, codes, scales, error, error_scales, group_size, bit
             torch.amax(qb, dim=1, keepdim=True, out=am)
             sc = scales[w, g0 : g0 + k].view(k, 1)
             torch.div(am, q_max, out=sc)
-            bad = ~torch.isfinite(am)
-            any_bad = bool(bad.any())
             torch.where(sc > 0, sc, one, out=sf)
+            any_bad, clamp = _block_checks(am, sf)
             torch.div(hb, sf, out=qb)
-            qb.add_(0.5).floor_().clamp_(-q_max - 1, q_max)
+            qb.add_(0.5).floor_()
+            if clamp:
+                qb.clamp_(-q_max - 1, q_max)
             if any_bad:
+                bad = ~torch.isfinite(am)
                 qb.masked_fill_(bad, 0.0)
             if error is not None:
                 torch.mul(qb, sc, out=rb)
@@ -263,7 +265,9 @@ def _quantize_rows_cpu(rows, codes, scales, error, error_scales, group_size, bit
                     torch.div(am, ERROR_QMAX, out=err_scales)
                     torch.where(err_scales > 0, err_scales, one, out=sf)
                     torch.div(eb, sf, out=rb)
-                    rb.add_(0.5).floor_().clamp_(-ERROR_QMAX, ERROR_QMAX)
+                    rb.add_(0.5).floor_()
+                    if float(sf.amin()) < SMALLEST_NORMAL:
+                        rb.clamp_(-ERROR_QMAX, ERROR_QMAX)
                     err.copy_(rb)
                 elif eb is not err:
                     err.copy_(eb)  # bf16: round to nearest even, as the reference
@@ -274,16 +278,29 @@ def _quantize_rows_cpu(rows, codes, scales, error, error_scales, group_size, bit
                 out.view(torch.int8).copy_(qb.view(-1))
                 out.add_(q_max + 1)  # uint8 arithmetic: q + 128, from q's two's complement
                 continue
-            c = code_bytes[: k * group_size]
+            c = work.code_bytes[: k * group_size]
             c.view(torch.int8).copy_(qb.view(-1))
             c.add_(q_max + 1)
             if not LITTLE_ENDIAN:
                 out.copy_(c[0::2] | (c[1::2] << 4))
                 continue
             v = c.view(torch.int16)
-            packed = pairs[: k * group_size // 2]
+            packed = work.pairs[: k * group_size // 2]
             torch.bitwise_right_shift(v, 4, out=packed)
             out.copy_(packed.bitwise_or_(v))  # int16 -> uint8 keeps the low byte
+
+
+def _block_checks(absmax: torch.Tensor, safe: torch.Tensor) -> tuple[bool, bool]:
+    """(whether a group of the block is non-finite, whether the clamp can bite), in one sync.
+
+    A NaN or Inf makes the sum of the absmaxes non-finite (a finite sum that overflows only
+    sends the block down the masking path, which then masks nothing). The clamp of
+    ``floor(h / s + 0.5)`` to ``[-qmax - 1, qmax]`` is a no-op unless a scale is subnormal:
+    with a normal ``s = fl(absmax / qmax)``, ``|fl(h / s)| <= qmax (1 + 2^-23)``, which
+    rounds half up to at most ``qmax``.
+    """
+    total, smallest = torch.stack((absmax.sum(), safe.amin())).tolist()
+    return not math.isfinite(total), smallest < SMALLEST_NORMAL
 
 
 def quantize_ef_cpu(
