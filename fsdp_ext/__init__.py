@@ -16,7 +16,9 @@ from fsdp_ext.checkpoint import (
 )
 from fsdp_ext.comm import CommHandle, CommStats, LoCoConfig, LoCoReduceScatter, register_comm_hook
 from fsdp_ext.moe import (
+    AllToAllStats,
     MoE,
+    all_to_all_stats,
     apply_expert_parallel,
     clip_grad_norm_,
     set_aux_loss_scale,
@@ -44,6 +46,7 @@ from fsdp_ext.wrap import (
 )
 
 __all__ = [
+    "AllToAllStats",
     "CheckpointIntegrityError",
     "CheckpointReport",
     "CommHandle",
@@ -64,6 +67,7 @@ __all__ = [
     "UnshardedBytesTracker",
     "VerifiedFileSystemReader",
     "WrapPlan",
+    "all_to_all_stats",
     "apply_expert_parallel",
     "build_pipeline",
     "calibrate_cost_model",

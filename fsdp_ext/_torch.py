@@ -13,6 +13,12 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+
+# 2.11-2.14: DCP's stock de-duplication of replicated items over the ranks' save plans.
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+
+# 2.11-2.14: the write items DCP's default planner makes for one state-dict entry.
+from torch.distributed.checkpoint.planner_helpers import _create_write_items as create_write_items
 from torch.distributed.device_mesh import DeviceMesh
 
 # 2.11-2.14: the comm interfaces a custom reduce-scatter / all-gather implements.
@@ -52,6 +58,8 @@ __all__ = [
     "all_gather_into",
     "auto_reshard_after_forward",
     "compiled_inner",
+    "create_write_items",
+    "dedup_save_plans",
     "flatten_mesh",
     "fsdp_mesh_info",
     "fsdp_state_id",

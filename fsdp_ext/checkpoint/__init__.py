@@ -5,7 +5,7 @@ Everything is used through the stock ``dcp.save`` / ``dcp.async_save`` / ``dcp.l
 
 from fsdp_ext.checkpoint.layers import default_layer_key
 from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, UnsafeCheckpointError
-from fsdp_ext.checkpoint.planner import SpreadSavePlanner, spread_plans
+from fsdp_ext.checkpoint.planner import SpreadSavePlanner, item_nbytes, spread_plans
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
 from fsdp_ext.checkpoint.verify import CheckpointReport, verify_checkpoint
 from fsdp_ext.checkpoint.writer import SpreadFileSystemWriter
@@ -19,6 +19,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "VerifiedFileSystemReader",
     "default_layer_key",
+    "item_nbytes",
     "spread_plans",
     "verify_checkpoint",
 ]
