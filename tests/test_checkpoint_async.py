@@ -80,9 +80,10 @@ def _local(state: dict, key: str) -> torch.Tensor:
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_async_save_loads_bitwise(tmp_path, mode):
     path = tmp_path / "ckpt"
-    assert run_distributed(_async_save_then_load, WORLD, str(path), mode, timeout=240) == [
-        True
-    ] * WORLD
+    assert (
+        run_distributed(_async_save_then_load, WORLD, str(path), mode, timeout=240)
+        == [True] * WORLD
+    )
     assert verify_checkpoint(path).ok
     loaded = {"model": {k: torch.zeros_like(v) for k, v in full_state(0).items()}, "step": 0}
     dcp.load(loaded, storage_reader=dcp.FileSystemReader(path))  # and with the stock reader
