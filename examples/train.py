@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -51,6 +50,7 @@ from fsdp_ext import (
     pipeline_step,
     reduce_pipeline_loss,
     register_comm_hook,
+    remove_checkpoint,
     shard_moe_model,
 )
 
@@ -412,7 +412,7 @@ def checkpoint_path(root: Path, step: int) -> Path:
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """Saves publish a directory by renaming it into place when complete, `.metadata` last."""
+    """A save publishes a link to its complete version directory: a step-* with .metadata."""
     done = sorted(p for p in root.glob("step-*") if (p / ".metadata").is_file())
     return done[-1] if done else None
 
@@ -427,7 +427,7 @@ def save_checkpoint(app_state: dict, cfg: TrainConfig, step: int) -> None:
     if dist.get_rank() == 0:
         done = sorted(p for p in cfg.checkpoint_root.glob("step-*") if (p / ".metadata").is_file())
         for old in done[: -cfg.keep]:
-            shutil.rmtree(old)
+            remove_checkpoint(old)  # the link, then its version directory
 
 
 def load_checkpoint(app_state: dict, path: Path) -> None:

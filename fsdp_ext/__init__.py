@@ -5,13 +5,17 @@ The public surface: every name below, re-exported from its room (``fsdp_ext.wrap
 """
 
 from fsdp_ext.checkpoint import (
+    CheckpointBusyError,
     CheckpointIntegrityError,
+    CheckpointPathError,
     CheckpointReport,
+    CheckpointSpaceError,
     SafeLoadPlanner,
     SpreadFileSystemWriter,
     SpreadSavePlanner,
     UnsafeCheckpointError,
     VerifiedFileSystemReader,
+    remove_checkpoint,
     verify_checkpoint,
 )
 from fsdp_ext.comm import CommHandle, CommStats, LoCoConfig, LoCoReduceScatter, register_comm_hook
@@ -47,8 +51,11 @@ from fsdp_ext.wrap import (
 
 __all__ = [
     "AllToAllStats",
+    "CheckpointBusyError",
     "CheckpointIntegrityError",
+    "CheckpointPathError",
     "CheckpointReport",
+    "CheckpointSpaceError",
     "CommHandle",
     "CommStats",
     "CostModel",
@@ -78,6 +85,7 @@ __all__ = [
     "plan_units",
     "reduce_pipeline_loss",
     "register_comm_hook",
+    "remove_checkpoint",
     "set_aux_loss_scale",
     "shard_moe_model",
     "split_stages",

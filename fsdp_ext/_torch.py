@@ -9,6 +9,7 @@ runs on 2.13 and 2.14, and 2.11 is the oldest supported release.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -71,6 +72,7 @@ __all__ = [
     "reduce_scatter_into",
     "run_fsdp1_policy",
     "sharded_post_forward_data",
+    "thread_in_dcp_save",
     "tree_map",
     "unflatten_mesh",
     "unsharded_param",
@@ -182,3 +184,22 @@ class PipelineStageBase(PipelineStage):
     def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         with self.metadata_inference_context():
             return super()._backward_metadata_inference(*args, **kwargs)
+
+
+# 2.11-2.14: the function every ``dcp.save`` / ``dcp.async_save`` runs its save in.
+_DCP_SAVE_FRAME = ("state_dict_saver.py", "_save_state_dict")
+
+
+def thread_in_dcp_save(thread_ident: int) -> bool:
+    """Whether the thread ``thread_ident`` of this process is inside a DCP save right now.
+
+    DCP calls no storage-writer method after a save fails, so a checkpoint lock taken by a
+    save that then failed is recognised by its thread having left ``_save_state_dict``.
+    """
+    frame = sys._current_frames().get(thread_ident)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == _DCP_SAVE_FRAME[1] and code.co_filename.endswith(_DCP_SAVE_FRAME[0]):
+            return True
+        frame = frame.f_back
+    return False
