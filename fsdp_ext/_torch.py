@@ -8,6 +8,7 @@ runs on 2.13 and 2.14, and 2.11 is the oldest supported release.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch.distributed as dist
@@ -26,6 +27,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info as fsd
 # 2.11-2.14: the per-unit state FSDP2 keeps (parameters, mixed precision, reshard setting).
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
+# 2.11-2.14: the base class of FSDP1's policy objects (ModuleWrapPolicy, CustomPolicy).
+from torch.distributed.fsdp.wrap import _Policy as FSDP1Policy
+from torch.distributed.pipelining import PipelineStage
+
 # 2.11-2.14: pytree mapping (no public equivalent).
 from torch.utils._pytree import tree_map
 
@@ -39,11 +44,14 @@ __all__ = [
     "GROUP_TRANSITIONS_BEFORE",
     "AllGather",
     "DefaultReduceScatter",
+    "FSDP1Policy",
     "FSDPParamGroup",
+    "PipelineStageBase",
     "ReduceScatter",
     "ShardPlacementResult",
     "all_gather_into",
     "auto_reshard_after_forward",
+    "compiled_inner",
     "flatten_mesh",
     "fsdp_mesh_info",
     "fsdp_state_id",
@@ -53,6 +61,7 @@ __all__ = [
     "param_group",
     "param_groups",
     "reduce_scatter_into",
+    "run_fsdp1_policy",
     "sharded_post_forward_data",
     "tree_map",
     "unflatten_mesh",
@@ -137,3 +146,31 @@ def unflatten_mesh(
     if not hasattr(DeviceMesh, "_unflatten"):
         return None
     return mesh._unflatten(0, sizes, names)
+
+
+def run_fsdp1_policy(policy: FSDP1Policy, root: nn.Module) -> dict[nn.Module, Any]:
+    """The modules an FSDP1 policy object wraps below and at ``root``, each with its kwargs
+    (``True`` or a dict of overrides; 2.11-2.14: ``_Policy._run_policy``)."""
+    return policy._run_policy(root, set(), {})
+
+
+def compiled_inner(module: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped, or ``module`` itself when it is not compiled
+    (2.11-2.14: ``OptimizedModule._orig_mod``)."""
+    return getattr(module, "_orig_mod", module)
+
+
+class PipelineStageBase(PipelineStage):
+    """``PipelineStage`` with a seam around its shape-inference backward.
+
+    2.12-2.14 infer gradient shapes on the first step with an autograd pass over the stage
+    (``_backward_metadata_inference``); a subclass wraps it in
+    :meth:`metadata_inference_context`. 2.11 has no such pass, and the seam is never used.
+    """
+
+    def metadata_inference_context(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with self.metadata_inference_context():
+            return super()._backward_metadata_inference(*args, **kwargs)

@@ -326,21 +326,22 @@ def test_beta_point_eight_matches_fp64_derivation_and_running_mean_bound():
 def test_error_resets_exactly_every_reset_interval_reductions():
     """The library's error buffer, driven reduction by reduction, is zeroed before reductions
     reset_interval, 2 * reset_interval, ... and only then (checked against the fp64 model)."""
+    from fsdp_ext.comm.absmax_codec import AbsmaxCodec
     from fsdp_ext.comm.config import LoCoConfig
     from fsdp_ext.comm.error_feedback import ErrorFeedback
-    from fsdp_ext.comm.quantized_exchange import quantize_to_payload
+    from fsdp_ext.comm.quantized_exchange import encode_rows
 
     interval, group = 3, 32
     config = LoCoConfig(
         group_size=group, err_beta=0.5, reset_interval=interval, error_dtype=torch.float32
     )
-    feedback = ErrorFeedback(config)
+    feedback = ErrorFeedback(AbsmaxCodec.from_config(config), config.reset_interval)
     gen = torch.Generator().manual_seed(9)
     grads = torch.randn(10, 2 * group, generator=gen)
     _, errors64, _ = _loco_fp64(grads, 0.5, group, reset_interval=interval)
     _, never_reset, _ = _loco_fp64(grads, 0.5, group)
     for t, g in enumerate(grads):
-        quantize_to_payload(g.clone(), 1, config, feedback)
+        encode_rows(g.clone().view(1, -1), AbsmaxCodec.from_config(config), feedback)
         assert torch.allclose(feedback.error.double(), errors64[t], rtol=1e-4, atol=1e-6), t
         if t >= interval:  # from the first reset on, the history differs from no reset
             assert not torch.allclose(feedback.error.double(), never_reset[t], atol=1e-3), t

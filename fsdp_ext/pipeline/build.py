@@ -185,7 +185,8 @@ def _check_stage_count(
 ) -> None:
     """Errors in the arguments the caller passed (pp, stages_per_rank), not num_stages."""
     stages = f"pp={pp}" if stages_per_rank == 1 else f"pp={pp} x stages_per_rank={stages_per_rank}"
-    fqn, blocks = find_blocks(model)
+    fqn, container = find_blocks(model)
+    blocks = list(container.named_children())
     if pp * stages_per_rank > len(blocks):
         fewer = "pp" if stages_per_rank == 1 else "pp or stages_per_rank"
         raise ValueError(

@@ -14,15 +14,18 @@ after the last microbatch: reduction is linear, so the gradients equal the defer
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage
+
+from fsdp_ext._torch import PipelineStageBase
 
 GRAD_SYNC_MODES = ("deferred", "per_microbatch")
 
 
-class FSDPPipelineStage(PipelineStage):
+class FSDPPipelineStage(PipelineStageBase):
     """``PipelineStage`` over an FSDP-sharded stage module, with a choice of ``grad_sync``."""
 
     def __init__(
@@ -44,19 +47,13 @@ class FSDPPipelineStage(PipelineStage):
     def _fsdp_root(self) -> FSDPModule | None:
         return self.submod if isinstance(self.submod, FSDPModule) else None
 
-    def _backward_metadata_inference(self, *args: Any, **kwargs: Any):
+    def metadata_inference_context(self) -> contextlib.AbstractContextManager[None]:
         # torch >= 2.12 infers gradient shapes on the first step with an autograd pass
         # over the stage. FSDP would treat it as a real backward: units that reduce unused
         # parameters (MoE blocks) would send an extra reduce-scatter of zeros, moving LoCo's
         # error state. Nothing of it is a gradient, so nothing is reduced.
         root = self._fsdp_root()
-        if root is None:
-            return super()._backward_metadata_inference(*args, **kwargs)
-        root.set_requires_gradient_sync(False)
-        try:
-            return super()._backward_metadata_inference(*args, **kwargs)
-        finally:
-            root.set_requires_gradient_sync(True)
+        return contextlib.nullcontext() if root is None else _no_gradient_sync(root)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
         root = self._fsdp_root()
@@ -105,3 +102,12 @@ class _Plain:
 
     def parameters(self, *args, **kwargs):
         return self._module.parameters(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(root: FSDPModule) -> Iterator[None]:
+    root.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        root.set_requires_gradient_sync(True)

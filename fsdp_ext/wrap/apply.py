@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp.wrap import CustomPolicy
 
+from fsdp_ext._torch import run_fsdp1_policy
 from fsdp_ext.wrap.plan import WrapPlan, plan_units
 from fsdp_ext.wrap.tree import (
     EXPERTS_ALWAYS_RUN_ATTR,
@@ -159,7 +160,7 @@ def fully_shard(module: nn.Module, *, auto_wrap_policy: object = None, **kwargs:
     )
     overrides: dict[nn.Module, dict[str, Any]] = {}
     if isinstance(auto_wrap_policy, CustomPolicy):
-        overrides = auto_wrap_policy._run_policy(module, set(), {})
+        overrides = run_fsdp1_policy(auto_wrap_policy, module)
         overrides.pop(module, None)  # FSDP1 wraps the root with the caller's kwargs only
     tied: set[nn.Module] = set()
     steps = [*reversed(list(zip(plan.modules, plan.reshard_after_forward, strict=True)))]

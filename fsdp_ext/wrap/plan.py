@@ -26,6 +26,7 @@ from fsdp_ext._torch import (
     group_reshard_after_forward,
     param_group,
     param_groups,
+    run_fsdp1_policy,
 )
 from fsdp_ext.wrap.cost import CostModel
 from fsdp_ext.wrap.peak import UnitSpan, estimate_peak
@@ -421,7 +422,7 @@ def plan_units(
     groups = unit_groups(module, units)
     overrides: dict[nn.Module, dict] = {}
     if isinstance(auto_wrap_policy, CustomPolicy):
-        overrides = auto_wrap_policy._run_policy(module, set(), {})
+        overrides = run_fsdp1_policy(auto_wrap_policy, module)
     raf = [unit_reshard_after_forward(g, reshard_after_forward, overrides) for g in groups]
     return build_plan(
         module,
