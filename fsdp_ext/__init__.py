@@ -18,7 +18,16 @@ from fsdp_ext.checkpoint import (
     remove_checkpoint,
     verify_checkpoint,
 )
-from fsdp_ext.comm import CommHandle, CommStats, LoCoConfig, LoCoReduceScatter, register_comm_hook
+from fsdp_ext.comm import (
+    CommHandle,
+    CommStats,
+    LoCoConfig,
+    LoCoReduceScatter,
+    QuantizedAllGather,
+    WeightGatherHandle,
+    register_comm_hook,
+    register_weight_all_gather,
+)
 from fsdp_ext.moe import (
     AllToAllStats,
     MoE,
@@ -46,6 +55,7 @@ from fsdp_ext.wrap import (
     WrapPlan,
     calibrate_cost_model,
     fully_shard,
+    node_local_reshard,
     plan_units,
 )
 
@@ -66,6 +76,7 @@ __all__ = [
     "MoE",
     "ParallelDims",
     "PipelineState",
+    "QuantizedAllGather",
     "SafeLoadPlanner",
     "SpreadFileSystemWriter",
     "SpreadSavePlanner",
@@ -73,6 +84,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnshardedBytesTracker",
     "VerifiedFileSystemReader",
+    "WeightGatherHandle",
     "WrapPlan",
     "all_to_all_stats",
     "apply_expert_parallel",
@@ -80,11 +92,13 @@ __all__ = [
     "calibrate_cost_model",
     "clip_grad_norm_",
     "fully_shard",
+    "node_local_reshard",
     "pipeline_step",
     "plan_stages",
     "plan_units",
     "reduce_pipeline_loss",
     "register_comm_hook",
+    "register_weight_all_gather",
     "remove_checkpoint",
     "set_aux_loss_scale",
     "shard_moe_model",

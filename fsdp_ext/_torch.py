@@ -25,8 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 # 2.11-2.14: the comm interfaces a custom reduce-scatter / all-gather implements.
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-# 2.11-2.14: what ``shard_placement_fn`` may return to put a parameter on another mesh.
-from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+# 2.11-2.14: what ``shard_placement_fn`` may return to put a parameter on another mesh, and
+# what a param group is doing (forward, backward, idle).
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult, TrainingState
 
 # 2.11-2.14: builds the mesh info a ``ShardPlacementResult`` carries.
 from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info as fsdp_mesh_info
@@ -46,10 +47,16 @@ try:  # 2.13-2.14: the stock reduce-scatter object, put back by ``CommHandle.rem
 except ImportError:  # 2.11-2.12: no comm object is set by default
     DefaultReduceScatter = None
 
+try:  # 2.13-2.14: the stock all-gather object, put back by ``WeightGatherHandle.remove()``
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+except ImportError:  # 2.11-2.12: no comm object is set by default
+    DefaultAllGather = None
+
 __all__ = [
     "GROUP_TRANSITIONS_AFTER",
     "GROUP_TRANSITIONS_BEFORE",
     "AllGather",
+    "DefaultAllGather",
     "DefaultReduceScatter",
     "FSDP1Policy",
     "FSDPParamGroup",
@@ -65,6 +72,7 @@ __all__ = [
     "fsdp_mesh_info",
     "fsdp_state_id",
     "gathered_bytes",
+    "gathering_for_backward",
     "group_reshard_after_forward",
     "has_all_gather_in_flight",
     "param_group",
@@ -137,6 +145,12 @@ def unsharded_param(fsdp_param: Any) -> nn.Parameter | None:
 def sharded_post_forward_data(fsdp_param: Any) -> Any:
     """The node-local shard kept between forward and backward under an int reshard."""
     return fsdp_param._sharded_post_forward_param_data
+
+
+def gathering_for_backward(group: FSDPParamGroup) -> bool:
+    """Whether the group's all-gather now is a backward one (its own or a prefetch), 2.11-2.14:
+    FSDP sets ``PRE_BACKWARD`` before unsharding in backward, also on a prefetched group."""
+    return group._training_state == TrainingState.PRE_BACKWARD
 
 
 def has_all_gather_in_flight(group: FSDPParamGroup) -> bool:
