@@ -236,7 +236,7 @@ def cpu_codec_comparison(numel: int, reps: int, torch_compile: bool) -> dict:
 def _torch_compile_alternative(inputs: dict, reps: int) -> dict:
     """``torch.compile`` of the quantising reference (inductor): compile seconds, speed,
     and whether it is bit-exact with the reference (one call on the same state)."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(quantize_ef_to_payload_reference, dynamic=False)
     state, ref = _cpu_state(inputs), _cpu_state(inputs)
     start = time.perf_counter()
