@@ -5,13 +5,17 @@ The public surface: every name below, re-exported from its room (``fsdp_ext.wrap
 """
 
 from fsdp_ext.checkpoint import (
+    CheckpointBusyError,
     CheckpointIntegrityError,
+    CheckpointPathError,
     CheckpointReport,
+    CheckpointSpaceError,
     SafeLoadPlanner,
     SpreadFileSystemWriter,
     SpreadSavePlanner,
     UnsafeCheckpointError,
     VerifiedFileSystemReader,
+    remove_checkpoint,
     verify_checkpoint,
 )
 from fsdp_ext.comm import (
@@ -25,7 +29,9 @@ from fsdp_ext.comm import (
     register_weight_all_gather,
 )
 from fsdp_ext.moe import (
+    AllToAllStats,
     MoE,
+    all_to_all_stats,
     apply_expert_parallel,
     clip_grad_norm_,
     set_aux_loss_scale,
@@ -54,8 +60,12 @@ from fsdp_ext.wrap import (
 )
 
 __all__ = [
+    "AllToAllStats",
+    "CheckpointBusyError",
     "CheckpointIntegrityError",
+    "CheckpointPathError",
     "CheckpointReport",
+    "CheckpointSpaceError",
     "CommHandle",
     "CommStats",
     "CostModel",
@@ -76,6 +86,7 @@ __all__ = [
     "VerifiedFileSystemReader",
     "WeightGatherHandle",
     "WrapPlan",
+    "all_to_all_stats",
     "apply_expert_parallel",
     "build_pipeline",
     "calibrate_cost_model",
@@ -88,6 +99,7 @@ __all__ = [
     "reduce_pipeline_loss",
     "register_comm_hook",
     "register_weight_all_gather",
+    "remove_checkpoint",
     "set_aux_loss_scale",
     "shard_moe_model",
     "split_stages",

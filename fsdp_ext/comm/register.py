@@ -91,6 +91,17 @@ class CommHandle:
                 total.add(unit.all_reduce_hook.stats)
         return total
 
+    @property
+    def units(self) -> dict[str, FSDPModule]:
+        """Every unit LoCo is on, by name (``"<root>"``; a unit of several modules is named
+        by their names joined with ``"+"``)."""
+        return {fqn: unit.module for fqn, unit in self._units.items()}
+
+    @property
+    def reduce_scatters(self) -> dict[str, LoCoReduceScatter]:
+        """The reduce-scatter installed on each unit, by the names of :attr:`units`."""
+        return {fqn: unit.reduce_scatter for fqn, unit in self._units.items()}
+
     def reset_stats(self) -> None:
         for unit in self._units.values():
             unit.reduce_scatter.stats = CommStats()

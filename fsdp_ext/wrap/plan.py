@@ -61,8 +61,8 @@ class WrapPlan:
     ``modules[i]`` holds the member modules of ``units[i + 1]``.
     ``reshard_after_forward[i]`` is that unit's setting (None: fully_shard's argument).
     ``peak_bytes``: estimated peak of unsharded parameters and gradients (one rank).
-    ``cost_s``: modelled FSDP seconds per step (budget plans); ``baseline``: the
-    per-block plan, planned the same way, for comparison.
+    ``cost_s``: modelled FSDP seconds per step (budget plans); ``baseline``: the plan
+    ``GranularityPolicy()`` makes (one unit per block), costed the same way, for comparison.
     """
 
     units: list[Unit]
@@ -108,7 +108,7 @@ class WrapPlan:
         if self.cost_s is not None:
             lines.append(f"plan: {self.summary()}")
             if self.baseline is not None:
-                lines.append(f"per-block plan: {self.baseline.summary()}")
+                lines.append(f"GranularityPolicy() plan: {self.baseline.summary()}")
             if self.cost_model is not None:
                 lines.append(f"cost model: {self.cost_model}")
         lines.append(
