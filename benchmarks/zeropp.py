@@ -30,13 +30,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import examples.train as train_module  # noqa: E402
 from examples.train import TrainConfig, train  # noqa: E402
-from fsdp_ext._torch import fsdp_state_id, param_groups  # noqa: E402
-from fsdp_ext.comm import hierarchical  # noqa: E402
-from fsdp_ext.testing import run_distributed  # noqa: E402
+from fsdp_ext.testing import fsdp_units, run_distributed  # noqa: E402
 
 WORLD, NODE = 4, 2
 MODES = {
@@ -73,10 +70,6 @@ class CollectiveBytes:
             if hasattr(dist, name):
                 self._originals[(dist, name)] = getattr(dist, name)
                 setattr(dist, name, self._wrap(name, self._originals[(dist, name)]))
-        # hierarchical LoCo calls the in-node reduce-scatter by the name it imported
-        original = hierarchical.reduce_scatter_into
-        self._originals[(hierarchical, "reduce_scatter_into")] = original
-        hierarchical.reduce_scatter_into = self._wrap("reduce_scatter_single", original)
         return self
 
     def __exit__(self, *exc):
@@ -105,17 +98,24 @@ class CollectiveBytes:
 
 
 def unit_shards(model) -> list[tuple[list[int], bool]]:
-    """Per FSDP unit with more than one rank: (this rank's all-gather input of each of its
-    parameters, the padded shard numel from FSDP's own sizes; whether it is the root)."""
-    out, seen = [], set()
-    for module in model.modules():
-        if not isinstance(module, FSDPModule) or fsdp_state_id(module) in seen:
-            continue
-        seen.add(fsdp_state_id(module))
-        for group in param_groups(module):
-            if group.mesh_info.shard_mesh_size > 1:
-                sizes = [p.padded_sharded_param_size.numel() for p in group.fsdp_params]
-                out.append((sizes, module is model))
+    """Per FSDP unit gathered over more than one rank: (each of its parameters' all-gather
+    input on one rank, from the parameter's shape alone: dim 0 padded to a multiple of the
+    unit's ranks, divided by them; whether the unit is the root). A unit of several modules
+    counts its first module's parameters (the example makes none)."""
+    units = fsdp_units(model)
+    out = []
+    for fqn, unit in units:
+        prefix = f"{fqn}." if fqn else ""
+        inner = [n for n, _ in units if n != fqn and n.startswith(prefix)]
+        sizes = []
+        for name, p in unit.named_parameters():
+            if any((prefix + name).startswith(f"{n}.") for n in inner):
+                continue  # a nested unit's parameter
+            ranks = p.device_mesh.size()
+            if ranks > 1:
+                sizes.append(-(-p.shape[0] // ranks) * p.shape[1:].numel())
+        if sizes:
+            out.append((sizes, fqn == ""))
     return out
 
 
@@ -153,26 +153,28 @@ def predicted_bytes(
 
 def _run_rank(cfg: TrainConfig, mode: str) -> dict:
     shards: list[tuple[list[int], bool]] = []
-    attach, evaluate = train_module.attach_comm, train_module.evaluate
+    parallelize = train_module.parallelize
     wire = CollectiveBytes(NODE)
 
-    def attach_and_measure(model, c):
+    def parallelize_and_measure(model, c, dims):
+        par = parallelize(model, c, dims)
         shards.extend(unit_shards(model))
-        handle = attach(model, c)
         wire.paused = False  # after sharding (and its one-off probes): the steps
-        return handle
+        eval_step = par.eval_step
 
-    def evaluate_unmeasured(*args, **kwargs):
-        wire.paused = True
-        return evaluate(*args, **kwargs)
+        def eval_unmeasured(x, y):
+            wire.paused = True  # validation is not a training step
+            return eval_step(x, y)
 
-    train_module.attach_comm = attach_and_measure
-    train_module.evaluate = evaluate_unmeasured
+        par.eval_step = eval_unmeasured
+        return par
+
+    train_module.parallelize = parallelize_and_measure
     try:
         with wire:
             summary = train(cfg)
     finally:
-        train_module.attach_comm, train_module.evaluate = attach, evaluate
+        train_module.parallelize = parallelize
     steps = len(summary["losses"])
     return {
         "mode": mode,

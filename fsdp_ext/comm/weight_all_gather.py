@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdp_ext._torch import AllGather, FSDPParamGroup, gathering_for_backward
+from fsdp_ext._torch import AllGather, FSDPParamGroup, all_gather_into, gathering_for_backward
 from fsdp_ext.comm.codec import Codec
 from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.weight_config import QuantizedAllGather
@@ -66,12 +66,6 @@ class WeightGatherStats:
     def compression_ratio(self) -> float:
         """``bytes_sent / bytes_uncompressed`` of the quantised gathers (0 before any)."""
         return self.bytes_sent / self.bytes_uncompressed if self.bytes_uncompressed else 0.0
-
-
-def _all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
-    # looked up at each call, so a caller that wraps the collective to count bytes sees it
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, input, group=group)
 
 
 def _spans(sizes) -> list[tuple[int, int]]:
@@ -132,12 +126,12 @@ class QuantizedWeightAllGather(AllGather):
         kind = self._kind(input_tensor, group)
         plain = (world - 1) * n * input_tensor.element_size()
         if kind == "intra_node":
-            _all_gather(output_tensor, input_tensor, group)
+            all_gather_into(output_tensor, input_tensor, group=group)
             self.stats.intra_node_bytes += plain
             self.stats.intra_node_gathers += 1
             return None
         if kind == "full_precision":
-            _all_gather(output_tensor, input_tensor, group)
+            all_gather_into(output_tensor, input_tensor, group=group)
             self.stats.full_precision_bytes += plain
             self.stats.full_precision_gathers += 1
             return None
@@ -150,7 +144,7 @@ class QuantizedWeightAllGather(AllGather):
             rows = input_tensor[start : start + numel].view(1, numel)
             self.codec.encode(rows, payload[:, at : at + width])
         gathered = torch.empty(world, payload.shape[1], dtype=torch.uint8, device=payload.device)
-        _all_gather(gathered.view(-1), payload.view(-1), group)
+        all_gather_into(gathered.view(-1), payload.view(-1), group=group)
         out = output_tensor.view(world, n)
         for (start, numel), (at, width) in zip(_spans(segments), _spans(widths), strict=True):
             self.codec.decode(
