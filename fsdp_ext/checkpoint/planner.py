@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key
+from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
 
 # A group that fits under (1 + slack) x the fair share is placed whole, not split.
 DEFAULT_SLACK = 0.02
@@ -134,10 +134,10 @@ def spread_plans(
     groups: dict[tuple, _Group] = {}
     for key, hs in holders.items():
         item = first[key]
+        layer = layer_of(layer_key, key[0])  # checked for every key, sharded ones too
         if len(hs) == 1:
             load[hs[0]] += item_nbytes(item)
             continue
-        layer = layer_key(key[0]) if layer_key is not None else None
         gid = (tuple(hs), layer) if layer is not None else (tuple(hs), None, key)
         group = groups.get(gid)
         if group is None:
