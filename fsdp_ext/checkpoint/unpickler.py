@@ -92,7 +92,14 @@ def load_metadata(data: bytes, source: str):
         raise CheckpointIntegrityError(
             f"{source}: not a readable DCP metadata file ({type(exc).__name__}: {exc})"
         ) from exc
-    check_structure(metadata, source)
+    try:
+        check_structure(metadata, source)
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # an object built without its fields, a size that is no int...
+        raise UnsafeCheckpointError(
+            f"{source}: holds objects DCP never writes ({type(exc).__name__}: {exc}); refusing it"
+        ) from exc
     return metadata
 
 
