@@ -158,6 +158,32 @@ def test_metadata_that_is_not_dcp_metadata_is_unsafe(tmp_path, variant):
     assert str(err.value).startswith(f"{meta}: ") and "\n" not in str(err.value)
     report = verify_checkpoint(path)
     assert [p for p in report.problems if p.startswith(f"{meta}: ")], report.problems
+    if variant == "dict":  # the type is named, not a missing attribute
+        assert str(err.value) == (
+            f"{meta}: holds a dict, not DCP Metadata; DCP never writes that, refusing it"
+        )
+
+
+def test_chunks_that_do_not_cover_a_tensor_are_reported(tmp_path):
+    """Metadata whose one chunk of ``embed`` covers its first half only (manifest made to
+    match): the stock reader loads it without a word and leaves the second half as it was;
+    verify names the tensor and what the chunks cover."""
+    path = save(tmp_path / "ckpt")
+    root = version(path)
+    meta = dcp.FileSystemReader(path).read_metadata()
+    embed = meta.state_dict_metadata["embed"]
+    rows, cols = embed.size
+    embed.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([rows // 2, cols]))]
+    meta.storage_meta.load_id = None
+    rewrite_metadata(path, pickle.dumps(meta))
+    got = {k: torch.zeros_like(v) if torch.is_tensor(v) else -1 for k, v in state().items()}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(path))
+    assert torch.equal(got["embed"][: rows // 2], state()["embed"][: rows // 2])
+    assert not got["embed"][rows // 2 :].any()  # silently untouched
+    report = verify_checkpoint(path)
+    assert report.problems == [
+        f"{root}: tensor embed chunks cover {rows // 2 * cols} of {rows * cols} elements"
+    ]
 
 
 # -- saves that cannot succeed ---------------------------------------------------------------
