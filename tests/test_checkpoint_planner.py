@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -23,6 +22,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from fsdp_ext._torch import dedup_save_plans
 from fsdp_ext.checkpoint.layers import default_layer_key
 from fsdp_ext.checkpoint.planner import spread_plans
 from fsdp_ext.checkpoint.verify_plan import LOCALITY_SLACK, assign_checks

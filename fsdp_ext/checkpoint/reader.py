@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from fsdp_ext._torch import set_state_dict_element
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
     MARKER,
@@ -70,9 +71,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = load_object_safely(value.getvalue(), f"item {read_item.dest_index.fqn}")
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            path = self.mappings[read_item.dest_index.fqn]
+            set_state_dict_element(self.original_state_dict, path, obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 

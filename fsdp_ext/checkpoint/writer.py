@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import math
 import os
 import pickle
 import queue
@@ -36,13 +37,13 @@ from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
     FileSystemWriter,
-    _item_size,
 )
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from fsdp_ext._torch import write_files
 from fsdp_ext.checkpoint.fs import MISSING, CheckpointFS, is_out_of_space
 from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
 from fsdp_ext.checkpoint.lock import LockOwner, acquire, release
@@ -262,7 +263,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         # the kernel flushes one file while the next is being written
         sync, self.sync_files = self.sync_files, False
         try:
-            results = self._write_data(planner, file_queue).value()
+            results = write_files(self, planner, file_queue).value()
             for file_name, _keys in assignment.files:
                 if sync:
                     self.fs.fsync(staging / file_name)
@@ -394,7 +395,10 @@ class SpreadFileSystemWriter(FileSystemWriter):
 
 
 def _nbytes(item) -> int:
-    return 0 if item.type == WriteItemType.BYTE_IO else _item_size(item)
+    """Bytes a write item puts in its file (a tensor item's whole local tensor)."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
 
 
 def _natural(name: str) -> tuple:
