@@ -66,16 +66,15 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from fsdp_ext._torch import dedup_save_plans, tensor_write_items
 from fsdp_ext.checkpoint import (
     SafeLoadPlanner,
     SpreadFileSystemWriter,
     SpreadSavePlanner,
     VerifiedFileSystemReader,
+    item_nbytes,
     spread_plans,
 )
-from fsdp_ext.checkpoint.planner import item_nbytes
-from fsdp_ext.testing import run_distributed
+from fsdp_ext.testing import create_write_items, dedup_save_plans, run_distributed
 
 WORLD = 4
 LAYOUTS = ("replicated", "hsdp", "fsdp")
@@ -465,7 +464,7 @@ def _shard_item(fqn: str, t: torch.Tensor, shard: int, shards: int) -> WriteItem
         type=WriteItemType.SHARD,
         tensor_data=TensorWriteData(
             chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-            properties=tensor_write_items(fqn, t)[0].tensor_data.properties,
+            properties=create_write_items(fqn, t)[0].tensor_data.properties,
             size=t.shape,
         ),
     )
@@ -474,7 +473,7 @@ def _shard_item(fqn: str, t: torch.Tensor, shard: int, shards: int) -> WriteItem
 def simulated_plans(sd: dict[str, torch.Tensor], world: int, shards: int) -> list[SavePlan]:
     """Local plans: fully replicated (shards=1) or HSDP with ``shards``-way sharding."""
     if shards == 1:
-        items = [i for fqn, t in sd.items() for i in tensor_write_items(fqn, t)]
+        items = [i for fqn, t in sd.items() for i in create_write_items(fqn, t)]
         return [SavePlan(list(items)) for _ in range(world)]
     per_shard = [
         [_shard_item(fqn, t, s, shards) for fqn, t in sd.items() if t.dim()] for s in range(shards)

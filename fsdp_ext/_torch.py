@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-# 2.11-2.14: DCP's stock dedup of save plans (what ``DefaultSavePlanner`` runs).
+# 2.11-2.14: DCP's stock de-duplication of replicated items over the ranks' save plans.
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 
 # 2.11-2.14: sets a value in a nested state dict by its flattened path (how
@@ -29,15 +29,16 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo
 
-# 2.11-2.14: the write items DCP makes for one tensor (plans of model shapes, without data).
-from torch.distributed.checkpoint.planner_helpers import _create_write_items as tensor_write_items
+# 2.11-2.14: the write items DCP's default planner makes for one state-dict entry.
+from torch.distributed.checkpoint.planner_helpers import _create_write_items as create_write_items
 from torch.distributed.device_mesh import DeviceMesh
 
 # 2.11-2.14: the comm interfaces a custom reduce-scatter / all-gather implements.
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-# 2.11-2.14: what ``shard_placement_fn`` may return to put a parameter on another mesh.
-from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+# 2.11-2.14: what ``shard_placement_fn`` may return to put a parameter on another mesh, and
+# what a param group is doing (forward, backward, idle).
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult, TrainingState
 
 # 2.11-2.14: builds the mesh info a ``ShardPlacementResult`` carries.
 from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info as fsdp_mesh_info
@@ -57,6 +58,11 @@ try:  # 2.13-2.14: the stock reduce-scatter object, put back by ``CommHandle.rem
 except ImportError:  # 2.11-2.12: no comm object is set by default
     DefaultReduceScatter = None
 
+try:  # 2.13-2.14: the stock all-gather object, put back by ``WeightGatherHandle.remove()``
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+except ImportError:  # 2.11-2.12: no comm object is set by default
+    DefaultAllGather = None
+
 __all__ = [
     "DCP_METADATA_PRIVATE_GLOBALS",
     "GROUP_TRANSITIONS_AFTER",
@@ -64,6 +70,7 @@ __all__ = [
     "AllGather",
     "DcpStorageInfo",
     "DedupHookSavePlanner",
+    "DefaultAllGather",
     "DefaultReduceScatter",
     "FSDP1Policy",
     "FSDPParamGroup",
@@ -73,11 +80,13 @@ __all__ = [
     "all_gather_into",
     "auto_reshard_after_forward",
     "compiled_inner",
+    "create_write_items",
     "dedup_save_plans",
     "flatten_mesh",
     "fsdp_mesh_info",
     "fsdp_state_id",
     "gathered_bytes",
+    "gathering_for_backward",
     "group_reshard_after_forward",
     "has_all_gather_in_flight",
     "param_group",
@@ -86,7 +95,6 @@ __all__ = [
     "run_fsdp1_policy",
     "set_state_dict_element",
     "sharded_post_forward_data",
-    "tensor_write_items",
     "thread_in_dcp_save",
     "tree_map",
     "unflatten_mesh",
@@ -153,6 +161,12 @@ def unsharded_param(fsdp_param: Any) -> nn.Parameter | None:
 def sharded_post_forward_data(fsdp_param: Any) -> Any:
     """The node-local shard kept between forward and backward under an int reshard."""
     return fsdp_param._sharded_post_forward_param_data
+
+
+def gathering_for_backward(group: FSDPParamGroup) -> bool:
+    """Whether the group's all-gather now is a backward one (its own or a prefetch), 2.11-2.14:
+    FSDP sets ``PRE_BACKWARD`` before unsharding in backward, also on a prefetched group."""
+    return group._training_state == TrainingState.PRE_BACKWARD
 
 
 def has_all_gather_in_flight(group: FSDPParamGroup) -> bool:

@@ -12,7 +12,7 @@ from fsdp_ext.checkpoint.manifest import (
     CheckpointSpaceError,
     UnsafeCheckpointError,
 )
-from fsdp_ext.checkpoint.planner import SpreadSavePlanner, spread_plans
+from fsdp_ext.checkpoint.planner import SpreadSavePlanner, item_nbytes, spread_plans
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
 from fsdp_ext.checkpoint.verify import CheckpointReport, verify_checkpoint
 from fsdp_ext.checkpoint.versions import remove_checkpoint
@@ -31,6 +31,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "VerifiedFileSystemReader",
     "default_layer_key",
+    "item_nbytes",
     "remove_checkpoint",
     "spread_plans",
     "verify_checkpoint",
