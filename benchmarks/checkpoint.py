@@ -75,8 +75,7 @@ from fsdp_ext.checkpoint import (
     remove_checkpoint,
     spread_plans,
 )
-from fsdp_ext.lab import Cluster, unavailable_reason
-from fsdp_ext.lab.network import STORAGE_DEVICE
+from fsdp_ext.lab import FABRIC_DEVICE, Cluster, unavailable_reason
 from fsdp_ext.testing import create_write_items, dedup_save_plans, run_distributed
 
 WORLD = 4
@@ -571,8 +570,12 @@ LAB_MODEL = {"dim": 256, "vocab": 12288, "n_layers": 12}  # 66 MB; the embedding
 
 def _storage_bytes() -> tuple[int, int]:
     """(sent, received) on this node's storage link: its interface counters, read inside the
-    node's namespace, count every byte this node wrote to or read from the shared storage."""
-    stats = Path("/sys/class/net") / STORAGE_DEVICE / "statistics"
+    node's namespace, count every byte this node wrote to or read from the shared storage.
+    A lab node has three interfaces: loopback, its link to the other nodes, and this one."""
+    links = [d for d in Path("/sys/class/net").iterdir() if d.name not in ("lo", FABRIC_DEVICE)]
+    if len(links) != 1:
+        raise RuntimeError(f"expected one storage link beside lo and {FABRIC_DEVICE}: {links}")
+    stats = links[0] / "statistics"
     return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
 
