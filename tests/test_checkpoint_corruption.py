@@ -47,11 +47,11 @@ def state(seed: int) -> dict:
 
 
 class StopBeforePublish(CheckpointFS):
-    """Fails the save when it reads its plan back in ``finish``: every rank's files and done
-    records are written, the plan is still there, nothing is published."""
+    """Fails the save when ``finish`` starts writing ``.metadata``: every rank's files and
+    done records are written, the plan is still there, nothing is published."""
 
     def before(self, op, path):
-        if op == "read" and str(path).endswith(".plan.json"):
+        if op == "write" and str(path).endswith("/.metadata"):
             raise OSError(5, "stopped for the test", str(path))
 
 

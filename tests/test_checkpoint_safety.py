@@ -335,5 +335,5 @@ def test_every_file_is_fsynced_before_the_publish(tmp_path, monkeypatch):
     on_disk = {p.name for p in path.iterdir()}
     data = {name for name in on_disk if name.endswith(".distcp")}
     assert len(data) == 3 and on_disk == data | {".metadata", ".manifest.json"}
-    assert data | {".manifest.json.tmp", ".metadata.tmp", version} <= set(synced)
+    assert data | {".manifest.json.tmp", ".metadata", version} <= set(synced)
     assert ("fsync", str(tmp_path)) in events[publish:]

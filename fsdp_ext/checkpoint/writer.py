@@ -20,6 +20,7 @@ Every filesystem operation goes through ``self.fs`` (:class:`CheckpointFS`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -88,6 +89,7 @@ class _Save:
     save_id: str
     owner: LockOwner
     previous: str | None  # the version the path pointed to when the save began
+    expected: dict  # every file each rank will write (also in the plan record)
 
 
 def rank_done_name(rank: int) -> str:
@@ -205,7 +207,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
                 fs.remove_tree(staging)
             release(fs, target, owner)
             raise
-        self._save = _Save(target, staging, save_id, owner, previous)
+        self._save = _Save(target, staging, save_id, owner, previous, expected)
         return out
 
     def _assign_files(self, rank: int, plan: SavePlan, staging: str) -> _RankFiles:
@@ -347,8 +349,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
                     records[wr.storage_data.name] = wr.storage_data
                 else:
                     storage_data[wr.index] = wr.storage_data
-        expected = json.loads(fs.read_bytes(staging / PLAN_NAME))["files"]
-        missing = sorted(set(expected) - set(records))
+        missing = sorted(set(save.expected) - set(records))
         if missing:
             raise RuntimeError(
                 f"ranks did not report files {missing}; not publishing {save.target}"
@@ -356,15 +357,16 @@ class SpreadFileSystemWriter(FileSystemWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
-        # stock format: plain pickle, so the stock FileSystemReader loads it
-        tmp = staging / f"{METADATA_NAME}.tmp"
-        with fs.create_stream(tmp, "wb") as stream:
+        # stock format: plain pickle, so the stock FileSystemReader loads it. Written under
+        # its own name: the version is invisible until published, and it counts as complete
+        # only once the manifest (renamed into place below) exists.
+        meta_path = staging / METADATA_NAME
+        with fs.create_stream(meta_path, "wb") as stream:
             pickle.dump(metadata, stream)
             if self.sync_files:
                 stream.flush()
-                fs.fsync(tmp)
-        fs.replace(tmp, staging / METADATA_NAME)
-        size, checksum = fs.records[str(tmp)]
+                fs.fsync(meta_path)
+        size, checksum = fs.records[str(meta_path)]
         manifest = Manifest(
             files=records,
             metadata=FileRecord(METADATA_NAME, rank=-1, size=size, checksum=checksum or ""),
@@ -379,7 +381,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         fs.replace(tmp, staging / MANIFEST_NAME)
         fs.unlink(staging / PLAN_NAME)
         for rank in range(len(results)):
-            if fs.kind(staging / rank_done_name(rank)) != MISSING:
+            with contextlib.suppress(FileNotFoundError):  # diagnostic, not fsynced
                 fs.unlink(staging / rank_done_name(rank))
         if self.sync_files:
             fs.fsync(staging)
