@@ -9,6 +9,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
 from fsdp_ext import LoCoConfig, register_comm_hook
+from fsdp_ext.comm.absmax_codec import AbsmaxCodec
 from fsdp_ext.testing import run_distributed
 
 
@@ -107,12 +108,17 @@ def test_register_refuses_what_it_cannot_serve():
 
 
 def test_a_group_size_the_cuda_kernels_cannot_run_is_refused_at_registration():
-    from fsdp_ext.comm.register import check_kernel_group_size
+    from fsdp_ext.comm.register import check_codec_device
+
+    def codec(group_size):
+        return AbsmaxCodec.from_config(LoCoConfig(group_size=group_size))
 
     cuda = torch.device("cuda", 0)
     with pytest.raises(
-        ValueError, match=r"group_size in \(32, 64, 128, 256\); got group_size=1024"
+        ValueError,
+        match=r"unit layers.0 reduces on cuda:0: .*group_size in \(32, 64, 128, 256\); "
+        r"got group_size=1024",
     ):
-        check_kernel_group_size(LoCoConfig(group_size=1024), cuda, "layers.0")
-    check_kernel_group_size(LoCoConfig(group_size=256), cuda, "layers.0")
-    check_kernel_group_size(LoCoConfig(group_size=1024), torch.device("cpu"), "layers.0")
+        check_codec_device(codec(1024), cuda, "layers.0")
+    check_codec_device(codec(256), cuda, "layers.0")
+    check_codec_device(codec(1024), torch.device("cpu"), "layers.0")

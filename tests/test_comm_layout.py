@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_ext import LoCoConfig, LoCoReduceScatter, register_comm_hook
+from fsdp_ext.comm.absmax_codec import AbsmaxCodec
 from fsdp_ext.comm.error_feedback import ErrorFeedback
 from fsdp_ext.comm.layout import ParamLayout
 from fsdp_ext.testing import run_distributed
@@ -240,7 +241,7 @@ def test_int8_error_subset_keeps_absent_parameters():
     """A reduction holding parameters 0 and 2 of three updates only their error; parameter 1
     keeps its error (up to the int8 re-rounding of the groups it shares)."""
     config = LoCoConfig(group_size=32, error_dtype=torch.int8)
-    feedback = ErrorFeedback(config)
+    feedback = ErrorFeedback(AbsmaxCodec.from_config(config), config.reset_interval)
     layout = ParamLayout(["a", "b", "c"], [40, 30, 26])  # 96 = 3 groups per row
     rows, full_width = 2, 96
     feedback.materialize(rows * full_width, torch.device("cpu"))
@@ -249,8 +250,9 @@ def test_int8_error_subset_keeps_absent_parameters():
     before = feedback.decoded().clone().view(rows, full_width)
     cols = layout.columns((0, 2), torch.device("cpu"))
     subset = feedback.subset(rows, full_width, cols, 96)
-    part, scales = subset.next(rows * 96, torch.device("cpu"))
-    assert scales is None
+    state = subset.next(rows * 96, torch.device("cpu"))
+    part = state.error
+    assert state.error_scales is None and part.dtype == torch.float32
     assert torch.equal(part.view(rows, 96)[:, :66], before[:, cols])  # gathered by parameter
     part.view(rows, 96)[:, :66] = 5.0  # what the kernel would write
     subset.write_back()

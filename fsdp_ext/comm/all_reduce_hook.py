@@ -15,19 +15,14 @@ import torch
 import torch.distributed as dist
 
 from fsdp_ext._torch import all_gather_into
+from fsdp_ext.comm.codec import Codec
 from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.error_feedback import ErrorFeedback, ErrorSubset
 from fsdp_ext.comm.layout import ParamLayout
-from fsdp_ext.comm.quantized_exchange import (
-    pad_columns,
-    quantize_to_payload,
-    quantized_reduce_scatter,
-    round_up,
-    split_payload,
-)
+from fsdp_ext.comm.quantized_exchange import encode_rows, pad_columns, quantized_reduce_scatter
+from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.stats import CommStats
 from fsdp_ext.comm.unit import UnitBinding
-from triton_kernels.dequantize_reduce import dequantize_reduce
 
 
 def hold_for_current_stream(tensor: torch.Tensor) -> None:
@@ -64,9 +59,11 @@ class LoCoAllReduceHook:
         self.replicate_group = replicate_group
         self.stats = stats if stats is not None else CommStats()
         self.unit = unit
-        on = config.error_feedback
-        self.scatter_feedback = ErrorFeedback(config) if on else None
-        self.gather_feedback = ErrorFeedback(config) if on else None
+        self.codec: Codec = make_codec(config.codec, config)
+        self.scatter_feedback = self.gather_feedback = None
+        if self.codec.keeps_feedback:
+            self.scatter_feedback = ErrorFeedback(self.codec, config.reset_interval)
+            self.gather_feedback = ErrorFeedback(self.codec, config.reset_interval)
         self._anonymous: ParamLayout | None = None
 
     def layout(self, numel: int) -> ParamLayout:
@@ -79,7 +76,7 @@ class LoCoAllReduceHook:
     def slice_width(self, layout: ParamLayout) -> int:
         """Elements of one replica's padded slice when every parameter is present."""
         pieces = layout.split(self.replicate_group.size())
-        return round_up(pieces.width, self.config.group_size)
+        return self.codec.padded(pieces.width)
 
     def materialize(self, device: torch.device) -> None:
         if self.scatter_feedback is None:
@@ -95,7 +92,7 @@ class LoCoAllReduceHook:
         if feedback is None:
             return None
         pieces = layout.split(self.replicate_group.size())
-        full_width = round_up(pieces.width, self.config.group_size)
+        full_width = self.codec.padded(pieces.width)
         if present == layout.all_present:
             feedback.materialize(rows * full_width, device)
             return feedback
@@ -120,7 +117,7 @@ class LoCoAllReduceHook:
             )
         device = reduce_output.device
         index = layout.slice_index(present, replicas, device)
-        width = round_up(index.shape[1], self.config.group_size)
+        width = self.codec.padded(index.shape[1])
         flat = reduce_output.reshape(-1).float()
         source = torch.cat([flat, flat.new_zeros(1)])
         padded = pad_columns(source[index], width)
@@ -128,26 +125,21 @@ class LoCoAllReduceHook:
         reduced, scatter_bytes = quantized_reduce_scatter(
             padded,
             self.replicate_group,
-            self.config,
+            self.codec,
             scatter_fb,
             out_scale=self.out_scale(),
             out_dtype=torch.float32,
         )
         gather_fb = self._feedback(self.gather_feedback, 1, layout, present, width, device)
-        payload = quantize_to_payload(reduced, 1, self.config, gather_fb)
+        payload = encode_rows(reduced.view(1, -1), self.codec, gather_fb)
         for fb in (scatter_fb, gather_fb):
             if isinstance(fb, ErrorSubset):
                 fb.write_back()
         gathered = payload.new_empty(replicas, payload.shape[1])
         all_gather_into(gathered.view(-1), payload.view(-1), group=self.replicate_group)
-        codes, scales = split_payload(gathered, self.config)
-        mean = dequantize_reduce(
-            codes.view(1, -1),
-            scales.view(1, -1),
-            group_size=self.config.group_size,
-            bits=self.config.bits,
-            out_dtype=torch.float32,
-        ).view(replicas, width)[:, : index.shape[1]]
+        mean = torch.empty(replicas, width, dtype=torch.float32, device=device)
+        self.codec.decode(gathered, mean)
+        mean = mean[:, : index.shape[1]]
         valid = index < numel
         result = torch.empty(numel + 1, dtype=torch.float32, device=device)
         result[index[valid]] = mean[valid]

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fsdp_ext.comm.registry import CODECS
+
 ERROR_DTYPES = (torch.int8, torch.bfloat16, torch.float32)
 
 
@@ -20,6 +22,8 @@ class LoCoConfig:
     ``g`` sits on node ``g // k``) and quantises only the exchange between nodes;
     ``"auto"`` takes ``k`` from the launcher's ``LOCAL_WORLD_SIZE``, so a job on a single node
     sends full precision (there is no scarce link to save).
+    ``codec`` names the wire format in :data:`fsdp_ext.comm.registry.CODECS`; the default,
+    ``"absmax"``, is the LoCo / qgZ codec that the other fields describe.
     """
 
     bits: int = 4
@@ -29,6 +33,7 @@ class LoCoConfig:
     error_dtype: torch.dtype = torch.int8
     intra_node_size: int | str | None = None
     error_feedback: bool = True
+    codec: str = "absmax"
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or self.bits not in (4, 8):
@@ -53,6 +58,8 @@ class LoCoConfig:
             raise ValueError(f"intra_node_size must be None, 'auto' or an int >= 1, got {k!r}")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"error_feedback must be a bool, got {self.error_feedback!r}")
+        if self.codec not in CODECS:
+            raise ValueError(f"codec must be one of {sorted(CODECS)}, got {self.codec!r}")
 
     def node_size(self) -> int | None:
         """Ranks per node: ``intra_node_size`` resolved (``"auto"`` reads ``LOCAL_WORLD_SIZE``)."""

@@ -1,29 +1,34 @@
-"""The LoCo error buffer of one reduction site, kept in the unit's full parameter layout."""
+"""The error-feedback buffer of one reduction site, kept in the unit's full parameter layout."""
 
 from __future__ import annotations
 
 import torch
 
-from fsdp_ext.comm.config import LoCoConfig
-
-_ERROR_QMAX = 127  # int8 errors: symmetric absmax, as the quantize_ef kernel stores them
+from fsdp_ext.comm.codec import Codec, Feedback
 
 
 class ErrorFeedback:
-    """Holds ``e`` (and its per-group scales when int8) for one reduction site.
+    """Holds ``e`` (and its per-group scales when the codec stores int8) for one reduction site.
 
     The buffer is ``[rows, width]`` in the layout where every trainable parameter of the
     unit is present; a reduction that leaves parameters out works on :meth:`subset`.
     Allocated on first use on the device the reduction runs on; zeroed every
     ``reset_interval`` reductions, as in ZeRO++ (``reset_T``), so a stale error cannot outlive
-    a change in the gradient statistics.
+    a change in the gradient statistics. The codec decides how ``e`` is stored.
     """
 
-    def __init__(self, config: LoCoConfig):
-        self.config = config
+    def __init__(self, codec: Codec, reset_interval: int):
+        if not codec.keeps_feedback:
+            raise ValueError(f"{type(codec).__name__} keeps no error feedback")
+        self.codec = codec
+        self.reset_interval = reset_interval
         self.error: torch.Tensor | None = None
         self.error_scales: torch.Tensor | None = None
         self.reductions = 0
+
+    @property
+    def state(self) -> Feedback:
+        return Feedback(self.error, self.error_scales)
 
     def materialize(self, numel: int, device: torch.device) -> None:
         """Allocate (zeros) or check the buffer; move it to ``device`` if it lives elsewhere
@@ -39,11 +44,8 @@ class ErrorFeedback:
             if self.error.device != device:
                 self._move(device)
             return
-        self.error = torch.zeros(numel, dtype=self.config.error_dtype, device=device)
-        if self.config.error_dtype == torch.int8:
-            self.error_scales = torch.zeros(
-                numel // self.config.group_size, dtype=torch.float32, device=device
-            )
+        fresh = self.codec.new_feedback(numel, device)
+        self.error, self.error_scales = fresh.error, fresh.error_scales
 
     def _move(self, device: torch.device) -> None:
         for name in ("error", "error_scales"):
@@ -54,15 +56,15 @@ class ErrorFeedback:
 
     def tick(self) -> None:
         """Count one reduction; reset first when one is due."""
-        if self.reductions and self.reductions % self.config.reset_interval == 0:
+        if self.reductions and self.reductions % self.reset_interval == 0:
             self.reset()
         self.reductions += 1
 
-    def next(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def next(self, numel: int, device: torch.device) -> Feedback:
         """The buffers to use for the coming reduction (reset first when due)."""
         self.materialize(numel, device)
         self.tick()
-        return self.error, self.error_scales
+        return self.state
 
     def subset(self, rows: int, full_width: int, columns: torch.Tensor, width: int) -> ErrorSubset:
         """The view of a reduction whose row column ``j`` is full-layout column ``columns[j]``."""
@@ -70,28 +72,11 @@ class ErrorFeedback:
 
     def decoded(self) -> torch.Tensor:
         """The error as fp32 (a view of the buffer itself when it is fp32)."""
-        if self.error.dtype == torch.float32:
-            return self.error
-        e = self.error.float()
-        if self.error_scales is not None:
-            e = (e.view(-1, self.config.group_size) * self.error_scales.view(-1, 1)).view(-1)
-        return e
+        return self.codec.feedback_to_fp32(self.state)
 
     def encode(self, values: torch.Tensor) -> None:
-        """Store fp32 ``values`` back in the buffer's dtype, as the kernel would."""
-        if self.error.dtype == torch.float32:
-            if values.data_ptr() != self.error.data_ptr():
-                self.error.copy_(values)
-            return
-        if self.error_scales is None:
-            self.error.copy_(values)  # round to nearest even, like the kernel
-            return
-        groups = values.view(-1, self.config.group_size)
-        scale = groups.abs().amax(dim=1, keepdim=True) / _ERROR_QMAX
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.floor(groups / safe + 0.5).clamp_(-_ERROR_QMAX, _ERROR_QMAX)
-        self.error.copy_(q.view(-1))
-        self.error_scales.copy_(scale.view(-1))
+        """Store fp32 ``values`` back in the buffer's dtype, as the codec would."""
+        self.codec.feedback_from_fp32(self.state, values)
 
     def reset(self) -> None:
         if self.error is not None:
@@ -126,7 +111,7 @@ class ErrorFeedback:
 
 class ErrorSubset:
     """The error entries of the parameters one reduction holds, as an fp32 buffer in that
-    reduction's layout. :meth:`write_back` stores the kernel's update in the full layout;
+    reduction's layout. :meth:`write_back` stores the codec's update in the full layout;
     parameters absent from the reduction keep their error untouched (up to int8 re-rounding
     of a group they share with present parameters)."""
 
@@ -143,7 +128,7 @@ class ErrorSubset:
     def reductions(self) -> int:
         return self.parent.reductions
 
-    def next(self, numel: int, device: torch.device) -> tuple[torch.Tensor, None]:
+    def next(self, numel: int, device: torch.device) -> Feedback:
         if numel != self.rows * self.width:
             raise RuntimeError(f"error subset holds {self.rows * self.width} elements, not {numel}")
         self.parent.materialize(self.rows * self.full_width, device)
@@ -152,7 +137,7 @@ class ErrorSubset:
         part = torch.zeros(self.rows, self.width, dtype=torch.float32, device=device)
         part[:, : self.columns.numel()] = self._full[:, self.columns]
         self._part = part
-        return part.view(-1), None
+        return Feedback(part.view(-1))
 
     def write_back(self) -> None:
         if self._part is None:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_ext._torch import ReduceScatter
+from fsdp_ext.comm.codec import Codec
 from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.error_feedback import ErrorFeedback, ErrorSubset
 from fsdp_ext.comm.hierarchical import (
@@ -18,7 +19,8 @@ from fsdp_ext.comm.hierarchical import (
     node_local_reduce_scatter,
 )
 from fsdp_ext.comm.layout import ParamLayout
-from fsdp_ext.comm.quantized_exchange import quantized_reduce_scatter_into, round_up
+from fsdp_ext.comm.quantized_exchange import quantized_reduce_scatter_into
+from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.stats import CommStats
 from fsdp_ext.comm.unit import UnitBinding
 
@@ -44,9 +46,10 @@ class LoCoReduceScatter(ReduceScatter):
     One instance serves one FSDP unit (:meth:`install`, or :func:`register_comm_hook`): it
     keeps the error of each of the unit's trainable parameters, and maps every reduction's
     columns to them, so a parameter left out of a reduction (no gradient) neither receives
-    nor corrupts anyone's error. Each rank's chunk is padded to a multiple of ``group_size``,
-    so a quantisation group never straddles two ranks. FSDP calls it only when the shard
-    group has more than one rank. fp16 gradients are computed in fp32.
+    nor corrupts anyone's error. Each rank's chunk is padded to whole codec groups, so a
+    quantisation group never straddles two ranks. The wire format is ``config.codec``'s.
+    FSDP calls it only when the shard group has more than one rank. fp16 gradients are
+    computed in fp32.
     """
 
     def __init__(
@@ -58,7 +61,10 @@ class LoCoReduceScatter(ReduceScatter):
     ):
         self.config = config if config is not None else LoCoConfig()
         self.stats = stats if stats is not None else CommStats()
-        self.feedback = ErrorFeedback(self.config) if self.config.error_feedback else None
+        self.codec: Codec = make_codec(self.config.codec, self.config)
+        self.feedback = None
+        if self.codec.keeps_feedback:
+            self.feedback = ErrorFeedback(self.codec, self.config.reset_interval)
         self._node_groups = node_groups
         self.unit: UnitBinding | None = None
         self._anonymous: ParamLayout | None = None
@@ -104,7 +110,7 @@ class LoCoReduceScatter(ReduceScatter):
         """The whole error buffer, or the view of the parameters this reduction holds."""
         layout = self.layout(shard)
         present = self.unit.present(shard) if self.unit is not None else layout.all_present
-        full_width = round_up(layout.width, self.config.group_size)
+        full_width = self.codec.padded(layout.width)
         if present == layout.all_present:
             if layout.width != shard:
                 raise RuntimeError(
@@ -114,7 +120,7 @@ class LoCoReduceScatter(ReduceScatter):
                 )
             self.feedback.materialize(rows * full_width, device)
             return self.feedback
-        width = round_up(shard, self.config.group_size)
+        width = self.codec.padded(shard)
         return self.feedback.subset(rows, full_width, layout.columns(present, device), width)
 
     def __call__(
@@ -162,7 +168,7 @@ class LoCoReduceScatter(ReduceScatter):
                 target,
                 chunks,
                 exchange_group,
-                self.config,
+                self.codec,
                 feedback,
                 out_scale=out_scale,
             )

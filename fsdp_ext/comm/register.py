@@ -11,13 +11,15 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_ext._torch import DefaultReduceScatter, fsdp_state_id, param_groups
 from fsdp_ext.comm.all_reduce_hook import LoCoAllReduceHook
+from fsdp_ext.comm.codec import Codec
 from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.hierarchical import NodeGroups, all_shard_groups, build_node_groups
-from fsdp_ext.comm.quantized_exchange import round_up
 from fsdp_ext.comm.reduce_scatter import LoCoReduceScatter
+from fsdp_ext.comm.registry import LEGACY_CODEC, make_codec
 from fsdp_ext.comm.stats import CommStats
 from fsdp_ext.comm.unit import SUPPORTED_REDUCE_DTYPES, UnitBinding, reduce_dtype_of
-from triton_kernels.codec_common import TRITON_GROUP_SIZES
+from fsdp_ext.comm.weight_config import QuantizedAllGather
+from fsdp_ext.comm.weight_register import WeightGatherHandle, register_weight_all_gather
 
 logger = logging.getLogger("fsdp_ext.comm")
 
@@ -37,7 +39,7 @@ class _Unit:
         rs, device = self.reduce_scatter, self.binding.device
         rows = rs.rows(self.world)
         if rs.feedback is not None and rows > 1:
-            width = round_up(self.binding.layout.width, rs.config.group_size)
+            width = rs.codec.padded(self.binding.layout.width)
             rs.feedback.materialize(rows * width, device)
         if self.all_reduce_hook is not None:
             self.all_reduce_hook.materialize(device)
@@ -74,8 +76,10 @@ class CommHandle:
     def __init__(self, units: dict[str, _Unit], config: LoCoConfig, *, strict: bool = False):
         self._units = units
         self._config = config
+        self._codec = make_codec(config.codec, config)
         self.strict = strict
         self._removed = False
+        self.weights: WeightGatherHandle | None = None  # qwZ, when registered with weights=
 
     @property
     def stats(self) -> CommStats:
@@ -87,6 +91,17 @@ class CommHandle:
                 total.add(unit.all_reduce_hook.stats)
         return total
 
+    @property
+    def units(self) -> dict[str, FSDPModule]:
+        """Every unit LoCo is on, by name (``"<root>"``; a unit of several modules is named
+        by their names joined with ``"+"``)."""
+        return {fqn: unit.module for fqn, unit in self._units.items()}
+
+    @property
+    def reduce_scatters(self) -> dict[str, LoCoReduceScatter]:
+        """The reduce-scatter installed on each unit, by the names of :attr:`units`."""
+        return {fqn: unit.reduce_scatter for fqn, unit in self._units.items()}
+
     def reset_stats(self) -> None:
         for unit in self._units.values():
             unit.reduce_scatter.stats = CommStats()
@@ -94,16 +109,15 @@ class CommHandle:
                 unit.all_reduce_hook.stats = CommStats()
 
     def header(self) -> dict:
-        """What a saved error state must match to be loaded as is."""
+        """What a saved error state must match to be loaded as is: the job's shape, the
+        codec's name and its own header (:meth:`~fsdp_ext.comm.codec.Codec.header`)."""
         cfg = self._config
         return {
             "world_size": dist.get_world_size(),
-            "bits": cfg.bits,
-            "error_dtype": str(cfg.error_dtype),
-            "group_size": cfg.group_size,
-            "err_beta": float(cfg.err_beta),
             "intra_node_size": cfg.node_size() if cfg.intra_node_size is not None else None,
             "layout": {fqn: u.binding.layout.signature() for fqn, u in self._units.items()},
+            "codec": cfg.codec,
+            **self._codec.header(),
         }
 
     def state_dict(self) -> dict:
@@ -128,17 +142,18 @@ class CommHandle:
         if mine is None:
             differences = [f"the checkpoint holds no LoCo state for rank {dist.get_rank()}"]
         else:
-            saved = mine["header"]
-            for key in ("bits", "error_dtype"):
-                if saved[key] != now[key]:
+            # checkpoints from before codecs had names hold the absmax codec's header
+            saved = {"codec": LEGACY_CODEC, **mine["header"]}
+            for key in ("codec", *self._codec.format_keys):
+                if saved.get(key) != now[key]:
                     raise ValueError(
-                        f"LoCo checkpoint has {key}={saved[key]}, this run has {key}={now[key]}: "
-                        f"its error buffers cannot be read with another {key}"
+                        f"LoCo checkpoint has {key}={saved.get(key)}, this run has "
+                        f"{key}={now[key]}: its error buffers cannot be read with another {key}"
                     )
             differences = [
-                f"{key} {saved[key]} -> {now[key]}"
-                for key in ("world_size", "intra_node_size", "group_size", "err_beta")
-                if saved[key] != now[key]
+                f"{key} {saved.get(key)} -> {now[key]}"
+                for key in now
+                if key != "layout" and saved.get(key) != now[key]
             ]
             changed = sorted(
                 fqn
@@ -168,6 +183,8 @@ class CommHandle:
             if unit.all_reduce_hook is not None:
                 unit.module.set_all_reduce_hook(None)
             unit.binding.remove()
+        if self.weights is not None:
+            self.weights.remove()
         self._removed = True
 
 
@@ -192,17 +209,14 @@ def _fsdp_units(model: torch.nn.Module) -> list[tuple[str, FSDPModule, object]]:
     return [("+".join(names), module, group) for names, module, group in seen.values()]
 
 
-def check_kernel_group_size(config: LoCoConfig, device: torch.device, fqn: str) -> None:
-    """Refuse, at registration, a group size the Triton kernels on ``device`` cannot run.
-
-    The torch reference (CPU) takes any power of two; the CUDA kernels are tiled for a fixed
-    set, and finding that out in the middle of the first backward would be too late.
-    """
-    if device.type == "cuda" and config.group_size not in TRITON_GROUP_SIZES:
-        raise ValueError(
-            f"unit {fqn} reduces on {device}, where LoCo's Triton kernels take group_size in "
-            f"{TRITON_GROUP_SIZES}; got group_size={config.group_size}"
-        )
+def check_codec_device(codec: Codec, device: torch.device, fqn: str) -> None:
+    """Refuse, at registration, a codec setting the kernels on ``device`` cannot run (e.g. a
+    group size the CUDA kernels are not tiled for): the middle of the first backward would
+    be too late to find out."""
+    try:
+        codec.check_device(device)
+    except ValueError as exc:
+        raise ValueError(f"unit {fqn} reduces on {device}: {exc}") from exc
 
 
 def register_comm_hook(
@@ -211,8 +225,12 @@ def register_comm_hook(
     *,
     replicate_group: dist.ProcessGroup | None = None,
     strict: bool = False,
+    weights: QuantizedAllGather | None = None,
 ) -> CommHandle:
     """Install a :class:`LoCoReduceScatter` on every FSDP unit of ``model``.
+
+    ``weights``: also quantise the parameter all-gathers (ZeRO++ qwZ, see
+    :func:`register_weight_all_gather`); ``CommHandle.weights`` then holds their handle.
 
     Every unit gets its own comm, sized over all of its trainable parameters (a unit of
     several modules, ``fully_shard([a, b])``, included). With ``replicate_group`` (HSDP),
@@ -225,6 +243,7 @@ def register_comm_hook(
         raise TypeError(f"config must be a LoCoConfig, got {type(config).__name__}")
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {strict!r}")
+    codec = make_codec(config.codec, config)
     units_found = _fsdp_units(model)
     if not units_found:
         raise ValueError("model has no FSDP unit: call fully_shard before register_comm_hook")
@@ -251,7 +270,7 @@ def register_comm_hook(
                 "torch.float32, torch.bfloat16 and torch.float16 (set MixedPrecisionPolicy."
                 "reduce_dtype)"
             )
-        check_kernel_group_size(config, group.device, fqn)
+        check_codec_device(codec, group.device, fqn)
         shard_group = mesh_info.shard_process_group
         plans.append((fqn, module, group, shard_group))
     node_groups: dict[tuple[int, ...], NodeGroups] = {}
@@ -276,4 +295,7 @@ def register_comm_hook(
             hook = LoCoAllReduceHook(config, replicate_group, unit=binding)
             module.set_all_reduce_hook(hook)
         units[fqn] = _Unit(module, binding, comm, hook, shard_group.size())
-    return CommHandle(units, config, strict=strict)
+    handle = CommHandle(units, config, strict=strict)
+    if weights is not None:
+        handle.weights = register_weight_all_gather(model, weights)
+    return handle
