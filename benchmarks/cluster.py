@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import itertools
 
-from examples.train import build_parser
+from examples.config import build_parser
 from fsdp_ext.lab import Cluster, LabUnavailable, unavailable_reason
 
 RANK_PROGRAM = Path(__file__).resolve().parent / "cluster_rank.py"
