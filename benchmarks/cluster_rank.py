@@ -2,8 +2,8 @@
 
     torchrun ... benchmarks/cluster_rank.py SPEC_JSON     (the lab's torchrun runs it)
 
-SPEC_JSON is ``{"common": [train args], "configs": {name: [train args]}}``. For each
-configuration in turn, ``examples.train.main(common + args)`` trains, unchanged, inside one
+SPEC_JSON is ``{"common": [train args], "runs": [[name, [train args]], ...]}``. For each
+run in turn, ``examples.train.main(common + args)`` trains, unchanged, inside one
 process group that this program opens once (train.py's own init and destroy are bypassed:
 re-initialising the default group under torchrun's agent store hangs, and one job for all
 configurations saves a launch per configuration). On the side it records:
@@ -16,7 +16,7 @@ configurations saves a launch per configuration). On the side it records:
   reduce-scatter as a ring all-reduce of the whole input, ring all-reduce, direct
   all-to-all, broadcast straight from the root.
 
-Prints one line ``CLUSTER_RECORD {json}`` per configuration, on every rank.
+Prints one line ``CLUSTER_RECORD {json}`` per run, on every rank.
 """
 
 from __future__ import annotations
@@ -173,11 +173,12 @@ def main(spec_json: str) -> None:
     train.init_distributed = lambda cfg: None
     dist.destroy_process_group = lambda *args, **kwargs: None
     try:
-        for name, args in spec["configs"].items():
+        for index, (name, args) in enumerate(spec["runs"]):
             steps.clear()
             summary = train.main([*spec["common"], *args])
             record = {
                 "config": name,
+                "run": index,
                 "rank": int(os.environ["RANK"]),
                 "node": int(os.environ["GROUP_RANK"]),
                 "steps": list(steps),
