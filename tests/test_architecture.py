@@ -36,13 +36,7 @@ PENDING_CYCLES = [
     # edges: the plan data types move out of wrap/plan.py, so search imports them one way
     ["fsdp_ext.wrap.plan", "fsdp_ext.wrap.search"],
 ]
-PENDING_PRIVATE_FILES = [
-    # ckpt: checkpoint/'s private torch names move into fsdp_ext/_torch.py
-    "fsdp_ext/checkpoint/planner.py",
-    "fsdp_ext/checkpoint/reader.py",
-    "fsdp_ext/checkpoint/unpickler.py",
-    "fsdp_ext/checkpoint/writer.py",
-]
+PENDING_PRIVATE_FILES: list[str] = []
 
 
 @pytest.fixture(scope="module")
