@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 NPROC ?= 2
 
-.PHONY: venv demo test test-slow torchtitan bench lint format
+.PHONY: venv demo test test-slow torchtitan bench lint format lab
 
 venv:
 	@scripts/bootstrap.sh
@@ -11,7 +11,12 @@ demo: venv
 	rm -rf runs/demo
 	$(PY) examples/train.py --nproc-per-node $(NPROC) --ep $(NPROC) --ckpt-every 100 --out runs/demo
 
+# the cluster lab's Debian packages (sshfs, openssh-server, iproute2), as root; see docs/cluster.md
+lab:
+	@scripts/lab-packages.sh
+
 test: venv
+	@scripts/lab-packages.sh --best-effort
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q

@@ -1,35 +1,107 @@
-"""fsdp-ext: plugins for PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``)."""
+"""fsdp-ext: plugins for PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
-from fsdp_ext.checkpoint import CheckpointIntegrityError as CheckpointIntegrityError
-from fsdp_ext.checkpoint import CheckpointReport as CheckpointReport
-from fsdp_ext.checkpoint import SafeLoadPlanner as SafeLoadPlanner
-from fsdp_ext.checkpoint import SpreadFileSystemWriter as SpreadFileSystemWriter
-from fsdp_ext.checkpoint import SpreadSavePlanner as SpreadSavePlanner
-from fsdp_ext.checkpoint import UnsafeCheckpointError as UnsafeCheckpointError
-from fsdp_ext.checkpoint import VerifiedFileSystemReader as VerifiedFileSystemReader
-from fsdp_ext.checkpoint import verify_checkpoint as verify_checkpoint
-from fsdp_ext.comm import CommHandle as CommHandle
-from fsdp_ext.comm import LoCoConfig as LoCoConfig
-from fsdp_ext.comm import LoCoReduceScatter as LoCoReduceScatter
-from fsdp_ext.comm import register_comm_hook as register_comm_hook
-from fsdp_ext.moe import MoE as MoE
-from fsdp_ext.moe import apply_expert_parallel as apply_expert_parallel
-from fsdp_ext.moe import clip_grad_norm_ as clip_grad_norm_
-from fsdp_ext.moe import set_aux_loss_scale as set_aux_loss_scale
-from fsdp_ext.moe import shard_moe_model as shard_moe_model
-from fsdp_ext.parallel_dims import ParallelDims as ParallelDims
-from fsdp_ext.pipeline import FSDPPipelineStage as FSDPPipelineStage
-from fsdp_ext.pipeline import PipelineState as PipelineState
-from fsdp_ext.pipeline import StagePlan as StagePlan
-from fsdp_ext.pipeline import build_pipeline as build_pipeline
-from fsdp_ext.pipeline import pipeline_step as pipeline_step
-from fsdp_ext.pipeline import plan_stages as plan_stages
-from fsdp_ext.pipeline import reduce_pipeline_loss as reduce_pipeline_loss
-from fsdp_ext.pipeline import split_stages as split_stages
-from fsdp_ext.wrap import CostModel as CostModel
-from fsdp_ext.wrap import GranularityPolicy as GranularityPolicy
-from fsdp_ext.wrap import UnshardedBytesTracker as UnshardedBytesTracker
-from fsdp_ext.wrap import WrapPlan as WrapPlan
-from fsdp_ext.wrap import calibrate_cost_model as calibrate_cost_model
-from fsdp_ext.wrap import fully_shard as fully_shard
-from fsdp_ext.wrap import plan_units as plan_units
+The public surface: every name below, re-exported from its room (``fsdp_ext.wrap``,
+``fsdp_ext.comm``, ``fsdp_ext.moe``, ``fsdp_ext.checkpoint``, ``fsdp_ext.pipeline``).
+"""
+
+from fsdp_ext.checkpoint import (
+    CheckpointBusyError,
+    CheckpointIntegrityError,
+    CheckpointPathError,
+    CheckpointReport,
+    CheckpointSpaceError,
+    SafeLoadPlanner,
+    SpreadFileSystemWriter,
+    SpreadSavePlanner,
+    UnsafeCheckpointError,
+    VerifiedFileSystemReader,
+    remove_checkpoint,
+    verify_checkpoint,
+)
+from fsdp_ext.comm import (
+    CommHandle,
+    CommStats,
+    LoCoConfig,
+    LoCoReduceScatter,
+    QuantizedAllGather,
+    WeightGatherHandle,
+    register_comm_hook,
+    register_weight_all_gather,
+)
+from fsdp_ext.moe import (
+    AllToAllStats,
+    MoE,
+    all_to_all_stats,
+    apply_expert_parallel,
+    clip_grad_norm_,
+    set_aux_loss_scale,
+    shard_moe_model,
+)
+from fsdp_ext.parallel_dims import ParallelDims
+from fsdp_ext.pipeline import (
+    FSDPPipelineStage,
+    PipelineState,
+    StagePlan,
+    build_pipeline,
+    pipeline_step,
+    plan_stages,
+    reduce_pipeline_loss,
+    split_stages,
+)
+from fsdp_ext.wrap import (
+    CostModel,
+    GranularityPolicy,
+    UnshardedBytesTracker,
+    WrapPlan,
+    calibrate_cost_model,
+    fully_shard,
+    node_local_reshard,
+    plan_units,
+)
+
+__all__ = [
+    "AllToAllStats",
+    "CheckpointBusyError",
+    "CheckpointIntegrityError",
+    "CheckpointPathError",
+    "CheckpointReport",
+    "CheckpointSpaceError",
+    "CommHandle",
+    "CommStats",
+    "CostModel",
+    "FSDPPipelineStage",
+    "GranularityPolicy",
+    "LoCoConfig",
+    "LoCoReduceScatter",
+    "MoE",
+    "ParallelDims",
+    "PipelineState",
+    "QuantizedAllGather",
+    "SafeLoadPlanner",
+    "SpreadFileSystemWriter",
+    "SpreadSavePlanner",
+    "StagePlan",
+    "UnsafeCheckpointError",
+    "UnshardedBytesTracker",
+    "VerifiedFileSystemReader",
+    "WeightGatherHandle",
+    "WrapPlan",
+    "all_to_all_stats",
+    "apply_expert_parallel",
+    "build_pipeline",
+    "calibrate_cost_model",
+    "clip_grad_norm_",
+    "fully_shard",
+    "node_local_reshard",
+    "pipeline_step",
+    "plan_stages",
+    "plan_units",
+    "reduce_pipeline_loss",
+    "register_comm_hook",
+    "register_weight_all_gather",
+    "remove_checkpoint",
+    "set_aux_loss_scale",
+    "shard_moe_model",
+    "split_stages",
+    "verify_checkpoint",
+]

@@ -263,14 +263,21 @@ class SpreadSavePlanner(DefaultSavePlanner):
         )
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        """Remember which of this rank's items are dim-0 slices of a local tensor."""
+        """Remember which of this rank's items are pieces of a local tensor.
+
+        A piece is recognised by its chunk, not its key: the first piece of a split starts
+        at the local tensor's own offset, so it shares the key (fqn, offset) of the whole.
+        """
         plan = super().finish_plan(new_plan)
         local = {item_key(i.index): i for i in self._local_items}
         self._slices = {}
         for item in plan.items:
             key = item_key(item.index)
-            if key in local or item.tensor_data is None:
+            if item.tensor_data is None:
                 continue
+            held = local.get(key)
+            if held is not None and held.tensor_data.chunk.sizes == item.tensor_data.chunk.sizes:
+                continue  # written whole, as held
             base = _containing_item(self._local_items, item)
             piece, whole = item.tensor_data.chunk, base.tensor_data.chunk
             dim = next(d for d in range(len(piece.sizes)) if piece.sizes[d] != whole.sizes[d])

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_ext._torch import tree_map
+from fsdp_ext._torch import compiled_inner, tree_map
 from fsdp_ext.comm import CommHandle, LoCoConfig, register_comm_hook
 from fsdp_ext.wrap import GranularityPolicy, fully_shard
 
@@ -175,7 +175,7 @@ def _optimizer_for(
     is empty, so nothing else refers to the old parameters)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         return optimizer(model.parameters())
-    model = getattr(model, "_orig_mod", model)  # torch.compile'd by prepare
+    model = compiled_inner(model)  # torch.compile'd by prepare
     sharded = dict(model.named_parameters())
     for group in optimizer.param_groups:
         if any(p not in names for p in group["params"]):
@@ -204,7 +204,7 @@ def restore_optimizer_params(
     structure between ranks, and a full-state-dict save (the ``Trainer``'s default)
     then fails with a collective mismatch.
     """
-    model = getattr(model, "_orig_mod", model)  # torch.compile'd by prepare
+    model = compiled_inner(model)  # torch.compile'd by prepare
     sharded = dict(model.named_parameters())
     for group, names in zip(optimizer.param_groups, group_names, strict=True):
         group["params"] = [sharded[n] for n in names]

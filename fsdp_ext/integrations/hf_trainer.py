@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer
 
+from fsdp_ext._torch import compiled_inner
 from fsdp_ext.comm import CommHandle, LoCoConfig, register_comm_hook
 from fsdp_ext.integrations.accelerate import (
     check_plugin,
@@ -84,7 +85,7 @@ class FSDPExtTrainer(Trainer):
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """Shard ``self.model`` first (once), so the optimizer holds the sharded parameters."""
-        if not isinstance(getattr(self.model, "_orig_mod", self.model), FSDPModule):
+        if not isinstance(compiled_inner(self.model), FSDPModule):
             # (a second train() sees the model torch.compile'd by the first one's prepare)
             shard(self.accelerator, self.model, auto_wrap_policy=self.auto_wrap_policy)
             if self.loco is not None:

@@ -39,7 +39,7 @@ class StageBlocks(nn.ModuleDict):
         return iter(self.values())
 
     def __getitem__(self, key: int | str) -> nn.Module:  # type: ignore[override]
-        return self._modules[str(key)]
+        return super().__getitem__(str(key))
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def balanced_bounds(
     return tuple(reversed(bounds))
 
 
-def _find_container(model: nn.Module) -> tuple[str, nn.Module]:
+def find_blocks(model: nn.Module) -> tuple[str, nn.Module]:
     """The outermost container holding the most parameters (the model's blocks)."""
     if isinstance(model, CONTAINER_TYPES):
         return "", model
@@ -157,12 +157,17 @@ def _extras(model: nn.Module, container_fqn: str) -> tuple[list[str], list[str]]
     first, last = [], []
     module, prefix = model, ""
     for part in container_fqn.split(".") if container_fqn else []:
-        names = list(module._modules)
+        names = _child_names(module)
         at = names.index(part)
-        first += [prefix + n for n in names[:at] if module._modules[n] is not None]
-        last += [prefix + n for n in names[at + 1 :] if module._modules[n] is not None]
-        module, prefix = module._modules[part], f"{prefix}{part}."
+        first += [prefix + n for n in names[:at]]
+        last += [prefix + n for n in names[at + 1 :]]
+        module, prefix = module.get_submodule(part), f"{prefix}{part}."
     return first, last
+
+
+def _child_names(module: nn.Module) -> list[str]:
+    """Names of ``module``'s children in registration order (None entries left out)."""
+    return [name for name, _ in module.named_children()]
 
 
 def plan_stages(model: nn.Module, num_stages: int, *, cost: str | Cost = "params") -> StagePlan:
@@ -175,8 +180,8 @@ def plan_stages(model: nn.Module, num_stages: int, *, cost: str | Cost = "params
         raise ValueError(f"cost must be 'params' or a callable (module) -> float, got {cost!r}")
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
-    container_fqn, container = _find_container(model)
-    blocks = list(container._modules)
+    container_fqn, container = find_blocks(model)
+    blocks = _child_names(container)
     if num_stages > len(blocks):
         raise ValueError(
             f"num_stages={num_stages} exceeds the {len(blocks)} blocks of "
@@ -184,7 +189,7 @@ def plan_stages(model: nn.Module, num_stages: int, *, cost: str | Cost = "params
         )
     _check_no_shared_params(model)
     first, last = _extras(model, container_fqn)
-    block_costs = [float(cost_fn(container._modules[b])) for b in blocks]
+    block_costs = [float(cost_fn(container.get_submodule(b))) for b in blocks]
     first_extra = sum(float(cost_fn(model.get_submodule(f))) for f in first)
     first_extra += sum(float(p.numel()) for p in _root_params(model, container_fqn))
     last_extra = sum(float(cost_fn(model.get_submodule(f))) for f in last)
@@ -208,11 +213,11 @@ def plan_stages(model: nn.Module, num_stages: int, *, cost: str | Cost = "params
 
 def _root_params(model: nn.Module, container_fqn: str) -> list[nn.Parameter]:
     """Parameters held directly by the modules on the path to the container."""
-    params, module = list(model._parameters.values()), model
+    params, module = [p for _, p in model.named_parameters(recurse=False)], model
     for part in container_fqn.split(".")[:-1] if container_fqn else []:
-        module = module._modules[part]
-        params += list(module._parameters.values())
-    return [p for p in params if p is not None]
+        module = module.get_submodule(part)
+        params += [p for _, p in module.named_parameters(recurse=False)]
+    return params
 
 
 def _check_no_shared_params(model: nn.Module) -> None:
@@ -244,7 +249,7 @@ def build_stage(model: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
         if module is container or not fqn or _on_path(fqn, plan.container):
             continue
         memo[id(module)] = None if fqn in dropped else module
-    for key, block in container._modules.items():
+    for key, block in container.named_children():
         memo[id(block)] = block if key in keep_blocks else None
     for p in model.parameters():
         memo[id(p)] = p
@@ -252,7 +257,7 @@ def build_stage(model: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
         memo[id(b)] = b
     memo[id(container)] = container  # replaced below
     stage_module = copy.deepcopy(model, memo)
-    kept = OrderedDict((k, m) for k, m in container._modules.items() if k in keep_blocks)
+    kept = OrderedDict((k, m) for k, m in container.named_children() if k in keep_blocks)
     if not plan.container:
         return nn.Sequential(kept)
     new_container: nn.Module
@@ -264,7 +269,7 @@ def build_stage(model: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
         new_container = nn.Sequential(kept)
     parent_fqn, _, name = plan.container.rpartition(".")
     parent = stage_module.get_submodule(parent_fqn) if parent_fqn else stage_module
-    parent._modules[name] = new_container
+    parent.register_module(name, new_container)
     return stage_module
 
 

@@ -14,15 +14,18 @@ after the last microbatch: reduction is linear, so the gradients equal the defer
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage
+
+from fsdp_ext._torch import PipelineStageBase
 
 GRAD_SYNC_MODES = ("deferred", "per_microbatch")
 
 
-class FSDPPipelineStage(PipelineStage):
+class FSDPPipelineStage(PipelineStageBase):
     """``PipelineStage`` over an FSDP-sharded stage module, with a choice of ``grad_sync``."""
 
     def __init__(
@@ -30,6 +33,7 @@ class FSDPPipelineStage(PipelineStage):
         *args: Any,
         grad_sync: str = "deferred",
         reshard_after_backward: bool = False,
+        n_microbatches: int | None = None,
         **kwargs: Any,
     ):
         if grad_sync not in GRAD_SYNC_MODES:
@@ -37,24 +41,19 @@ class FSDPPipelineStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.grad_sync = grad_sync
         self.reshard_after_backward = reshard_after_backward
+        self.n_microbatches = n_microbatches  # of the schedule: pipeline_step checks batches
         self.comm_handle: Any = None  # set by build_pipeline when a comm is registered
 
     def _fsdp_root(self) -> FSDPModule | None:
         return self.submod if isinstance(self.submod, FSDPModule) else None
 
-    def _backward_metadata_inference(self, *args: Any, **kwargs: Any):
+    def metadata_inference_context(self) -> contextlib.AbstractContextManager[None]:
         # torch >= 2.12 infers gradient shapes on the first step with an autograd pass
         # over the stage. FSDP would treat it as a real backward: units that reduce unused
         # parameters (MoE blocks) would send an extra reduce-scatter of zeros, moving LoCo's
         # error state. Nothing of it is a gradient, so nothing is reduced.
         root = self._fsdp_root()
-        if root is None:
-            return super()._backward_metadata_inference(*args, **kwargs)
-        root.set_requires_gradient_sync(False)
-        try:
-            return super()._backward_metadata_inference(*args, **kwargs)
-        finally:
-            root.set_requires_gradient_sync(True)
+        return contextlib.nullcontext() if root is None else _no_gradient_sync(root)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
         root = self._fsdp_root()
@@ -73,15 +72,25 @@ class FSDPPipelineStage(PipelineStage):
 
     def perform_reduce_grad(self, grad_scale_factor: int):
         root = self._fsdp_root()
+        if root is not None and not self.has_backward:
+            # A forward-only step (``schedule.eval``) has no gradient to reduce, but the
+            # stock stage runs FSDP's post-backward anyway: units that reduce unused
+            # parameters (MoE blocks) would send zeros, moving LoCo's error state.
+            _reshard(root)
+            return None
         if self.grad_sync == "deferred" or root is None:
             return super().perform_reduce_grad(grad_scale_factor)
         # Gradients were reduced microbatch by microbatch; parameters must be sharded
         # before the optimizer step (a schedule may not flag the last backward).
-        for module in root.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        _reshard(root)
         if grad_scale_factor != 1:
             self.scale_grads(grad_scale_factor)
+
+
+def _reshard(root: FSDPModule) -> None:
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 class _Plain:
@@ -93,3 +102,12 @@ class _Plain:
 
     def parameters(self, *args, **kwargs):
         return self._module.parameters(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(root: FSDPModule) -> Iterator[None]:
+    root.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        root.set_requires_gradient_sync(True)

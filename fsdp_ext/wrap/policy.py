@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.fsdp.wrap import _Policy
 
+from fsdp_ext._torch import FSDP1Policy, run_fsdp1_policy
 from fsdp_ext.wrap.cost import CostModel
 from fsdp_ext.wrap.tree import ModuleInfo, can_be_unit, is_indivisible, module_infos
 
@@ -216,8 +216,8 @@ def select_units(root: nn.Module, policy: object) -> list[nn.Module]:
     """
     if policy is None:
         return []
-    if isinstance(policy, _Policy):
-        return _preorder(root, policy._run_policy(root, set(), {}))
+    if isinstance(policy, FSDP1Policy):
+        return _preorder(root, run_fsdp1_policy(policy, root))
     if isinstance(policy, (set, frozenset, list, tuple)):
         if not policy or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in policy):
             raise ValueError(

@@ -1,0 +1,28 @@
+"""The cluster lab: rehearse a multi-node job on one machine (root, Linux).
+
+Nodes are network namespaces joined by veth links capped with tbf (both ends); for more
+than two nodes they meet in a bridge inside a switch namespace. A storage namespace serves
+a directory over sshd, mounted with sshfs at the same path on every node. torchrun runs on
+every node with a real multi-node rendezvous; the interface counters say what crossed each
+link. See docs/cluster.md.
+"""
+
+from fsdp_ext.lab.cleanup import clean_stale
+from fsdp_ext.lab.cluster import DEFAULT_TIMEOUT_S, Cluster, LabResult
+from fsdp_ext.lab.counters import NodeBytes
+from fsdp_ext.lab.network import FABRIC_DEVICE
+from fsdp_ext.lab.rates import parse_rate
+from fsdp_ext.lab.requirements import APT_INSTALL, LabUnavailable, unavailable_reason
+
+__all__ = [
+    "APT_INSTALL",
+    "DEFAULT_TIMEOUT_S",
+    "FABRIC_DEVICE",
+    "Cluster",
+    "LabResult",
+    "LabUnavailable",
+    "NodeBytes",
+    "clean_stale",
+    "parse_rate",
+    "unavailable_reason",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from fsdp_ext.lab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,91 @@
+"""Removing a run's resources: on every exit of a lab, and for labs whose owner died.
+
+A lab that is SIGKILLed cannot clean up after itself. Its namespaces, their processes
+(sshd, sshfs, torchrun, ranks) and its working directory stay until the next lab starts
+and finds resources of the ``fsdplab-`` prefix whose owner is no longer alive. Resources of
+a live lab, and anything without the prefix, are never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from fsdp_ext.lab.names import ETC_NETNS, PREFIX, RunNames
+from fsdp_ext.lab.system import run_tool
+
+__all__ = ["clean_stale", "lab_runs", "namespace_pids", "remove_run"]
+
+KILL_WAIT_S = 5.0
+
+
+def workdir_root() -> Path:
+    return RunNames(0, "000000").workdir.parent
+
+
+def _netns_names() -> list[str]:
+    out = run_tool(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def namespace_pids(ns: str) -> list[int]:
+    """Live processes in network namespace ``ns`` (zombies hold no namespace)."""
+    out = run_tool(["ip", "netns", "pids", ns], check=False).stdout
+    return [int(p) for p in out.split() if p.isdigit()]
+
+
+def lab_runs() -> dict[str, set[str]]:
+    """Every lab run with resources on this machine: run id -> its namespace names."""
+    runs: dict[str, set[str]] = defaultdict(set)
+    for ns in _netns_names():
+        names = RunNames.parse(ns)
+        if names is not None:
+            runs[names.run_id].add(ns)
+    for root in (ETC_NETNS, workdir_root()):
+        for path in root.glob(f"{PREFIX}-*") if root.is_dir() else []:
+            names = RunNames.parse(path.name)
+            if names is not None:  # a run with only files left is still a run
+                runs.setdefault(names.run_id, set())
+    return dict(runs)
+
+
+def _kill_all(namespaces: list[str]) -> None:
+    """SIGKILL every process in ``namespaces`` and wait until none is left."""
+    deadline = time.monotonic() + KILL_WAIT_S
+    while True:
+        pids = [pid for ns in namespaces for pid in namespace_pids(ns)]
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def remove_run(names: RunNames, namespaces: list[str] | None = None) -> None:
+    """Kill the run's processes, delete its namespaces, /etc/netns entries and workdir."""
+    if namespaces is None:
+        namespaces = sorted(lab_runs().get(names.run_id, ()))
+    _kill_all(namespaces)
+    for ns in namespaces:
+        run_tool(["ip", "netns", "del", ns], check=False)
+    for path in ETC_NETNS.glob(f"{names.run_id}-*") if ETC_NETNS.is_dir() else []:
+        shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(names.workdir, ignore_errors=True)
+
+
+def clean_stale() -> list[str]:
+    """Remove the resources of every lab whose owner process is gone; return their run ids."""
+    removed = []
+    for run_id, namespaces in sorted(lab_runs().items()):
+        names = RunNames.parse(run_id)
+        if names is None or names.owner_is_alive():
+            continue
+        remove_run(names, sorted(namespaces))
+        removed.append(run_id)
+    return removed

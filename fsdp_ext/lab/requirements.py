@@ -1,0 +1,73 @@
+"""What the lab needs from the machine, and the one line that says what is missing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from fsdp_ext.lab.names import RunNames
+from fsdp_ext.lab.system import LabCommandError, run_tool
+
+__all__ = ["APT_INSTALL", "LabUnavailable", "check_requirements", "unavailable_reason"]
+
+APT_INSTALL = "apt-get install -y iproute2 sshfs openssh-server"
+SSHD = "/usr/sbin/sshd"  # sshd must be started by its absolute path
+FUSE_DEVICE = "/dev/fuse"
+
+
+class LabUnavailable(RuntimeError):
+    """The lab cannot run on this machine; the message is one line that says why and how."""
+
+
+def _missing_tools(storage: bool) -> list[str]:
+    tools = ["ip", "tc", "nsenter"]
+    if storage:
+        tools += ["sshfs", "ssh-keygen", "ssh"]
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if storage and not os.access(SSHD, os.X_OK):
+        missing.append(SSHD)
+    return missing
+
+
+def _netns_refusal(names: RunNames) -> str | None:
+    """Create and delete a namespace: the only reliable test that namespaces are allowed."""
+    try:
+        run_tool(["ip", "netns", "add", names.probe])
+    except LabCommandError as exc:
+        return str(exc).splitlines()[0]
+    run_tool(["ip", "netns", "del", names.probe], check=False)
+    return None
+
+
+def unavailable_reason(*, storage: bool = True, names: RunNames | None = None) -> str | None:
+    """None when a lab can be built here, else the one-line reason (with the fix)."""
+    if os.geteuid() != 0:
+        return (
+            "fsdp_ext.lab needs root (it creates network namespaces, tc caps and FUSE mounts); "
+            f"run it as root on a Linux host, with the packages from: {APT_INSTALL}"
+        )
+    missing = _missing_tools(storage)
+    if missing:
+        what = ", ".join(missing)
+        hint = "" if not storage else " (or run without storage: --no-storage / storage=False)"
+        return f"fsdp_ext.lab needs {what}, which is missing; install with: {APT_INSTALL}{hint}"
+    if storage and not Path(FUSE_DEVICE).exists():
+        return (
+            f"fsdp_ext.lab needs {FUSE_DEVICE} for the shared sshfs directory, and this machine "
+            "has none (load the fuse module, or run without storage: --no-storage)"
+        )
+    refusal = _netns_refusal(names or RunNames.new())
+    if refusal is not None:
+        return (
+            f"fsdp_ext.lab: network namespaces are not permitted here ({refusal}); run as real "
+            f"root on the host, not in an unprivileged user namespace (packages: {APT_INSTALL})"
+        )
+    return None
+
+
+def check_requirements(*, storage: bool = True, names: RunNames | None = None) -> None:
+    """Raise :class:`LabUnavailable` with the one-line reason when the lab cannot run here."""
+    reason = unavailable_reason(storage=storage, names=names)
+    if reason is not None:
+        raise LabUnavailable(reason)

@@ -1,0 +1,26 @@
+"""Running the host's tools (ip, tc, ssh-keygen), with errors that carry their stderr."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Sequence
+
+__all__ = ["LabCommandError", "run_tool"]
+
+
+class LabCommandError(RuntimeError):
+    """A host tool the lab relies on failed; the message holds the command and its stderr."""
+
+
+def run_tool(
+    argv: Sequence[str], *, check: bool = True, input: str | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(
+            list(argv), capture_output=True, text=True, input=input, timeout=timeout
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LabCommandError(f"{' '.join(argv)}: {exc}") from exc
+    if check and done.returncode != 0:
+        raise LabCommandError(f"{' '.join(argv)}: {done.stderr.strip() or done.returncode}")
+    return done

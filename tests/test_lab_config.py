@@ -1,0 +1,159 @@
+"""The lab's arguments, names and refusals: checked without building anything (no root)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fsdp_ext.lab import APT_INSTALL, Cluster, parse_rate, unavailable_reason
+from fsdp_ext.lab import requirements as lab_requirements
+from fsdp_ext.lab.cli import main
+from fsdp_ext.lab.names import RunNames, owner_alive, process_start_time
+from fsdp_ext.lab.network import MAX_NODES, node_address
+from fsdp_ext.lab.rates import format_rate
+from fsdp_ext.lab.system import LabCommandError
+
+UNITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+@given(st.integers(100, 100_000), st.sampled_from(["kbit", "mbit"]))
+def test_rates_parse_to_bits_and_format_back(number, unit):
+    bits = parse_rate(f"{number}{unit}")
+    assert bits == number * UNITS[unit]
+    assert parse_rate(format_rate(bits)) == bits
+
+
+def test_rate_examples():
+    assert parse_rate("200mbit") == 200_000_000
+    assert parse_rate("2.5gbit") == 2_500_000_000
+    assert parse_rate(" 1GBIT ") == 10**9
+    assert format_rate(200_000_000) == "200mbit"
+
+
+@pytest.mark.parametrize("bad", ["200mbps", "200MB", "fast", "", "10bit", "500gbit", True, -5])
+def test_bad_rates_are_refused_naming_the_argument(bad):
+    with pytest.raises(ValueError, match=r"^storage_link must be"):
+        parse_rate(bad, name="storage_link")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"nodes": 0}, "nodes must be an int from 1"),
+        ({"nodes": MAX_NODES + 1}, "nodes must be an int from 1"),
+        ({"ranks_per_node": 0}, "ranks_per_node must be an int >= 1"),
+        ({"link": "1gbps"}, "link must be a rate like 200mbit"),
+        ({"storage_link": "x"}, "storage_link must be a rate"),
+        ({"rdzv": "etcd"}, "rdzv must be one of c10d, static"),
+        ({"timeout": 0}, "timeout must be a positive number"),
+        ({"shared_dir": "/tmp/x", "storage": False}, "shared_dir needs storage=True"),
+    ],
+)
+def test_bad_cluster_arguments_fail_before_anything_is_built(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Cluster(**kwargs)
+
+
+def test_nodes_are_ordered_by_address_as_c10d_orders_them():
+    """c10d's rendezvous sorts nodes by address string; node k must get group rank k."""
+    addresses = [node_address(i) for i in range(MAX_NODES)]
+    assert sorted(addresses) == addresses
+    assert len(set(addresses)) == MAX_NODES
+
+
+def test_run_names_are_unique_and_parse_back():
+    a, b = RunNames.new(), RunNames.new()
+    assert a.run_id != b.run_id
+    assert RunNames.parse(a.node(3)) == a
+    assert RunNames.parse(a.storage) == a
+    for foreign in ["fsdplab", "fsdplab-12-abcdeg-node0", "otherlab-12-abcdef-node0", "node0"]:
+        assert RunNames.parse(foreign) is None
+
+
+def test_owner_liveness_uses_pid_and_start_time():
+    me = os.getpid()
+    assert owner_alive(me, process_start_time(me))
+    assert not owner_alive(me, process_start_time(me) + 1)  # the pid was reused
+    done = subprocess.Popen(["true"])
+    done.wait()
+    assert not owner_alive(done.pid, None)
+
+
+def _one_line(text: str) -> str:
+    assert text and "\n" not in text.strip()
+    return text
+
+
+def test_refusal_when_not_root(monkeypatch):
+    monkeypatch.setattr(lab_requirements.os, "geteuid", lambda: 1000)
+    reason = _one_line(unavailable_reason())
+    assert "needs root" in reason and APT_INSTALL in reason
+
+
+def test_refusal_when_tools_are_missing(monkeypatch):
+    monkeypatch.setattr(lab_requirements.os, "geteuid", lambda: 0)
+    real = lab_requirements.shutil.which
+    monkeypatch.setattr(
+        lab_requirements.shutil, "which", lambda t: None if t in ("sshfs", "tc") else real(t)
+    )
+    reason = _one_line(unavailable_reason())
+    assert "tc, sshfs" in reason and APT_INSTALL in reason
+
+
+def test_refusal_when_namespaces_are_not_permitted(monkeypatch):
+    monkeypatch.setattr(lab_requirements.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(lab_requirements, "_missing_tools", lambda storage: [])
+    monkeypatch.setattr(lab_requirements.Path, "exists", lambda self: True)
+
+    def refuse(argv, **kwargs):
+        raise LabCommandError(
+            f"{' '.join(argv)}: mount --make-shared /run/netns failed: Operation not permitted"
+        )
+
+    monkeypatch.setattr(lab_requirements, "run_tool", refuse)
+    reason = _one_line(unavailable_reason())
+    assert "network namespaces are not permitted" in reason
+    assert "Operation not permitted" in reason and APT_INSTALL in reason
+
+
+def test_cli_refuses_in_one_line_and_exit_status_2(monkeypatch, capsys):
+    monkeypatch.setattr(lab_requirements.os, "geteuid", lambda: 1000)
+    status = main(["run", "--nodes", "2", "--link", "200mbit", "--", "train.py"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert _one_line(err).startswith("fsdp_ext.lab needs root")
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["run", "--nodes", "2", "--link", "200mbps", "--", "x.py"], "argument --link: "),
+        (["run", "--nodes", "0", "--link", "1gbit", "--", "x.py"], "argument --nodes: "),
+        (["run", "--nodes", "2", "--link", "1gbit"], "run needs the program after --"),
+        (["run", "--nodes", "2", "--link", "1gbit", "--timeout", "-1", "--", "x.py"], "--timeout"),
+        (
+            [
+                "run",
+                "--nodes",
+                "2",
+                "--link",
+                "1gbit",
+                "--no-storage",
+                "--shared-dir",
+                "/x",
+                "--",
+                "x.py",
+            ],
+            "argument --no-storage",
+        ),
+    ],
+)
+def test_cli_bad_arguments_are_one_line_errors(argv, match, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert match in capsys.readouterr().err.strip().splitlines()[-1]

@@ -1,0 +1,108 @@
+"""Nothing of a lab outlives it: not after a rank is killed, not after its parent is."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fsdp_ext.lab import Cluster
+from fsdp_ext.lab.cleanup import lab_runs, namespace_pids
+from fsdp_ext.lab.names import RunNames
+from tests.lab_helpers import PROGRAMS, leftovers, require_lab, sshfs_mounts_of
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_teardown_after_a_rank_is_killed_leaves_nothing():
+    require_lab()
+    with Cluster(2, 2, "100mbit") as lab:
+        run_id, shared = lab.run_id, lab.shared_dir
+        namespaces = list(lab.namespaces)
+        program = [str(PROGRAMS / "sleeper.py"), str(shared), "120", "3"]
+        result = lab.run(program, timeout=90)
+        # rank 3 (node 1) SIGKILLed itself; node 1's torchrun failed, the lab stopped node 0
+        assert result.returncode != 0 and not result.timed_out
+        assert result.seconds < 60
+        rank_pids = [int(p.read_text()) for p in shared.glob("rank*.pid")]
+        assert len(rank_pids) == 4
+        service_pids = [pid for ns in namespaces for pid in namespace_pids(ns)]
+        assert service_pids  # sshd and sshfs were still up inside the lab
+        assert sshfs_mounts_of(run_id)
+    assert leftovers(run_id, pids=rank_pids + service_pids) == []
+
+
+def _netns_add(name: str) -> None:
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+
+
+def _netns_del(name: str) -> None:
+    subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+
+
+def test_sigkill_of_the_parent_is_cleaned_by_the_next_lab_and_only_its_prefix(tmp_path):
+    require_lab()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    cli = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fsdp_ext.lab",
+            "run",
+            "--nodes",
+            "2",
+            "--link",
+            "100mbit",
+            "--shared-dir",
+            str(shared),
+            "--",
+            str(PROGRAMS / "sleeper.py"),
+            str(shared),
+            "300",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    prefix = f"fsdplab-{cli.pid}-"
+    live_decoy = f"{RunNames(os.getpid(), 'abcdef').run_id}-decoy"  # a live owner: this test
+    foreign = f"notlab-{os.getpid()}-decoy"  # not the lab's prefix at all
+    try:
+        _wait_for(lambda: len(list(shared.glob("rank*.pid"))) == 2, 120, "both ranks")
+        run_ids = [r for r in lab_runs() if r.startswith(prefix)]
+        assert len(run_ids) == 1
+        run_id = run_ids[0]
+        namespaces = sorted(lab_runs()[run_id])
+        pids = [pid for ns in namespaces for pid in namespace_pids(ns)]
+        pids += [int(p.read_text()) for p in shared.glob("rank*.pid")]
+        _netns_add(live_decoy)
+        _netns_add(foreign)
+        os.kill(cli.pid, signal.SIGKILL)
+        cli.wait()
+        time.sleep(0.5)
+        # the dead parent could not clean up: its namespaces, processes and mounts remain
+        assert len(leftovers(run_id, pids=pids)) > 0
+        assert sshfs_mounts_of(run_id, (str(shared),))
+        with Cluster(2, 1, "100mbit", storage=False) as lab:  # the next lab's stale cleanup
+            assert lab.run_id != run_id
+        assert leftovers(run_id, pids=pids, shared_dir=str(shared)) == []
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert live_decoy in names and foreign in names  # not stale, or not ours: untouched
+    finally:
+        if cli.poll() is None:
+            os.kill(cli.pid, signal.SIGKILL)
+            cli.wait()
+        _netns_del(live_decoy)
+        _netns_del(foreign)
