@@ -56,11 +56,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -69,10 +67,10 @@ from fsdp_ext.checkpoint import (
     SpreadFileSystemWriter,
     SpreadSavePlanner,
     VerifiedFileSystemReader,
+    item_nbytes,
     spread_plans,
 )
-from fsdp_ext.checkpoint.planner import item_nbytes
-from fsdp_ext.testing import run_distributed
+from fsdp_ext.testing import create_write_items, dedup_save_plans, run_distributed
 
 WORLD = 4
 LAYOUTS = ("replicated", "hsdp", "fsdp")
@@ -228,7 +226,8 @@ def writer_and_planner(variant: str, path: Path, link_bytes_per_s: float | None 
 
 def reader_and_planner(variant: str, path: Path):
     if variant.startswith("ours"):
-        return VerifiedFileSystemReader(path), SafeLoadPlanner()
+        checked = variant == "ours"  # ours_nocrc has sizes only: load it on them
+        return VerifiedFileSystemReader(path, require_checksums=checked), SafeLoadPlanner()
     return dcp.FileSystemReader(path), None
 
 
@@ -431,7 +430,7 @@ def _shard_item(fqn: str, t: torch.Tensor, shard: int, shards: int) -> WriteItem
         type=WriteItemType.SHARD,
         tensor_data=TensorWriteData(
             chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-            properties=_create_write_items(fqn, t)[0].tensor_data.properties,
+            properties=create_write_items(fqn, t)[0].tensor_data.properties,
             size=t.shape,
         ),
     )
@@ -440,7 +439,7 @@ def _shard_item(fqn: str, t: torch.Tensor, shard: int, shards: int) -> WriteItem
 def simulated_plans(sd: dict[str, torch.Tensor], world: int, shards: int) -> list[SavePlan]:
     """Local plans: fully replicated (shards=1) or HSDP with ``shards``-way sharding."""
     if shards == 1:
-        items = [i for fqn, t in sd.items() for i in _create_write_items(fqn, t)]
+        items = [i for fqn, t in sd.items() for i in create_write_items(fqn, t)]
         return [SavePlan(list(items)) for _ in range(world)]
     per_shard = [
         [_shard_item(fqn, t, s, shards) for fqn, t in sd.items() if t.dim()] for s in range(shards)

@@ -35,13 +35,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import examples.train as train_module  # noqa: E402
 from benchmarks.comm_fidelity import (  # noqa: E402
     FidelityTracker,
     ShadowReduceScatter,
-    installed_reduce_scatter,
     mean_and_stderr,
 )
 from examples.train import TrainConfig, train  # noqa: E402
@@ -159,16 +157,11 @@ def _fidelity_rank(
     tracker = FidelityTracker(tuple(configs), cfg.steps, window)
 
     def attach(model, _cfg):
-        units = [
-            (fqn, m)
-            for fqn, m in model.named_modules()
-            if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_groups
-        ]
-        comms = {}
+        comms, units = {}, {}
         for name, config in configs.items():  # each registration replaces the previous one
-            register_comm_hook(model, config)
-            comms[name] = {fqn: installed_reduce_scatter(m) for fqn, m in units}
-        for fqn, m in units:
+            handle = register_comm_hook(model, config)
+            comms[name], units = handle.reduce_scatters, handle.units
+        for fqn, m in units.items():
             shadow = {name: comms[name][fqn] for name in configs}
             m.set_custom_reduce_scatter(ShadowReduceScatter(shadow, deliver, tracker, fqn))
         return None

@@ -11,12 +11,10 @@ step's gradient and of the running sums, which is what the optimizer integrates.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 # torch 2.13 renamed the tensor collectives; 2.11 has only the old name.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -141,8 +139,12 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-class ShadowReduceScatter(ReduceScatter):
+class ShadowReduceScatter:
     """Reduce one unit's gradients exactly and with every comm of ``comms``; deliver one.
+
+    A custom reduce-scatter for ``FSDPModule.set_custom_reduce_scatter`` (FSDP2 calls its
+    ``allocate`` and ``__call__``); ``comms`` are the ones ``CommHandle.reduce_scatters``
+    lists for this unit, one per registered codec.
 
     ``deliver`` names the comm whose output FSDP receives (``"exact"`` for the fp32
     reduce-scatter), so training follows that method's trajectory while every method is
@@ -151,7 +153,7 @@ class ShadowReduceScatter(ReduceScatter):
 
     def __init__(
         self,
-        comms: Mapping[str, ReduceScatter],
+        comms: Mapping[str, Callable[..., object]],
         deliver: str,
         tracker: FidelityTracker,
         unit: object,
@@ -176,9 +178,3 @@ class ShadowReduceScatter(ReduceScatter):
         self.tracker.add(self.unit, exact, outputs)
         output_tensor.copy_(exact if self.deliver == "exact" else outputs[self.deliver])
         return None
-
-
-def installed_reduce_scatter(unit: FSDPModule) -> ReduceScatter:
-    """The reduce-scatter comm FSDP will call for ``unit`` (a unit with one param group)."""
-    (group,) = unit._get_fsdp_state()._fsdp_param_groups
-    return group._reduce_scatter_comm

@@ -27,8 +27,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsdp_ext import MoE, ParallelDims, apply_expert_parallel, clip_grad_norm_, shard_moe_model
-from fsdp_ext.moe.expert_parallel import AllToAllDispatcher
+from fsdp_ext import (
+    MoE,
+    ParallelDims,
+    all_to_all_stats,
+    apply_expert_parallel,
+    clip_grad_norm_,
+    shard_moe_model,
+)
 
 
 @dataclass(frozen=True)
@@ -140,11 +146,6 @@ def rank_run(
     dp_rank, per_rank = dims.dp_flat_mesh.get_local_rank(), case.global_batch // dims.dp
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     dp_group = dims.dp_flat_mesh.get_group()
-    dispatchers = [
-        m.experts.dispatcher
-        for m in model.modules()
-        if isinstance(m, MoE) and isinstance(m.experts.dispatcher, AllToAllDispatcher)
-    ]
 
     def step(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = global_batch(case, i)
@@ -163,7 +164,7 @@ def rank_run(
         dist.all_reduce(loss, group=dp_group)  # gloo has no AVG all-reduce
         out["losses"].append(loss.item() / dims.dp)
     if timed_steps:
-        sent_before = sum(d.bytes_sent for d in dispatchers)
+        sent_before = all_to_all_stats(model).bytes_sent
         dist.barrier()
         start = time.perf_counter()
         for i in range(timed_steps):
@@ -174,9 +175,8 @@ def rank_run(
         dist.barrier()
         elapsed = time.perf_counter() - start
         out["tokens_per_s"] = timed_steps * case.global_batch * case.seq_len / elapsed
-        out["a2a_bytes_per_step"] = (sum(d.bytes_sent for d in dispatchers) - sent_before) / (
-            timed_steps
-        )
+        sent = all_to_all_stats(model).bytes_sent - sent_before
+        out["a2a_bytes_per_step"] = sent / timed_steps
     return out
 
 

@@ -11,8 +11,9 @@ the same global batch). Per configuration and microbatch count M:
     reduce-scatter ((W-1)/W of the unsharded buffer), or LoCo's own count of the 4-bit
     payload; stage-to-stage activations are the same for every PP row and left out;
   - peak unsharded parameter and gradient bytes per rank, sampled by hooks on FSDP's
-    param groups right before every point where FSDP frees memory (see
-    ``UnshardedBytesMeter``): a measurement of FSDP's own buffers, not an estimate;
+    param groups right before every point where FSDP frees memory and after every
+    all-gather (``fsdp_ext.UnshardedBytesTracker`` over the configuration's own units): a
+    measurement of FSDP's own buffers, not an estimate;
   - losses.
 All configurations start from the same weights and see the same batches, rotated in
 order every step so that machine load hits them alike. The last line is one JSON object.
@@ -21,13 +22,12 @@ order every step so that machine load hits them alike. The last line is one JSON
 from __future__ import annotations
 
 import argparse
-import functools
+import contextlib
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import ClassVar
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,15 +36,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-    DefaultAllGather,
-    DefaultReduceScatter,
-)
-from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-from torch.distributed.tensor import DTensor
 
 import fsdp_ext
 from examples.model import ModelConfig, Transformer
+from fsdp_ext.testing import CountingAllGather, CountingReduceScatter, fsdp_units
 
 WORLD, PP = 4, 2
 # name -> (pp, build_pipeline kwargs); ZeRO stage equivalents are in docs/pipeline.md
@@ -57,93 +52,6 @@ CONFIGS: dict[str, tuple[int, dict]] = {
     "fsdp_only_dp4": (1, {}),
 }
 FP32 = ("deferred_fp32", "naive_fp32", "per_microbatch_fp32", "deferred_reshard", "fsdp_only_dp4")
-
-
-class CountingReduceScatter(DefaultReduceScatter):
-    def __init__(self):
-        self.calls = self.wire_bytes = 0
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        w = group.size()
-        self.calls += 1
-        self.wire_bytes += input_tensor.numel() * input_tensor.element_size() * (w - 1) // w
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
-
-
-class CountingAllGather(DefaultAllGather):
-    def __init__(self):
-        self.calls = self.wire_bytes = 0
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        w = group.size()
-        self.calls += 1
-        self.wire_bytes += output_tensor.numel() * output_tensor.element_size() * (w - 1) // w
-        return super().__call__(output_tensor, input_tensor, group, async_op)
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
-    t = t._local_tensor if isinstance(t, DTensor) else t
-    return t.untyped_storage().nbytes() if t.numel() else 0
-
-
-class UnshardedBytesMeter:
-    """Peak live unsharded parameter and gradient bytes of some FSDP param groups.
-
-    Bytes only grow between FSDP's frees (all-gathers and autograd writing gradients),
-    so sampling right before each free (``reshard``, ``post_backward``) and right after
-    each all-gather completes (``wait_for_unshard``) sees every peak. Patches the
-    ``FSDPParamGroup`` methods for the lifetime of the process (a benchmark's).
-    """
-
-    active: ClassVar[list[UnshardedBytesMeter]] = []
-
-    def __init__(self, modules):
-        self.groups = {
-            id(m._get_fsdp_state()._fsdp_param_group): m._get_fsdp_state()._fsdp_param_group
-            for root in modules
-            for m in root.modules()
-            if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None
-        }
-        self.peak_params = self.peak_grads = self.peak_total = 0
-        self.enabled = False
-
-    def sample(self, group) -> None:
-        if not self.enabled or id(group) not in self.groups:
-            return
-        params = grads = 0
-        for g in self.groups.values():
-            for fp in g.fsdp_params:
-                if hasattr(fp, "_unsharded_param"):
-                    params += _nbytes(fp._unsharded_param)
-                    grads += _nbytes(fp._unsharded_param.grad)
-                grads += _nbytes(fp.unsharded_accumulated_grad)
-        self.peak_params = max(self.peak_params, params)
-        self.peak_grads = max(self.peak_grads, grads)
-        self.peak_total = max(self.peak_total, params + grads)
-
-    @classmethod
-    def install(cls) -> None:
-        def wrap(name, before):
-            original = getattr(FSDPParamGroup, name)
-
-            @functools.wraps(original)
-            def patched(self, *args, **kwargs):
-                if before:
-                    for meter in cls.active:
-                        meter.sample(self)
-                out = original(self, *args, **kwargs)
-                if not before:
-                    for meter in cls.active:
-                        meter.sample(self)
-                return out
-
-            setattr(FSDPParamGroup, name, patched)
-
-        wrap("reshard", True)
-        wrap("post_backward", True)
-        wrap("wait_for_unshard", False)
 
 
 def _model_config(quick: bool) -> ModelConfig:
@@ -198,15 +106,9 @@ class Runner:
             for m in part.modules():
                 if isinstance(m, FSDPModule):
                     m.set_custom_all_gather(self.ag)
-        self.units = sum(
-            m._get_fsdp_state()._fsdp_param_group is not None
-            for part in self.parts
-            for m in part.modules()
-            if isinstance(m, FSDPModule)
-        )
+        self.units = sum(len(fsdp_units(part)) for part in self.parts)
         self.opt = torch.optim.AdamW([p for part in self.parts for p in part.parameters()], lr=1e-3)
-        self.meter = UnshardedBytesMeter(self.parts)
-        UnshardedBytesMeter.active.append(self.meter)
+        self.meter = fsdp_ext.UnshardedBytesTracker(self.parts)
         self.records: list[dict] = []
 
     def step(self, x, y, measure: bool) -> None:
@@ -217,25 +119,25 @@ class Runner:
             y[dp_rank * local : (dp_rank + 1) * local],
         )
         handles = [s.comm_handle for s in self.stages if s.comm_handle is not None]
-        self.rs.calls = self.rs.wire_bytes = self.ag.calls = self.ag.wire_bytes = 0
+        self.rs.reset()
+        self.ag.reset()
         for h in handles:
             h.reset_stats()
-        self.meter.enabled = measure
         dist.barrier()
         t0 = time.perf_counter()
-        if self.schedule is not None:
-            losses = fsdp_ext.pipeline_step(self.schedule, self.stages, x, y)
-            loss = fsdp_ext.reduce_pipeline_loss(losses, self.stages, self.dims)
-        else:
-            out = _loss(self.parts[0](x), y)
-            out.backward()
-            loss = out.detach()
-            dist.all_reduce(loss)
-            loss = float(loss) / self.dims.dp
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        with self.meter if measure else contextlib.nullcontext():
+            if self.schedule is not None:
+                losses = fsdp_ext.pipeline_step(self.schedule, self.stages, x, y)
+                loss = fsdp_ext.reduce_pipeline_loss(losses, self.stages, self.dims)
+            else:
+                out = _loss(self.parts[0](x), y)
+                out.backward()
+                loss = out.detach()
+                dist.all_reduce(loss)
+                loss = float(loss) / self.dims.dp
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         elapsed = torch.tensor(time.perf_counter() - t0)
-        self.meter.enabled = False
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         rs_calls = sum(h.stats.reductions for h in handles) if self.loco else self.rs.calls
         rs_bytes = sum(h.stats.bytes_sent for h in handles) if self.loco else self.rs.wire_bytes
@@ -253,7 +155,6 @@ class Runner:
 
 def rank_run(microbatches: list[int], steps: int, warmup: int, quick: bool) -> dict:
     torch.set_num_threads(1)
-    UnshardedBytesMeter.install()
     cfg = _model_config(quick)
     g = torch.Generator().manual_seed(1)
     batch = 16
@@ -282,12 +183,11 @@ def rank_run(microbatches: list[int], steps: int, warmup: int, quick: bool) -> d
                 "reduce_scatters_per_step": statistics.median(t["rs"] for t in timed),
                 "rs_wire_bytes_per_step": statistics.median(t["rs_bytes"] for t in timed),
                 "ag_wire_bytes_per_step": statistics.median(t["ag_bytes"] for t in timed),
-                "peak_unsharded_param_bytes": r.meter.peak_params,
-                "peak_unsharded_grad_bytes": r.meter.peak_grads,
-                "peak_unsharded_param_plus_grad_bytes": r.meter.peak_total,
+                "peak_unsharded_param_bytes": r.meter.peak_param_bytes,
+                "peak_unsharded_grad_bytes": r.meter.peak_grad_bytes,
+                "peak_unsharded_param_plus_grad_bytes": r.meter.peak_bytes,
                 "losses": [round(t["loss"], 6) for t in r.records],
             }
-        UnshardedBytesMeter.active.clear()
     return results
 
 

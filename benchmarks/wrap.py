@@ -51,7 +51,6 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 import fsdp_ext
 from benchmarks.wrap_models import DecoderLayer, FineMoE, FineMoEConfig
 from fsdp_ext.testing import run_distributed
-from fsdp_ext.wrap.measure import UnshardedBytesTracker
 
 WORLD = 2
 GATHER_NAMES = ("all_gather_single", "all_gather_into_tensor")
@@ -145,7 +144,7 @@ def _run_policies(
         }
     tokens = _batch(cfg, rank, 0, 2, seq)
     for run in runs.values():
-        with UnshardedBytesTracker() as tracker:
+        with fsdp_ext.UnshardedBytesTracker() as tracker:
             _step(run, tokens)
         run["measured_peak"] = tracker.peak_bytes
     names = list(runs)

@@ -129,7 +129,7 @@ class TrainConfig:
         return self.checkpoint_root / f"step-{step:07d}"
 
     def latest_checkpoint(self) -> Path | None:
-        """Saves publish a directory by renaming it into place when complete, `.metadata` last."""
+        """A save publishes a link to its complete version directory: a step-* with .metadata."""
         done = sorted(p for p in self.checkpoint_root.glob("step-*") if (p / ".metadata").is_file())
         return done[-1] if done else None
 

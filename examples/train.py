@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -61,6 +60,7 @@ from fsdp_ext import (
     pipeline_step,
     reduce_pipeline_loss,
     register_comm_hook,
+    remove_checkpoint,
     shard_moe_model,
 )
 
@@ -227,7 +227,7 @@ def save_checkpoint(app_state: dict, cfg: TrainConfig, step: int) -> None:
     if dist.get_rank() == 0:
         done = sorted(p for p in cfg.checkpoint_root.glob("step-*") if (p / ".metadata").is_file())
         for old in done[: -cfg.keep]:
-            shutil.rmtree(old)
+            remove_checkpoint(old)  # the link, then its version directory
 
 
 def load_checkpoint(app_state: dict, path: Path) -> None:

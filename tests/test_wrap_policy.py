@@ -251,7 +251,12 @@ def test_budget_plans_of_the_benchmark_model():
     assert plan.cost_s <= plan.baseline.cost_s
     text = str(plan)
     assert "folded into the root within the budget: 3 (embed_tokens, norm, lm_head)" in text
-    assert "per-block plan: 9 units" in text and "modelled FSDP cost" in text
+    assert "modelled FSDP cost" in text
+    # the comparison line is the plan GranularityPolicy() makes: its units, its peak
+    default = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy())
+    assert [u.fqn for u in plan.baseline.units] == [u.fqn for u in default.units]
+    assert plan.baseline.peak_bytes == default.peak_bytes
+    assert f"GranularityPolicy() plan: {default.summary()}" in text
     big = fsdp_ext.plan_units(
         model, fsdp_ext.GranularityPolicy(memory_budget_bytes=int(8.5 * layer_bytes))
     )

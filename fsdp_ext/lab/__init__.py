@@ -7,16 +7,12 @@ every node with a real multi-node rendezvous; the interface counters say what cr
 link. See docs/cluster.md.
 """
 
-from fsdp_ext.lab.cleanup import clean_stale as clean_stale
-from fsdp_ext.lab.cluster import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
-from fsdp_ext.lab.cluster import Cluster as Cluster
-from fsdp_ext.lab.cluster import LabResult as LabResult
-from fsdp_ext.lab.counters import NodeBytes as NodeBytes
-from fsdp_ext.lab.network import FABRIC_DEVICE as FABRIC_DEVICE
-from fsdp_ext.lab.rates import parse_rate as parse_rate
-from fsdp_ext.lab.requirements import APT_INSTALL as APT_INSTALL
-from fsdp_ext.lab.requirements import LabUnavailable as LabUnavailable
-from fsdp_ext.lab.requirements import unavailable_reason as unavailable_reason
+from fsdp_ext.lab.cleanup import clean_stale
+from fsdp_ext.lab.cluster import DEFAULT_TIMEOUT_S, Cluster, LabResult
+from fsdp_ext.lab.counters import NodeBytes
+from fsdp_ext.lab.network import FABRIC_DEVICE
+from fsdp_ext.lab.rates import parse_rate
+from fsdp_ext.lab.requirements import APT_INSTALL, LabUnavailable, unavailable_reason
 
 __all__ = [
     "APT_INSTALL",

@@ -17,6 +17,7 @@ leave a peer waiting in a collective.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,13 +29,42 @@ from fsdp_ext.parallel_dims import ParallelDims
 from triton_kernels.permute_indices import permute_indices
 
 
+@dataclass
+class AllToAllStats:
+    """What one rank's expert-parallel all-to-alls sent, forward and backward.
+
+    ``bytes_sent``: the token rows (activations forward, their gradients backward)
+    addressed to other ranks, counted from the split sizes of each exchange; rows a rank
+    keeps for its own experts and the small per-expert count exchange are not included.
+    ``exchanges``: row all-to-alls run (two per MoE layer forward, two backward).
+    """
+
+    bytes_sent: int = 0
+    exchanges: int = 0
+
+    def add(self, other: AllToAllStats) -> None:
+        self.bytes_sent += other.bytes_sent
+        self.exchanges += other.exchanges
+
+
+def all_to_all_stats(model: nn.Module) -> AllToAllStats:
+    """Totals over every expert-parallel MoE layer of ``model`` since
+    :func:`apply_expert_parallel` (a copy: subtract two readings for an interval)."""
+    total = AllToAllStats()
+    for module in model.modules():
+        dispatcher = getattr(module, "dispatcher", None)
+        if isinstance(dispatcher, AllToAllDispatcher):
+            total.add(dispatcher.stats)
+    return total
+
+
 class AllToAllDispatcher:
     """``GroupedExperts.dispatcher`` under expert parallelism over ``group``."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.ep = group.size()
-        self.bytes_sent = 0  # token payload this rank sent to peers, forward and backward
+        self.stats = AllToAllStats()
 
     def __call__(
         self,
@@ -63,7 +93,8 @@ class AllToAllDispatcher:
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.group)
         row_bytes = x[0:1].numel() * x.element_size()
         me = self.group.rank()
-        self.bytes_sent += row_bytes * sum(s for r, s in enumerate(in_splits) if r != me)
+        self.stats.bytes_sent += row_bytes * sum(s for r, s in enumerate(in_splits) if r != me)
+        self.stats.exchanges += 1
         return out
 
 

@@ -1,9 +1,27 @@
 """Test utilities shared by the test suite and the benchmarks (as torch keeps
-``torch.testing._internal.common_fsdp``): run a function on real multi-process gloo ranks.
+``torch.testing._internal.common_fsdp``): run a function on real multi-process gloo ranks,
+count what FSDP2's collectives send, and DCP's stock planning steps for simulated plans.
 
 Not imported by the library itself.
 """
 
+from fsdp_ext._torch import create_write_items, dedup_save_plans
+from fsdp_ext.testing.collectives import (
+    CountingAllGather,
+    CountingReduceScatter,
+    fsdp_units,
+    ring_bytes,
+)
 from fsdp_ext.testing.multiprocess import RankError, RankTimeout, run_distributed
 
-__all__ = ["RankError", "RankTimeout", "run_distributed"]
+__all__ = [
+    "CountingAllGather",
+    "CountingReduceScatter",
+    "RankError",
+    "RankTimeout",
+    "create_write_items",
+    "dedup_save_plans",
+    "fsdp_units",
+    "ring_bytes",
+    "run_distributed",
+]

@@ -7,15 +7,19 @@ fails here with a ValueError instead of later with a DTensor error or a hang.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from fsdp_ext._torch import run_fsdp1_policy
+from fsdp_ext.wrap.node_reshard import resolve_reshard_after_forward
 from fsdp_ext.wrap.plan import plan_units
 from fsdp_ext.wrap.tree import (
     EXPERTS_ALWAYS_RUN_ATTR,
@@ -118,7 +122,7 @@ def check_wrap(
     auto_wrap_policy: object = None,
     *,
     mp_policy: object | None = None,
-    reshard_after_forward: bool | int | None = None,
+    reshard_after_forward: bool | int | str | None = None,
     world_size: int | None = None,
 ) -> WrapPlan:
     """The plan :func:`fully_shard` would apply, checked, with nothing sharded.
@@ -137,26 +141,56 @@ def check_wrap(
     return plan
 
 
-def fully_shard(module: nn.Module, *, auto_wrap_policy: object = None, **kwargs: Any) -> nn.Module:
+def fully_shard(
+    module: nn.Module,
+    *,
+    auto_wrap_policy: object = None,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | str | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+) -> nn.Module:
     """Apply torch's ``fully_shard`` to each unit ``auto_wrap_policy`` selects, then the root.
 
     ``auto_wrap_policy``: a :class:`GranularityPolicy`; an FSDP1 policy
     (``ModuleWrapPolicy``, ``CustomPolicy``, ``functools.partial`` of
     ``size_based_auto_wrap_policy`` / ``transformer_auto_wrap_policy``), which makes the
     units FSDP1 would; a set of module classes; a callable ``(module) -> bool``; or None
-    (the root alone, as torch's fully_shard). ``kwargs`` go to every fully_shard call; a
-    ``CustomPolicy`` returning a dict adds those fully_shard kwargs for that module.
+    (the root alone, as torch's fully_shard). A ``CustomPolicy`` returning a dict adds
+    those fully_shard kwargs for that module.
+
+    The other keywords are torch's ``fully_shard``'s and go to every call: ``mesh``,
+    ``reshard_after_forward`` (the plan may choose it per unit under a memory budget;
+    ``"node"`` keeps a node-local secondary shard, ZeRO++'s hpZ: :mod:`.node_reshard`),
+    ``shard_placement_fn``, ``mp_policy``, ``offload_policy``, ``ignored_params`` and
+    ``dp_mesh_dims`` (torch >= 2.13). One left at None is not passed, so torch's own
+    default applies.
 
     Units holding an MoE block reduce-scatter every parameter, with zeros for experts
     that got no tokens on a rank: FSDP2 otherwise skips gradient-less parameters, and
     ranks whose routing differs would send reduce-scatters of different lengths.
     """
-    mesh = kwargs.get("mesh")
+    if reshard_after_forward is not None:
+        world = mesh.size() if mesh is not None else dist.get_world_size()
+        reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, mesh, world)
+    given = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "shard_placement_fn": shard_placement_fn,
+        "mp_policy": mp_policy,
+        "offload_policy": offload_policy,
+        "ignored_params": ignored_params,
+        "dp_mesh_dims": dp_mesh_dims,
+    }
+    kwargs = {name: value for name, value in given.items() if value is not None}
     plan = check_wrap(
         module,
         auto_wrap_policy,
-        mp_policy=kwargs.get("mp_policy"),
-        reshard_after_forward=kwargs.get("reshard_after_forward"),
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward,
         world_size=None if mesh is None else mesh.shape[-1],
     )
     overrides: dict[nn.Module, dict[str, Any]] = {}
@@ -165,7 +199,7 @@ def fully_shard(module: nn.Module, *, auto_wrap_policy: object = None, **kwargs:
         overrides.pop(module, None)  # FSDP1 wraps the root with the caller's kwargs only
     tied: set[nn.Module] = set()
     steps = [*reversed(list(zip(plan.modules, plan.reshard_after_forward, strict=True)))]
-    for group, reshard in [*steps, ((module,), kwargs.get("reshard_after_forward"))]:
+    for group, reshard in [*steps, ((module,), reshard_after_forward)]:
         head = group[0]
         if head is not module and isinstance(head, FSDPModule):
             continue  # sharded already, by the caller (e.g. experts on their own mesh)

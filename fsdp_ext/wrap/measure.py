@@ -18,9 +18,12 @@ schedules too) can be measured inside ``with UnshardedBytesTracker() as tracker`
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_ext._torch import (
@@ -29,6 +32,7 @@ from fsdp_ext._torch import (
     FSDPParamGroup,
     gathered_bytes,
     has_all_gather_in_flight,
+    param_groups,
     sharded_post_forward_data,
     unsharded_param,
 )
@@ -46,44 +50,70 @@ def _group_param_bytes(group: FSDPParamGroup) -> int:
     return sum(gathered_bytes(p) for p in group.fsdp_params)
 
 
-def live_unsharded_bytes(groups: list[FSDPParamGroup]) -> int:
-    """Unsharded parameter, post-forward shard and unsharded gradient bytes held now."""
-    total = 0
+def live_unsharded_split(groups: list[FSDPParamGroup]) -> tuple[int, int]:
+    """(parameter bytes, gradient bytes) held unsharded now: gathered parameters and
+    post-forward shards, then unsharded and accumulated gradients."""
+    params = grads = 0
     for group in groups:
         if group.is_unsharded or has_all_gather_in_flight(group):
-            total += _group_param_bytes(group)
+            params += _group_param_bytes(group)
         elif group.is_sharded_post_forward:
-            total += sum(_nbytes(sharded_post_forward_data(p)) for p in group.fsdp_params)
+            params += sum(_nbytes(sharded_post_forward_data(p)) for p in group.fsdp_params)
         for param in group.fsdp_params:
             unsharded = unsharded_param(param)
             if unsharded is not None:
-                total += _nbytes(unsharded.grad)
-            total += _nbytes(param.unsharded_accumulated_grad)
-    return total
+                grads += _nbytes(unsharded.grad)
+            grads += _nbytes(param.unsharded_accumulated_grad)
+    return params, grads
+
+
+def live_unsharded_bytes(groups: list[FSDPParamGroup]) -> int:
+    """Unsharded parameter, post-forward shard and unsharded gradient bytes held now."""
+    return sum(live_unsharded_split(groups))
 
 
 class UnshardedBytesTracker:
-    """Peak of :func:`live_unsharded_bytes` over every FSDP2 param group in the process.
+    """Peak of :func:`live_unsharded_bytes` over FSDP2 param groups, while entered.
 
-    ``peak_bytes`` is the largest sample since entering (or since :meth:`reset`).
+    ``modules``: count only the FSDP units in these modules (e.g. one model of several in
+    the process); default every param group that changes state while entered.
+    ``peak_bytes`` is the largest sample since the first entry (or :meth:`reset`);
+    ``peak_param_bytes`` and ``peak_grad_bytes`` are the largest of each part alone.
+    Entering again keeps the peaks, so a tracker can measure a chosen set of steps.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, modules: Iterable[nn.Module] | None = None) -> None:
         self.peak_bytes = 0
+        self.peak_param_bytes = 0
+        self.peak_grad_bytes = 0
         self.samples = 0
+        self._modules = None if modules is None else list(modules)
         self._groups: dict[int, FSDPParamGroup] = {}
         self._originals: dict[str, Any] = {}
 
     def reset(self) -> None:
-        self.peak_bytes = 0
+        self.peak_bytes = self.peak_param_bytes = self.peak_grad_bytes = 0
         self.samples = 0
 
     def _sample(self, group: FSDPParamGroup) -> None:
+        if self._modules is not None and id(group) not in self._groups:
+            return
         self._groups.setdefault(id(group), group)
         self.samples += 1
-        self.peak_bytes = max(self.peak_bytes, live_unsharded_bytes(list(self._groups.values())))
+        params, grads = live_unsharded_split(list(self._groups.values()))
+        self.peak_bytes = max(self.peak_bytes, params + grads)
+        self.peak_param_bytes = max(self.peak_param_bytes, params)
+        self.peak_grad_bytes = max(self.peak_grad_bytes, grads)
 
     def __enter__(self) -> UnshardedBytesTracker:
+        if self._modules is not None:
+            self._groups = {
+                id(g): g
+                for root in self._modules
+                for m in root.modules()
+                if isinstance(m, FSDPModule)
+                for g in param_groups(m)
+            }
         tracker = self
         for name in (*GROUP_TRANSITIONS_BEFORE, *GROUP_TRANSITIONS_AFTER):
             original = getattr(FSDPParamGroup, name)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from fsdp_ext._torch import run_fsdp1_policy
+from fsdp_ext.wrap.node_reshard import resolve_reshard_after_forward
 from fsdp_ext.wrap.policy import GranularityPolicy, granularity_units, select_units
 from fsdp_ext.wrap.search import plan_for_budget
 from fsdp_ext.wrap.tree import module_infos
@@ -44,27 +45,30 @@ def plan_units(
     auto_wrap_policy: object = None,
     *,
     mp_policy: object | None = None,
-    reshard_after_forward: bool | int | None = None,
+    reshard_after_forward: bool | int | str | None = None,
     world_size: int | None = None,
 ) -> WrapPlan:
     """Dry run of :func:`fsdp_ext.fully_shard`: the units, their sizes, the peak estimate.
 
     Works on a meta-device model. ``auto_wrap_policy=None`` plans the root alone, as
     torch's fully_shard does. ``mp_policy`` (a ``MixedPrecisionPolicy``) sets the
-    dtype bytes are counted in; ``reshard_after_forward`` is fully_shard's argument;
+    dtype bytes are counted in; ``reshard_after_forward`` is fully_shard's argument
+    (``"node"``: hpZ over ranks ``0 .. world_size - 1``, nodes from ``LOCAL_WORLD_SIZE``);
     ``world_size`` (default: the process group's, else 2) scales the modelled cost.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    world = _world_size(world_size)
+    reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, None, world)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise TypeError(
-            f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}"
+            f"reshard_after_forward must be a bool, an int, None or 'node', got "
+            f"{reshard_after_forward!r}"
         )
     param_dtype = param_dtype_of(mp_policy)
     infos = module_infos(module)
     layout = Layout(module)
     fsdp_sizes = fsdp_unsharded_bytes(module)
-    world = _world_size(world_size)
     if isinstance(auto_wrap_policy, GranularityPolicy) and auto_wrap_policy.memory_budget_bytes:
         return plan_for_budget(
             module,

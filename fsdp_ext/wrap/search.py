@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_ext.wrap.cost import CostModel
 from fsdp_ext.wrap.peak import estimate_peak
 from fsdp_ext.wrap.policy import GranularityPolicy, granularity_units
-from fsdp_ext.wrap.tree import ModuleInfo, repeated_blocks
+from fsdp_ext.wrap.tree import ModuleInfo
 from fsdp_ext.wrap.units import (
     Atom,
     Group,
@@ -129,16 +129,16 @@ def plan_for_budget(
     root_raf = root_reshard_after_forward(root, reshard_after_forward)
     common = dict(param_dtype=param_dtype, fsdp_sizes=fsdp_sizes, world_size=world_size)
     block_units, block_threshold = default_units(root, infos)
-    # Hand-written per-block wrapping (torchtitan): the blocks are units, the rest is root.
-    blocks = repeated_blocks(root)[0] or block_units
-    block_groups = unit_groups(root, blocks)
+    # What GranularityPolicy() builds (one unit per block, the leftovers at the blocks'
+    # granularity), so the printout compares the budget plan with the default.
+    block_groups = unit_groups(root, block_units)
     baseline = build_plan(
         root,
         block_groups,
         infos,
         layout,
         threshold=block_threshold,
-        policy="per-block",
+        policy="GranularityPolicy()",
         raf=[unit_reshard_after_forward(g, reshard_after_forward, {}) for g in block_groups],
         cost_model=model,
         default_raf=reshard_after_forward,
@@ -160,7 +160,7 @@ def plan_for_budget(
             continue
         seen.add(key)
         groups = unit_groups(root, units)
-        root_atom, atoms = make_atoms(root, groups, layout, param_dtype, fsdp_sizes)
+        root_atom, atoms = make_atoms(root, groups, layout, param_dtype, fsdp_sizes, world_size)
         fixed = [unit_reshard_after_forward(g, reshard_after_forward, {}) for g in groups]
         level_fits = False
         for grouping, (fwd, bwd), keep in itertools.product(

@@ -71,8 +71,8 @@ class WrapPlan:
     ``modules[i]`` holds the member modules of ``units[i + 1]``.
     ``reshard_after_forward[i]`` is that unit's setting (None: fully_shard's argument).
     ``peak_bytes``: estimated peak of unsharded parameters and gradients (one rank).
-    ``cost_s``: modelled FSDP seconds per step (budget plans); ``baseline``: the
-    per-block plan, planned the same way, for comparison.
+    ``cost_s``: modelled FSDP seconds per step (budget plans); ``baseline``: the plan
+    ``GranularityPolicy()`` makes (one unit per block), costed the same way, for comparison.
     """
 
     units: list[Unit]
@@ -118,7 +118,7 @@ class WrapPlan:
         if self.cost_s is not None:
             lines.append(f"plan: {self.summary()}")
             if self.baseline is not None:
-                lines.append(f"per-block plan: {self.baseline.summary()}")
+                lines.append(f"GranularityPolicy() plan: {self.baseline.summary()}")
             if self.cost_model is not None:
                 lines.append(f"cost model: {self.cost_model}")
         lines.append(
@@ -205,9 +205,22 @@ def managed_params(
     return [root_own, *managed]
 
 
+def padded_param_bytes(param_nbytes: int, param: torch.Tensor, world_size: int) -> int:
+    """``param_nbytes`` after FSDP pads dim 0 to a multiple of ``world_size`` (what an int
+    ``reshard_after_forward`` keeps a ``1/r`` slice of)."""
+    shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
+    if not shape or shape[0] == 0:
+        return param_nbytes
+    dim0 = shape[0]
+    return param_nbytes // dim0 * (-(-dim0 // world_size) * world_size)
+
+
 @dataclass
 class Atom:
-    """A planned unit's facts for the peak model (``grads``: (position, bytes))."""
+    """A planned unit's facts for the peak model (``grads``: (position, bytes)).
+
+    ``padded``: ``nbytes`` with each parameter's dim 0 padded to a multiple of the world.
+    """
 
     group: Group
     params: list[nn.Parameter]
@@ -215,6 +228,7 @@ class Atom:
     start: int
     end: int
     grads: dict[int, int]
+    padded: int = 0
 
 
 def make_atoms(
@@ -223,22 +237,24 @@ def make_atoms(
     layout: Layout,
     param_dtype: torch.dtype | None,
     fsdp_sizes: dict[int, int],
+    world_size: int = 1,
 ) -> tuple[Atom, list[Atom]]:
     """The root's and each group's atom."""
     managed = managed_params(root, groups, layout)
     atoms = []
     for group, params in zip([(root,), *groups], managed, strict=True):
         grads: dict[int, int] = {}
-        total = 0
+        total = padded = 0
         for p in params:
             nbytes = param_bytes(p, param_dtype, fsdp_sizes)
             total += nbytes
+            padded += padded_param_bytes(nbytes, p, world_size)
             if p.requires_grad:
                 where = layout.param_pos.get(p, layout.pos[group[0]])
                 grads[where] = grads.get(where, 0) + nbytes
         start = min(layout.pos[m] for m in group)
         end = max(layout.end[m] for m in group)
-        atoms.append(Atom(group, params, total, start, end, grads))
+        atoms.append(Atom(group, params, total, start, end, grads, padded))
     return atoms[0], atoms[1:]
 
 
@@ -264,6 +280,7 @@ def spans_for(
             root_atom.end,
             tuple(root_grads.items()),
             root_raf,
+            root_atom.padded + sum(a.padded for a in folded),
         )
     ]
     for atoms, setting in zip(units, raf, strict=True):
@@ -271,9 +288,8 @@ def spans_for(
         end = max(a.end for a in atoms)
         grad_bytes = sum(sum(a.grads.values()) for a in atoms)
         name = "+".join(str(a.start) for a in atoms)
-        spans.append(
-            UnitSpan(name, sum(a.nbytes for a in atoms), start, end, ((end, grad_bytes),), setting)
-        )
+        nbytes, padded = sum(a.nbytes for a in atoms), sum(a.padded for a in atoms)
+        spans.append(UnitSpan(name, nbytes, start, end, ((end, grad_bytes),), setting, padded))
     return spans
 
 
@@ -313,7 +329,9 @@ def build_plan(
     world_size: int = 2,
     default_raf: bool | int | None = None,
 ) -> WrapPlan:
-    root_atom, atoms = make_atoms(root, [*groups, *folded], layout, param_dtype, fsdp_sizes)
+    root_atom, atoms = make_atoms(
+        root, [*groups, *folded], layout, param_dtype, fsdp_sizes, world_size
+    )
     atoms, folded_atoms = atoms[: len(groups)], atoms[len(groups) :]
     settings = [_effective_raf(r) for r in raf]
     root_raf = root_reshard_after_forward(root, default_raf)

@@ -1,0 +1,83 @@
+"""Count what FSDP2 puts on the wire, from the tensors it hands to its collectives.
+
+``unit.set_custom_reduce_scatter(CountingReduceScatter())`` (or ``set_custom_all_gather``)
+runs the stock collective and records each call and the bytes a ring sends to other ranks:
+``(W - 1) / W`` of the reduce-scatter's input and of the all-gather's output. Benchmarks and
+tests read the counters instead of FSDP2's private state.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_ext._torch import (
+    AllGather,
+    ReduceScatter,
+    all_gather_into,
+    fsdp_state_id,
+    param_groups,
+    reduce_scatter_into,
+)
+
+__all__ = ["CountingAllGather", "CountingReduceScatter", "fsdp_units", "ring_bytes"]
+
+
+def ring_bytes(tensor: torch.Tensor, world: int) -> int:
+    """Bytes one rank sends in a ring collective over ``tensor`` (the full buffer)."""
+    return tensor.numel() * tensor.element_size() * (world - 1) // world
+
+
+class CountingReduceScatter(ReduceScatter):
+    """The stock reduce-scatter, counting ``calls`` and ``wire_bytes``."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.wire_bytes = 0
+
+    def reset(self) -> None:
+        self.calls = self.wire_bytes = 0
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+        self.wire_bytes += ring_bytes(input_tensor, group.size())
+        return reduce_scatter_into(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
+
+
+class CountingAllGather(AllGather):
+    """The stock all-gather, counting ``calls`` and ``wire_bytes``."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.wire_bytes = 0
+
+    def reset(self) -> None:
+        self.calls = self.wire_bytes = 0
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+        self.wire_bytes += ring_bytes(output_tensor, group.size())
+        return all_gather_into(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def fsdp_units(model: nn.Module) -> list[tuple[str, FSDPModule]]:
+    """(fqn, module) of every FSDP unit below and at ``model`` that manages parameters, in
+    pre-order; a unit of several modules (``fully_shard([a, b])``) appears once, under its
+    first module's name (the root's is ``""``)."""
+    seen: set[int] = set()
+    units = []
+    for fqn, module in model.named_modules():
+        if isinstance(module, FSDPModule) and fsdp_state_id(module) not in seen:
+            seen.add(fsdp_state_id(module))
+            if param_groups(module):
+                units.append((fqn, module))
+    return units

@@ -1,0 +1,591 @@
+"""The import graph of fsdp-ext, read from the source (AST), and the layering rules it must obey.
+
+    python scripts/import_graph.py                 # rooms and their imports, as text
+    python scripts/import_graph.py --dot out.dot   # every module, Graphviz DOT
+    python scripts/import_graph.py --png docs/import_graph.png   # the rooms, drawn
+    python scripts/import_graph.py --check         # exit 1 on a cycle, a layering break
+                                                   # or a private torch name outside _torch.py
+
+Every ``import`` counts, function-local ones included, and importing ``a.b.c`` also
+imports the packages ``a.b`` and ``a`` (their ``__init__`` runs first), as Python does.
+The rules are those of docs/architecture.md; ``tests/test_architecture.py`` runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import re
+import sys
+import tokenize
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("fsdp_ext", "triton_kernels", "benchmarks", "examples")
+# Where private torch names are looked for (tests may reach into anything).
+PRIVATE_SCAN = ("fsdp_ext", "triton_kernels", "benchmarks", "examples", "scripts")
+TORCH_SHIMS = "fsdp_ext/_torch.py"
+
+LIBRARY = "fsdp_ext"
+# Shared pieces every room may import: the torch shims and the mesh description.
+COMMON = ("fsdp_ext._torch", "fsdp_ext.parallel_dims")
+# Capability rooms: each imports another only through that room's ``__init__``.
+ROOMS = ("wrap", "comm", "moe", "checkpoint", "pipeline", "integrations", "lab", "testing")
+# Rooms nothing else inside the library may import (they compose the library, or test it).
+OUTER_ROOMS = ("integrations", "lab", "testing")
+# Layers, outermost first: a module may import its own layer or one further down.
+LAYERS = {"examples": 0, "benchmarks": 0, "fsdp_ext": 1, "triton_kernels": 2}
+
+# Private torch attribute names: any ``x._name`` read in the shims is one, and these.
+KNOWN_TORCH_PRIVATE = frozenset(
+    {
+        "_get_fsdp_state",
+        "_fsdp_param_group",
+        "_fsdp_param_groups",
+        "_fsdp_params",
+        "_orig_size",
+        "_unsharded_param",
+        "_local_tensor",
+        "_orig_mod",
+        "_run_policy",
+        "_flatten",
+        "_unflatten",
+    }
+)
+# Private names of other libraries that an adapter overrides on purpose (not torch's).
+FOREIGN_PRIVATE_OK = {
+    "fsdp_ext/integrations/hf_trainer.py": {
+        # transformers' Trainer: the only hooks that see the checkpoint dir on every rank
+        "_save_optimizer_and_scheduler",
+        "_load_optimizer_and_scheduler",
+    },
+}
+TORCH_PRIVATE_RE = re.compile(r"\btorch(?:\.[A-Za-z0-9_]+)*\._[A-Za-z0-9]")
+
+
+@dataclass(frozen=True)
+class Import:
+    """One ``import`` statement's edge: ``source`` imports module ``target``."""
+
+    source: str
+    target: str
+    names: tuple[str, ...]  # for ``from target import a, b``; () for ``import target``
+    line: int
+    local: bool  # inside a function body
+    implicit: bool = False  # a package whose ``__init__`` runs because a submodule is imported
+
+
+@dataclass
+class Graph:
+    root: Path = ROOT
+    modules: dict[str, Path] = field(default_factory=dict)
+    packages: set[str] = field(default_factory=set)
+    exports: dict[str, set[str] | None] = field(default_factory=dict)  # __all__ per module
+    imports: list[Import] = field(default_factory=list)
+
+    def edges(self) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = defaultdict(set)
+        for imp in self.imports:
+            out[imp.source].add(imp.target)
+        return out
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _dunder_all(tree: ast.Module) -> set[str] | None:
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            value = node.value
+            if isinstance(value, ast.List | ast.Tuple):
+                return {e.value for e in value.elts if isinstance(e, ast.Constant)}
+    return None
+
+
+def _walk_with_scope(tree: ast.AST) -> Iterator[tuple[ast.AST, bool]]:
+    """Every node, with whether it sits inside a function body."""
+    stack: list[tuple[ast.AST, bool]] = [(tree, False)]
+    while stack:
+        node, local = stack.pop()
+        yield node, local
+        inner = local or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+        stack.extend((child, inner) for child in ast.iter_child_nodes(node))
+
+
+def _resolve(source: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = source.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def collect(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> Graph:
+    """Every module of ``packages`` under ``root`` and every import among them."""
+    graph = Graph(root)
+    trees: dict[str, ast.Module] = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            if ".venv" in path.parts:
+                continue
+            name = module_name(path, root)
+            graph.modules[name] = path
+            if path.name == "__init__.py":
+                graph.packages.add(name)
+            trees[name] = ast.parse(path.read_text(), filename=str(path))
+            graph.exports[name] = _dunder_all(trees[name])
+    internal = set(graph.modules)
+    for source, tree in trees.items():
+        for node, local in _walk_with_scope(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    _add(graph, internal, source, alias.name, (), node.lineno, local)
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(source, source in graph.packages, node)
+                names = tuple(a.name for a in node.names)
+                submodules = [f"{target}.{n}" for n in names if f"{target}.{n}" in internal]
+                plain = tuple(n for n in names if f"{target}.{n}" not in internal)
+                if plain or not submodules:
+                    _add(graph, internal, source, target, plain, node.lineno, local)
+                for sub in submodules:
+                    _add(graph, internal, source, sub, (), node.lineno, local)
+    return graph
+
+
+def _add(
+    graph: Graph, internal: set[str], source: str, target: str, names: tuple, line: int, local: bool
+) -> None:
+    if target not in internal:
+        return
+    graph.imports.append(Import(source, target, names, line, local))
+    # Importing a.b.c runs a.b's and a's __init__ first, unless the importer is inside them.
+    parts = target.split(".")
+    for i in range(1, len(parts)):
+        package = ".".join(parts[:i])
+        if package in internal and not (source + ".").startswith(package + "."):
+            graph.imports.append(Import(source, package, (), line, local, implicit=True))
+
+
+# ------------------------------------------------------------------------------ rules
+
+
+def cycles(graph: Graph) -> list[list[str]]:
+    """Strongly connected components with more than one module (or a self-import)."""
+    edges = graph.edges()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan, iterative over successors
+        work = [(v, iter(sorted(edges.get(v, ()))))]
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        while work:
+            node, successors = work[-1]
+            for w in successors:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                    break
+                if w in on_stack:
+                    low[node] = min(low[node], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        component.append(w)
+                        if w == node:
+                            break
+                    if len(component) > 1 or node in edges.get(node, ()):
+                        found.append(sorted(component))
+
+    for v in sorted(graph.modules):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def room_of(module: str) -> str | None:
+    """``fsdp_ext.comm.register`` -> ``comm``; None for the top package and common modules."""
+    parts = module.split(".")
+    if parts[0] != LIBRARY or len(parts) < 2 or parts[1] not in ROOMS:
+        return None
+    return parts[1]
+
+
+def layering_violations(graph: Graph) -> list[str]:
+    """Every import that breaks a rule of docs/architecture.md, one line each."""
+    problems = []
+    for imp in graph.imports:
+        if imp.implicit:
+            continue
+        where = f"{graph.modules[imp.source].relative_to(graph.root).as_posix()}:{imp.line}"
+        src_top, dst_top = imp.source.split(".")[0], imp.target.split(".")[0]
+        if LAYERS[dst_top] < LAYERS[src_top]:
+            problems.append(f"{where}: {imp.source} imports {imp.target} (an outer layer)")
+            continue
+        if src_top != LIBRARY or dst_top != LIBRARY:
+            if src_top in ("benchmarks", "examples") and dst_top == LIBRARY:
+                problems += _public_only(graph, imp, where)
+            continue
+        src_room, dst_room = room_of(imp.source), room_of(imp.target)
+        if imp.target == LIBRARY:
+            problems.append(f"{where}: {imp.source} imports the top package (it imports all)")
+        elif dst_room in OUTER_ROOMS and src_room != dst_room:
+            problems.append(
+                f"{where}: {imp.source} imports fsdp_ext.{dst_room}, which nothing inside "
+                "the library may import"
+            )
+        elif dst_room is not None and src_room != dst_room:
+            problems += _public_only(graph, imp, where)
+    return problems
+
+
+def _public_only(graph: Graph, imp: Import, where: str) -> list[str]:
+    """From outside a room (or the library): only a package's ``__all__`` names, or an
+    adapter module of ``fsdp_ext.integrations``."""
+    target = imp.target
+    if target.startswith(f"{LIBRARY}.integrations.") and not target.rsplit(".", 1)[-1].startswith(
+        "_"
+    ):
+        return []
+    if target in COMMON and imp.source.startswith(f"{LIBRARY}."):
+        return []
+    if target not in graph.packages:
+        return [f"{where}: {imp.source} imports {target}, a room's internals; use its package"]
+    exported = graph.exports.get(target) or set()
+    hidden = [n for n in imp.names if n not in exported]
+    if not imp.names and target != LIBRARY:
+        hidden = []  # ``import fsdp_ext.comm``: attribute use is then checked by __all__ alone
+    return [f"{where}: {imp.source} imports {n!r} from {target}, not in __all__" for n in hidden]
+
+
+def surface_problems(graph: Graph) -> list[str]:
+    """The library's packages re-export one way: plain imports listed in ``__all__``."""
+    problems = []
+    for name in sorted(graph.packages):
+        if name.split(".")[0] != LIBRARY:
+            continue
+        path = graph.modules[name]
+        rel = path.relative_to(graph.root).as_posix()
+        tree = ast.parse(path.read_text())
+        exported = graph.exports.get(name)
+        if exported is None:
+            problems.append(f"{rel}: no __all__ (every package lists its public names)")
+            continue
+        imported = set()
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                for alias in node.names:
+                    if alias.asname is not None and alias.asname == alias.name:
+                        problems.append(
+                            f"{rel}:{node.lineno}: 'import {alias.name} as "
+                            f"{alias.name}': list the name in __all__ instead"
+                        )
+                    imported.add(alias.asname or alias.name)
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)} | {
+            t.id
+            for n in tree.body
+            if isinstance(n, ast.Assign)
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        }
+        for missing in sorted(exported - imported - defined):
+            problems.append(f"{rel}: __all__ lists {missing!r}, which it does not define")
+        for unlisted in sorted(imported - exported):
+            problems.append(f"{rel}: imports {unlisted!r} without listing it in __all__")
+    return problems
+
+
+# ------------------------------------------------------------------ private torch names
+
+
+@dataclass(frozen=True)
+class PrivateUse:
+    path: str
+    line: int
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.text}"
+
+
+def _code_only(source: str) -> list[str]:
+    """The source's lines with comments and strings blanked (docstrings may name anything)."""
+    lines = source.splitlines()
+    out = [list(line) for line in lines]
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.STRING) or tok.type == getattr(
+            tokenize, "FSTRING_MIDDLE", -1
+        ):
+            (r0, c0), (r1, c1) = tok.start, tok.end
+            for r in range(r0, r1 + 1):
+                row = out[r - 1]
+                start = c0 if r == r0 else 0
+                stop = c1 if r == r1 else len(row)
+                row[start:stop] = " " * (stop - start)
+    return ["".join(row) for row in out]
+
+
+def _defined_names(trees: Iterable[ast.Module]) -> set[str]:
+    """Private names this code base defines itself (functions, classes, attributes it sets),
+    minus methods that only override a parent's method of the same name."""
+    defined: set[str] = set()
+    overrides: set[str] = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                if _calls_super_same(node):
+                    overrides.add(node.name)
+                else:
+                    defined.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                defined.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                defined.add(node.target.id)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                ("fsdp_ext", "triton_kernels", "benchmarks", "examples")
+            ):
+                defined.update(a.asname or a.name for a in node.names)
+    return defined
+
+
+def _calls_super_same(node: ast.AST) -> bool:
+    if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        return False
+    for inner in ast.walk(node):
+        if (
+            isinstance(inner, ast.Attribute)
+            and inner.attr == node.name
+            and isinstance(inner.value, ast.Call)
+            and isinstance(inner.value.func, ast.Name)
+            and inner.value.func.id == "super"
+        ):
+            return True
+    return False
+
+
+def _private_attrs(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, name) of every ``x._name`` read and ``getattr(x, "_name")`` style access."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            name = node.attr
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if name.startswith("_") and not name.startswith("__"):
+                yield node.lineno, name
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            name = node.args[1].value
+            if name.startswith("_") and not name.startswith("__"):
+                yield node.lineno, name
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    yield node.lineno, f"{node.module}.{alias.name}"
+
+
+def private_torch_uses(root: Path = ROOT, dirs: Iterable[str] = PRIVATE_SCAN) -> list[PrivateUse]:
+    """Private torch names used outside ``fsdp_ext/_torch.py``: ``torch.x._y`` in code (not
+    in strings or comments), an attribute the shims read privately, a known FSDP2/DTensor
+    private attribute, or any ``x._name`` this code base does not define itself."""
+    files = [p for d in dirs for p in sorted((root / d).rglob("*.py")) if ".venv" not in p.parts]
+    sources = {p: p.read_text() for p in files}
+    own_trees = [ast.parse(s) for s in sources.values()]
+    own_trees += [ast.parse(p.read_text()) for p in sorted((root / "tests").glob("*.py"))]
+    shim_tree = ast.parse((root / TORCH_SHIMS).read_text())
+    torch_private = KNOWN_TORCH_PRIVATE | {name for _, name in _private_attrs(shim_tree)}
+    ours = _defined_names(own_trees) - torch_private
+    found = []
+    for path, source in sources.items():
+        rel = path.relative_to(root).as_posix()
+        if rel == TORCH_SHIMS:
+            continue
+        lines = source.splitlines()
+        for number, code in enumerate(_code_only(source), 1):
+            if TORCH_PRIVATE_RE.search(code):
+                found.append(PrivateUse(rel, number, lines[number - 1].strip()))
+        allowed = FOREIGN_PRIVATE_OK.get(rel, set())
+        for number, name in _private_attrs(ast.parse(source)):
+            if name in allowed or (name in ours and "." not in name):
+                continue
+            kind = "import of private" if "." in name else "private attribute"
+            found.append(PrivateUse(rel, number, f"{kind} {name}"))
+    return sorted(set(found), key=lambda u: (u.path, u.line, u.text))
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def group_of(module: str) -> str:
+    """The node a module belongs to in the room-level picture."""
+    parts = module.split(".")
+    if parts[0] != LIBRARY:
+        return parts[0]
+    if module == LIBRARY:
+        return "fsdp_ext (top)"
+    if module in COMMON:
+        return module.split(".", 1)[1]
+    return parts[1]
+
+
+def room_edges(graph: Graph) -> dict[tuple[str, str], int]:
+    """(from group, to group) -> number of import statements, explicit imports only."""
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    for imp in graph.imports:
+        a, b = group_of(imp.source), group_of(imp.target)
+        if a != b and not imp.implicit:
+            counts[(a, b)] += 1
+    return dict(counts)
+
+
+def to_text(graph: Graph) -> str:
+    by_group: dict[str, set[str]] = defaultdict(set)
+    for (a, b), _ in room_edges(graph).items():
+        by_group[a].add(b)
+    groups = sorted({group_of(m) for m in graph.modules})
+    lines = [f"{g:<16} -> {', '.join(sorted(by_group[g])) or '(nothing)'}" for g in groups]
+    return "\n".join(lines)
+
+
+def to_dot(graph: Graph) -> str:
+    lines = ["digraph imports {", "  rankdir=LR;", "  node [shape=box, fontsize=10];"]
+    clusters: dict[str, list[str]] = defaultdict(list)
+    for module in sorted(graph.modules):
+        clusters[group_of(module)].append(module)
+    for i, (group, modules) in enumerate(sorted(clusters.items())):
+        lines.append(f'  subgraph cluster_{i} {{ label="{group}";')
+        lines += [f'    "{m}";' for m in modules]
+        lines.append("  }")
+    seen = set()
+    for imp in graph.imports:
+        if imp.implicit or (imp.source, imp.target) in seen:
+            continue
+        seen.add((imp.source, imp.target))
+        style = ' [style=dashed, label="local"]' if imp.local else ""
+        lines.append(f'  "{imp.source}" -> "{imp.target}"{style};')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+# Row of each group in the drawing, top to bottom: data flows downwards.
+DRAW_ROWS = (
+    ("examples", "benchmarks"),
+    ("fsdp_ext (top)", "integrations", "lab", "testing"),
+    ("pipeline", "checkpoint"),
+    ("moe",),
+    ("comm", "wrap"),
+    ("parallel_dims", "_torch"),
+    ("triton_kernels",),
+)
+
+
+def draw_png(graph: Graph, path: Path) -> None:
+    """The room-level graph: one box per room, an arrow per importing pair."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    edges = room_edges(graph)
+    present = {g for pair in edges for g in pair} | {group_of(m) for m in graph.modules}
+    rows = [[g for g in row if g in present] for row in DRAW_ROWS]
+    rows = [row for row in rows if row]
+    placed = {g for row in rows for g in row}
+    rows += [[g] for g in sorted(present - placed)]
+    pos = {}
+    for r, row in enumerate(rows):
+        for c, group in enumerate(row):
+            pos[group] = ((c + 1) / (len(row) + 1), 1 - (r + 0.5) / len(rows))
+    fig, ax = plt.subplots(figsize=(9, 8))
+    for (a, b), count in sorted(edges.items()):
+        (x0, y0), (x1, y1) = pos[a], pos[b]
+        ax.annotate(
+            "",
+            xy=(x1, y1),
+            xytext=(x0, y0),
+            arrowprops={
+                "arrowstyle": "-|>",
+                "color": "tab:red" if y1 >= y0 else "0.45",
+                "lw": 0.6 + 0.25 * min(count, 8),
+                "shrinkA": 14,
+                "shrinkB": 14,
+                "connectionstyle": "arc3,rad=0.08",
+            },
+        )
+    sizes = defaultdict(int)
+    for module in graph.modules:
+        sizes[group_of(module)] += 1
+    for group, (x, y) in pos.items():
+        label = group if sizes[group] <= 1 else f"{group}\n{sizes[group]} modules"
+        ax.text(
+            x,
+            y,
+            label,
+            ha="center",
+            va="center",
+            fontsize=9,
+            bbox={"boxstyle": "round", "fc": "white" if group != "_torch" else "#fde", "ec": "k"},
+        )
+    ax.set_axis_off()
+    ax.set_title("fsdp-ext imports (arrow: imports; red would point upwards)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dot", type=Path, help="write every module's imports as Graphviz DOT")
+    parser.add_argument("--png", type=Path, help="draw the rooms' imports (matplotlib)")
+    parser.add_argument("--check", action="store_true", help="exit 1 on a broken rule")
+    args = parser.parse_args(argv)
+    graph = collect()
+    print(to_text(graph))
+    if args.dot:
+        args.dot.write_text(to_dot(graph))
+    if args.png:
+        draw_png(graph, args.png)
+    problems = [f"cycle: {' <-> '.join(c)}" for c in cycles(graph)]
+    problems += layering_violations(graph)
+    problems += surface_problems(graph)
+    problems += [f"private torch name: {u}" for u in private_torch_uses()]
+    for problem in problems:
+        print(problem)
+    print(f"{len(graph.modules)} modules, {len(problems)} problems")
+    return 1 if args.check and problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The house rules of docs/architecture.md, read from the source by scripts/import_graph.py.
+
+No import cycle (function-local imports included); data flows examples/benchmarks ->
+fsdp_ext -> triton_kernels; a room imports another only through its ``__init__``; nothing
+in the library imports ``integrations``, ``lab`` or ``testing``; benchmarks and examples
+use public names only; every package re-exports one way (``__all__``); and private torch
+names appear only in ``fsdp_ext/_torch.py``. The checker itself is shown to catch each kind
+of break on a small tree written here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load_checker():
+    spec = importlib.util.spec_from_file_location("import_graph", REPO / "scripts/import_graph.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+ig = _load_checker()
+
+# Known breaks that other branches remove. Each entry must still be found (a stale entry
+# fails), so the list only shrinks. TODO(lead): drop each line once its branch is merged.
+PENDING_CYCLES: list[list[str]] = []
+PENDING_PRIVATE_FILES = [
+    # ckpt: checkpoint/'s private torch names move into fsdp_ext/_torch.py
+    "fsdp_ext/checkpoint/planner.py",
+    "fsdp_ext/checkpoint/reader.py",
+    "fsdp_ext/checkpoint/unpickler.py",
+    "fsdp_ext/checkpoint/writer.py",
+]
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return ig.collect()
+
+
+def test_no_import_cycle(graph):
+    found = ig.cycles(graph)
+    stale = [c for c in PENDING_CYCLES if c not in found]
+    assert not stale, f"{stale} no longer form a cycle: remove them from PENDING_CYCLES"
+    assert [c for c in found if c not in PENDING_CYCLES] == []
+
+
+def test_layering(graph):
+    assert ig.layering_violations(graph) == []
+
+
+def test_every_package_reexports_through_all(graph):
+    assert ig.surface_problems(graph) == []
+
+
+def test_private_torch_names_only_in_torch_shims():
+    found = ig.private_torch_uses()
+    pending = {u.path for u in found} & set(PENDING_PRIVATE_FILES)
+    stale = sorted(set(PENDING_PRIVATE_FILES) - pending)
+    assert not stale, f"{stale} use no private torch name now: remove from PENDING_PRIVATE_FILES"
+    assert [str(u) for u in found if u.path not in PENDING_PRIVATE_FILES] == []
+
+
+def test_public_names_resolve():
+    import fsdp_ext
+
+    rooms = ["fsdp_ext", *(f"fsdp_ext.{r}" for r in ("checkpoint", "comm", "moe", "pipeline"))]
+    rooms += ["fsdp_ext.wrap", "fsdp_ext.testing", "fsdp_ext.integrations"]
+    for name in rooms:
+        module = importlib.import_module(name)
+        assert sorted(module.__all__) == sorted(set(module.__all__)), name
+        for public in module.__all__:
+            assert hasattr(module, public), f"{name}.__all__ lists {public!r}"
+    # the top package's names are its rooms' names, the same objects
+    for public in fsdp_ext.__all__:
+        owners = [
+            importlib.import_module(r)
+            for r in rooms[1:]
+            if public in importlib.import_module(r).__all__
+        ]
+        owners += [importlib.import_module("fsdp_ext.parallel_dims")]
+        assert any(getattr(o, public, None) is getattr(fsdp_ext, public) for o in owners), public
+
+
+def test_graph_script_writes_text_dot_and_png(tmp_path, capsys):
+    assert ig.main(["--dot", str(tmp_path / "g.dot"), "--png", str(tmp_path / "g.png")]) == 0
+    text = capsys.readouterr().out
+    assert "wrap             -> _torch" in text
+    dot = (tmp_path / "g.dot").read_text()
+    assert '"fsdp_ext.wrap.apply" -> "fsdp_ext.wrap.plan";' in dot
+    assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------- the checker catches each kind of break
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    base = {
+        "fsdp_ext/__init__.py": "from fsdp_ext.wrap import fully_shard\n"
+        "__all__ = ['fully_shard']\n",
+        "fsdp_ext/_torch.py": "def state(m):\n    return m._get_fsdp_state()\n",
+        "fsdp_ext/wrap/__init__.py": "from fsdp_ext.wrap.a import fully_shard\n"
+        "__all__ = ['fully_shard']\n",
+        "fsdp_ext/wrap/a.py": "def fully_shard(m):\n    return m\n",
+        "fsdp_ext/wrap/b.py": "",
+        "fsdp_ext/comm/__init__.py": "from fsdp_ext.comm.x import hook\n__all__ = ['hook']\n",
+        "fsdp_ext/comm/x.py": "def hook():\n    pass\n",
+        "fsdp_ext/integrations/__init__.py": "__all__ = []\n",
+        "fsdp_ext/integrations/acc.py": "from fsdp_ext.comm import hook\n",
+        "triton_kernels/__init__.py": "",
+        "triton_kernels/k.py": "",
+        "benchmarks/bench.py": "import fsdp_ext\n",
+        "examples/__init__.py": "",
+    }
+    for rel, text in {**base, **files}.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+def _problems(root: Path) -> list[str]:
+    graph = ig.collect(root)
+    out = [" <-> ".join(c) for c in ig.cycles(graph)]
+    out += ig.layering_violations(graph) + ig.surface_problems(graph)
+    out += [str(u) for u in ig.private_torch_uses(root)]
+    return out
+
+
+def test_checker_passes_a_clean_tree(tmp_path):
+    assert _problems(_tree(tmp_path, {})) == []
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (  # a cycle hidden by a function-local import
+            {
+                "fsdp_ext/wrap/a.py": "from fsdp_ext.wrap.b import g\ndef fully_shard(m):\n"
+                "    return m\n",
+                "fsdp_ext/wrap/b.py": "def g():\n    from fsdp_ext.wrap.a import fully_shard\n",
+            },
+            "fsdp_ext.wrap.a <-> fsdp_ext.wrap.b",
+        ),
+        (  # one room reaching into another's module
+            {
+                "fsdp_ext/comm/x.py": "from fsdp_ext.wrap.a import fully_shard\n"
+                "def hook():\n    pass\n"
+            },
+            "fsdp_ext.comm.x imports fsdp_ext.wrap.a, a room's internals",
+        ),
+        (  # a room importing the top package (which imports every room)
+            {"fsdp_ext/comm/x.py": "def hook():\n    import fsdp_ext\n"},
+            "imports the top package",
+        ),
+        (  # the library importing an outer room
+            {"fsdp_ext/comm/x.py": "from fsdp_ext.integrations import acc\ndef hook():\n pass\n"},
+            "fsdp_ext.integrations, which nothing inside the library may import",
+        ),
+        (  # kernels importing the library
+            {"triton_kernels/k.py": "import fsdp_ext\n"},
+            "triton_kernels.k imports fsdp_ext (an outer layer)",
+        ),
+        (  # a benchmark importing a name the package does not export
+            {"benchmarks/bench.py": "from fsdp_ext.wrap import b\nfrom fsdp_ext.comm import x\n"},
+            "benchmarks.bench imports fsdp_ext.comm.x, a room's internals",
+        ),
+        (  # re-export by alias instead of __all__
+            {"fsdp_ext/comm/__init__.py": "from fsdp_ext.comm.x import hook as hook\n"},
+            "fsdp_ext/comm/__init__.py: no __all__",
+        ),
+        (  # a private torch module, outside strings and comments
+            {"fsdp_ext/wrap/b.py": "from torch.distributed.fsdp._fully_shard import x\n"},
+            "fsdp_ext/wrap/b.py:1: from torch.distributed.fsdp._fully_shard import x",
+        ),
+        (  # a private name from a public torch module
+            {"benchmarks/bench.py": "from torch.distributed.fsdp.wrap import _Policy\n"},
+            "import of private torch.distributed.fsdp.wrap._Policy",
+        ),
+        (  # FSDP2 state, as an attribute and through getattr
+            {
+                "fsdp_ext/wrap/b.py": "def f(m, p):\n    m._get_fsdp_state()\n"
+                "    return getattr(p, '_unsharded_param', None)\n"
+            },
+            "fsdp_ext/wrap/b.py:3: private attribute _unsharded_param",
+        ),
+        (  # any other attribute this code base does not define itself
+            {"examples/train.py": "def f(t):\n    return t._local_tensor + t._mystery\n"},
+            "examples/train.py:2: private attribute _mystery",
+        ),
+    ],
+)
+def test_checker_catches(tmp_path, files, expected):
+    problems = _problems(_tree(tmp_path, files))
+    assert any(expected in p for p in problems), problems
+
+
+def test_checker_ignores_docstrings_comments_and_own_names(tmp_path):
+    files = {
+        "fsdp_ext/wrap/b.py": '''
+            """As ``torch.testing._internal.common_fsdp`` does."""
+            # torch.distributed._tensor was renamed
+            class Box:
+                def __init__(self):
+                    self._value = 1
+
+            def read(box):
+                return box._value, "torch._C"
+            ''',
+    }
+    assert _problems(_tree(tmp_path, files)) == []
