@@ -226,7 +226,8 @@ def writer_and_planner(variant: str, path: Path, link_bytes_per_s: float | None 
 
 def reader_and_planner(variant: str, path: Path):
     if variant.startswith("ours"):
-        return VerifiedFileSystemReader(path), SafeLoadPlanner()
+        checked = variant == "ours"  # ours_nocrc has sizes only: load it on them
+        return VerifiedFileSystemReader(path, require_checksums=checked), SafeLoadPlanner()
     return dcp.FileSystemReader(path), None
 
 

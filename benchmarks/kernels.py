@@ -3,14 +3,24 @@
     python benchmarks/kernels.py --quick      # small sizes, few repetitions
     python benchmarks/kernels.py              # 64M elements on a GPU, 4M on a CPU
 
-On a GPU the entry points run the Triton kernels; elsewhere they run the torch references
-(the interpreter says nothing about speed). Each kernel is timed on the data path's own
+On a GPU the entry points run the Triton kernels; on a CPU the codec's fast CPU path (the
+other kernels their torch references; the interpreter says nothing about speed). Each kernel
+is timed on the data path's own
 entry points (``quantize_ef_to_payload``, ``dequantize_reduce_from_payload``,
 ``permute_indices``), LoCo defaults (4-bit, groups of 128, int8 error feedback).
 Bandwidth = bytes the kernel must read and write / time; ``fraction_of_copy`` divides that by
 ``dst.copy_(src)`` on fp32 tensors of the same element count, timed in the same loop.
 Timings rotate the kernels each repetition and report medians. The last line printed is
 one JSON object; ``min_fraction_of_copy`` is over the two codec kernels (the hot path).
+
+On a CPU it also times the codec's fast CPU path against the torch reference side by side on
+ONE thread (``torch.set_num_threads(1)``), alternating the two, same inputs:
+``cpu_codec_speedup_vs_reference`` is the smaller of the two kernels' ratios of median wall
+times; the process CPU time per call (user + system, which a loaded machine does not
+inflate) is reported next to it. The fast path is plain torch, so it compiles nothing
+(``cpu_codec_compile_s`` is 0); ``--torch-compile`` also measures the alternative,
+``torch.compile`` of the reference: its one-time compile cost, its speed, and whether it is
+bit-exact.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,11 +40,19 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from triton_kernels.backend import use_triton  # noqa: E402
+from triton_kernels.backend import implementation  # noqa: E402
 from triton_kernels.codec_common import payload_chunk_bytes  # noqa: E402
-from triton_kernels.dequantize_reduce import dequantize_reduce_from_payload  # noqa: E402
+from triton_kernels.dequantize_reduce import (  # noqa: E402
+    dequantize_reduce_from_payload,
+    dequantize_reduce_from_payload_cpu,
+    dequantize_reduce_from_payload_reference,
+)
 from triton_kernels.permute_indices import permute_indices  # noqa: E402
-from triton_kernels.quantize_ef import quantize_ef_to_payload  # noqa: E402
+from triton_kernels.quantize_ef import (  # noqa: E402
+    quantize_ef_to_payload,
+    quantize_ef_to_payload_cpu,
+    quantize_ef_to_payload_reference,
+)
 
 GROUP, BITS, CHUNKS = 128, 4, 8  # LoCo defaults; 8 ranks' chunks per reduction
 CODEC = ("quantize_ef", "dequantize_reduce")
@@ -105,12 +124,143 @@ def measure(kernels: dict, device: torch.device, reps: int) -> dict[str, float]:
     return {n: statistics.median(t) for n, t in times.items()}
 
 
+@contextmanager
+def one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _codec_inputs(numel: int) -> dict:
+    """LoCo defaults on ``[CHUNKS, numel / CHUNKS]`` rows: a gradient with an outlier, an int8
+    error with scales, the payload, the output; ``fresh()`` copies the mutable ones."""
+    gen = torch.Generator().manual_seed(1)
+    rows = (torch.randn(numel, generator=gen) * 1e-2).view(CHUNKS, -1)
+    rows[0, 3] = 4.0
+    groups = rows.shape[1] // GROUP
+    error = torch.randint(-127, 128, (numel,), generator=gen, dtype=torch.int8)
+    scales = torch.rand(numel // GROUP, generator=gen) * 1e-4
+    payload = torch.empty(CHUNKS, payload_chunk_bytes(groups, GROUP, BITS), dtype=torch.uint8)
+    quantize_ef_to_payload_reference(rows, payload, group_size=GROUP, bits=BITS)
+    return dict(rows=rows, error=error, scales=scales, payload=payload, n=rows.shape[1])
+
+
+def _quantize_call(fn, state):
+    return lambda: fn(
+        state["rows"],
+        state["out_payload"],
+        state["error"],
+        state["scales"],
+        group_size=GROUP,
+        bits=BITS,
+        beta=0.8,
+    )
+
+
+def _time_pair(fns: dict, reps: int) -> dict:
+    """Median wall and process CPU seconds per call of each function, alternating them."""
+    wall = {k: [] for k in fns}
+    cpu = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for rep in range(reps):
+        for name in list(fns)[:: 1 if rep % 2 else -1]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            fns[name]()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in fns}
+
+
+def _cpu_state(inputs: dict) -> dict:
+    return dict(
+        rows=inputs["rows"],
+        error=inputs["error"].clone(),
+        scales=inputs["scales"].clone(),
+        out_payload=torch.empty_like(inputs["payload"]),
+    )
+
+
+def cpu_codec_comparison(numel: int, reps: int, torch_compile: bool) -> dict:
+    """The fast CPU path against the reference, one thread, side by side (see the docstring)."""
+    inputs = _codec_inputs(numel)
+    ref_q, cpu_q = _cpu_state(inputs), _cpu_state(inputs)
+    out = {k: torch.empty(inputs["n"]) for k in ("reference", "cpu")}
+    kernels = {
+        "quantize_ef": {
+            "reference": _quantize_call(quantize_ef_to_payload_reference, ref_q),
+            "cpu": _quantize_call(quantize_ef_to_payload_cpu, cpu_q),
+        },
+        "dequantize_reduce": {
+            impl: (
+                lambda impl=impl, fn=fn: fn(
+                    inputs["payload"], out[impl], group_size=GROUP, bits=BITS, out_scale=0.125
+                )
+            )
+            for impl, fn in (
+                ("reference", dequantize_reduce_from_payload_reference),
+                ("cpu", dequantize_reduce_from_payload_cpu),
+            )
+        },
+    }
+    report = {"numel": numel, "threads": 1, "reps": reps}
+    with one_thread():
+        for name, fns in kernels.items():
+            timed = _time_pair(fns, reps)
+            (ref_wall, ref_cpu), (cpu_wall, cpu_cpu) = timed["reference"], timed["cpu"]
+            report[name] = {
+                "reference_ms": _sig(ref_wall * 1e3),
+                "cpu_ms": _sig(cpu_wall * 1e3),
+                "speedup": _sig(ref_wall / cpu_wall),
+                "reference_cpu_time_ms": _sig(ref_cpu * 1e3),
+                "cpu_cpu_time_ms": _sig(cpu_cpu * 1e3),
+                "speedup_cpu_time": _sig(ref_cpu / cpu_cpu),
+                "cpu_gb_per_s_of_input": _sig(4 * numel / cpu_wall / 1e9),
+            }
+        # what the two paths wrote (after the same number of calls from the same state)
+        report["bit_exact"] = (
+            torch.equal(ref_q["out_payload"], cpu_q["out_payload"])
+            and torch.equal(ref_q["error"], cpu_q["error"])
+            and torch.equal(ref_q["scales"].view(torch.int32), cpu_q["scales"].view(torch.int32))
+            and torch.equal(out["reference"].view(torch.int32), out["cpu"].view(torch.int32))
+        )
+        if torch_compile:
+            report["torch_compile"] = _torch_compile_alternative(inputs, reps)
+    report["speedup"] = min(report[k]["speedup"] for k in kernels)
+    return report
+
+
+def _torch_compile_alternative(inputs: dict, reps: int) -> dict:
+    """``torch.compile`` of the quantising reference (inductor): compile seconds, speed,
+    and whether it is bit-exact with the reference (one call on the same state)."""
+    torch.compiler.reset()
+    compiled = torch.compile(quantize_ef_to_payload_reference, dynamic=False)
+    state, ref = _cpu_state(inputs), _cpu_state(inputs)
+    start = time.perf_counter()
+    _quantize_call(compiled, state)()
+    compile_s = time.perf_counter() - start
+    _quantize_call(quantize_ef_to_payload_reference, ref)()
+    exact = torch.equal(state["out_payload"], ref["out_payload"]) and torch.equal(
+        state["error"], ref["error"]
+    )
+    ((wall, _),) = _time_pair({"compiled": _quantize_call(compiled, state)}, reps).values()
+    return {"compile_s": _sig(compile_s), "quantize_ef_ms": _sig(wall * 1e3), "bit_exact": exact}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
     parser.add_argument("--numel", type=int, help="elements per gradient (default by device)")
     parser.add_argument("--reps", type=int)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="on CPU, also time torch.compile of the reference (compiles for tens of seconds)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -140,13 +290,25 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "bench": "kernels",
         "device": device_name(device),
-        "implementation": "triton" if use_triton(src_probe(device)) else "torch reference",
+        "implementation": implementation(src_probe(device), cpu_path=True),
         "numel": numel,
         "reps": reps,
         "copy_gb_per_s": _sig(copy_gbps),
         "kernels": report,
         "min_fraction_of_copy": min(report[n]["fraction_of_copy"] for n in CODEC),
     }
+    if device.type == "cpu":
+        comparison = cpu_codec_comparison(numel, max(3, reps // 2), args.torch_compile)
+        for name in CODEC:
+            c = comparison[name]
+            print(
+                f"{name:>18}: reference {c['reference_ms']:8.1f} ms, fast CPU path "
+                f"{c['cpu_ms']:7.2f} ms on one thread: {c['speedup']:.1f}x "
+                f"({c['speedup_cpu_time']:.1f}x in CPU time)"
+            )
+        result["cpu_codec"] = comparison
+        result["cpu_codec_speedup_vs_reference"] = comparison["speedup"]
+        result["cpu_codec_compile_s"] = 0.0  # plain torch: nothing to compile
     print(json.dumps(result))
     return result
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -11,17 +11,22 @@ from torch import nn
 from fsdp_ext import MoE
 
 
+def _flag(default, help: str, low: int = 1):
+    """A field that examples/train.py offers as a flag: its --help text and least value."""
+    return field(default=default, metadata={"help": help, "low": low})
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 256
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    hidden_dim: int = 384
+    dim: int = _flag(128, "model width")
+    n_layers: int = _flag(4, "transformer blocks")
+    n_heads: int = _flag(4, "attention heads (must divide --dim)")
+    hidden_dim: int = _flag(384, "width of the dense feed-forward (with --num-experts 0)")
     max_seq_len: int = 128
     norm_eps: float = 1e-5
-    num_experts: int = 8  # 0: a dense SwiGLU feed-forward instead of a mixture of experts
-    top_k: int = 2
+    num_experts: int = _flag(8, "experts per MoE layer; 0: a dense SwiGLU feed-forward", low=0)
+    top_k: int = _flag(2, "experts each token is routed to")
     moe_hidden_dim: int = 192  # per expert; top-2 of 192 costs about one dense 384
     load_balance_coef: float = 0.01
 

@@ -5,16 +5,29 @@ The public surface: every name below, re-exported from its room (``fsdp_ext.wrap
 """
 
 from fsdp_ext.checkpoint import (
+    CheckpointBusyError,
     CheckpointIntegrityError,
+    CheckpointPathError,
     CheckpointReport,
+    CheckpointSpaceError,
     SafeLoadPlanner,
     SpreadFileSystemWriter,
     SpreadSavePlanner,
     UnsafeCheckpointError,
     VerifiedFileSystemReader,
+    remove_checkpoint,
     verify_checkpoint,
 )
-from fsdp_ext.comm import CommHandle, CommStats, LoCoConfig, LoCoReduceScatter, register_comm_hook
+from fsdp_ext.comm import (
+    CommHandle,
+    CommStats,
+    LoCoConfig,
+    LoCoReduceScatter,
+    QuantizedAllGather,
+    WeightGatherHandle,
+    register_comm_hook,
+    register_weight_all_gather,
+)
 from fsdp_ext.moe import (
     AllToAllStats,
     MoE,
@@ -42,13 +55,17 @@ from fsdp_ext.wrap import (
     WrapPlan,
     calibrate_cost_model,
     fully_shard,
+    node_local_reshard,
     plan_units,
 )
 
 __all__ = [
     "AllToAllStats",
+    "CheckpointBusyError",
     "CheckpointIntegrityError",
+    "CheckpointPathError",
     "CheckpointReport",
+    "CheckpointSpaceError",
     "CommHandle",
     "CommStats",
     "CostModel",
@@ -59,6 +76,7 @@ __all__ = [
     "MoE",
     "ParallelDims",
     "PipelineState",
+    "QuantizedAllGather",
     "SafeLoadPlanner",
     "SpreadFileSystemWriter",
     "SpreadSavePlanner",
@@ -66,6 +84,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnshardedBytesTracker",
     "VerifiedFileSystemReader",
+    "WeightGatherHandle",
     "WrapPlan",
     "all_to_all_stats",
     "apply_expert_parallel",
@@ -73,11 +92,14 @@ __all__ = [
     "calibrate_cost_model",
     "clip_grad_norm_",
     "fully_shard",
+    "node_local_reshard",
     "pipeline_step",
     "plan_stages",
     "plan_units",
     "reduce_pipeline_loss",
     "register_comm_hook",
+    "register_weight_all_gather",
+    "remove_checkpoint",
     "set_aux_loss_scale",
     "shard_moe_model",
     "split_stages",

@@ -9,6 +9,7 @@ runs on 2.13 and 2.14, and 2.11 is the oldest supported release.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -24,8 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 # 2.11-2.14: the comm interfaces a custom reduce-scatter / all-gather implements.
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-# 2.11-2.14: what ``shard_placement_fn`` may return to put a parameter on another mesh.
-from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+# 2.11-2.14: what ``shard_placement_fn`` may return to put a parameter on another mesh, and
+# what a param group is doing (forward, backward, idle).
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult, TrainingState
 
 # 2.11-2.14: builds the mesh info a ``ShardPlacementResult`` carries.
 from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info as fsdp_mesh_info
@@ -45,10 +47,16 @@ try:  # 2.13-2.14: the stock reduce-scatter object, put back by ``CommHandle.rem
 except ImportError:  # 2.11-2.12: no comm object is set by default
     DefaultReduceScatter = None
 
+try:  # 2.13-2.14: the stock all-gather object, put back by ``WeightGatherHandle.remove()``
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+except ImportError:  # 2.11-2.12: no comm object is set by default
+    DefaultAllGather = None
+
 __all__ = [
     "GROUP_TRANSITIONS_AFTER",
     "GROUP_TRANSITIONS_BEFORE",
     "AllGather",
+    "DefaultAllGather",
     "DefaultReduceScatter",
     "FSDP1Policy",
     "FSDPParamGroup",
@@ -64,6 +72,7 @@ __all__ = [
     "fsdp_mesh_info",
     "fsdp_state_id",
     "gathered_bytes",
+    "gathering_for_backward",
     "group_reshard_after_forward",
     "has_all_gather_in_flight",
     "param_group",
@@ -71,6 +80,7 @@ __all__ = [
     "reduce_scatter_into",
     "run_fsdp1_policy",
     "sharded_post_forward_data",
+    "thread_in_dcp_save",
     "tree_map",
     "unflatten_mesh",
     "unsharded_param",
@@ -137,6 +147,12 @@ def sharded_post_forward_data(fsdp_param: Any) -> Any:
     return fsdp_param._sharded_post_forward_param_data
 
 
+def gathering_for_backward(group: FSDPParamGroup) -> bool:
+    """Whether the group's all-gather now is a backward one (its own or a prefetch), 2.11-2.14:
+    FSDP sets ``PRE_BACKWARD`` before unsharding in backward, also on a prefetched group."""
+    return group._training_state == TrainingState.PRE_BACKWARD
+
+
 def has_all_gather_in_flight(group: FSDPParamGroup) -> bool:
     """Whether the group's all-gather was issued and its result not yet consumed."""
     return group._all_gather_result is not None
@@ -182,3 +198,22 @@ class PipelineStageBase(PipelineStage):
     def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         with self.metadata_inference_context():
             return super()._backward_metadata_inference(*args, **kwargs)
+
+
+# 2.11-2.14: the function every ``dcp.save`` / ``dcp.async_save`` runs its save in.
+_DCP_SAVE_FRAME = ("state_dict_saver.py", "_save_state_dict")
+
+
+def thread_in_dcp_save(thread_ident: int) -> bool:
+    """Whether the thread ``thread_ident`` of this process is inside a DCP save right now.
+
+    DCP calls no storage-writer method after a save fails, so a checkpoint lock taken by a
+    save that then failed is recognised by its thread having left ``_save_state_dict``.
+    """
+    frame = sys._current_frames().get(thread_ident)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == _DCP_SAVE_FRAME[1] and code.co_filename.endswith(_DCP_SAVE_FRAME[0]):
+            return True
+        frame = frame.f_back
+    return False

@@ -179,6 +179,12 @@ def run_pipeline(
         out["loco_bytes"].append(sum(h.stats.bytes_sent for h in handles))
         opt.step()
         opt.zero_grad()
+    # a forward-only step (validation) reduces nothing
+    rs.calls = 0
+    stats = [s.comm_handle.stats.reductions for s in stages if s.comm_handle is not None]
+    fsdp_ext.pipeline_step(schedule_obj, stages, x[rows], y[rows], forward_only=True)
+    after = [s.comm_handle.stats.reductions for s in stages if s.comm_handle is not None]
+    out["eval_rs"] = rs.calls + sum(after) - sum(stats)
     return out
 
 

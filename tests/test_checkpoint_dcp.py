@@ -254,15 +254,25 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     target = empty_like(build_state("replicated", 1, full_state()))
     dcp.load(target, storage_reader=VerifiedFileSystemReader(path), planner=SafeLoadPlanner())
     assert mismatches(target, full_state(seed=0)) == []
-    # the new one is only a staging directory, which verify reports as unfinished
-    partial = sorted(tmp_path.glob(".ckpt.partial-*"))
+    # the new one is only an unfinished version directory, which verify reports as such
+    partial = [p for p in tmp_path.glob(".ckpt.v-*") if not (p / ".manifest.json").exists()]
     assert len(partial) == 1 and not (partial[0] / ".metadata").exists()
     problems = verify_checkpoint(partial[0]).problems
     assert any("unfinished save" in p for p in problems)
     assert any("rank 1 did not finish writing __1_" in p for p in problems), problems
     assert not any("rank 0 did not finish" in p for p in problems), problems
     assert any(".metadata: missing" in p for p in problems)
-    # pointed at the target, verify says it is sound (the old one) - nothing half-new in it
+    # pointed at the target, verify says it is sound (the old one), and notes the other
     assert sorted(p.name for p in path.iterdir()) == sorted(
         [".manifest.json", ".metadata", *report.files]
     )
+    assert any(f"{partial[0]}: an unfinished save" in n for n in report.notes), report.notes
+    # the next save removes the dead save's directory, and only that
+    dcp.save(
+        build_state("replicated", 1, full_state(seed=6)),
+        storage_writer=SpreadFileSystemWriter(path),
+        planner=SpreadSavePlanner(),
+    )
+    after = verify_checkpoint(path)
+    assert after.ok and after.notes == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", after.version])

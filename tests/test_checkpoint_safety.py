@@ -263,21 +263,27 @@ def test_crafted_item_is_refused_and_runs_nothing(tmp_path):
 
 
 def test_overwrite_publishes_the_new_checkpoint_whole(tmp_path):
-    """Saving over a checkpoint swaps directories: new values, no leftovers beside it."""
+    """Saving over a checkpoint swaps the link to a new version: new values, the old version
+    removed, nothing else beside it."""
     path = save(tmp_path / "ckpt", state(seed=0))
+    first = verify_checkpoint(path)
     save(path, state(seed=1))
     loaded = load_ours(path)
     assert torch.equal(loaded["embed"], state(seed=1)["embed"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-    assert verify_checkpoint(path).ok
-    with pytest.raises(CheckpointException):  # overwrite=False refuses before writing
+    report = verify_checkpoint(path)
+    assert report.ok and report.notes == []
+    assert report.save_id != first.save_id and report.version.endswith(report.save_id)
+    assert os.readlink(path) == report.version
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", report.version])
+    with pytest.raises(CheckpointException) as err:  # overwrite=False refuses before writing
         dcp.save(
             state(seed=2),
             storage_writer=SpreadFileSystemWriter(path, overwrite=False),
             planner=SpreadSavePlanner(),
         )
+    assert "overwrite=False" in str(cause(err))
     assert torch.equal(load_ours(path)["embed"], state(seed=1)["embed"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", report.version])
 
 
 def test_files_are_layer_runs_and_one_per_writer_thread(tmp_path):
@@ -294,27 +300,28 @@ def test_files_are_layer_runs_and_one_per_writer_thread(tmp_path):
 
 
 def test_every_file_is_fsynced_before_the_publish(tmp_path, monkeypatch):
-    """Durability: data files, .metadata, the manifest and the staging dir reach the disk
-    before the rename publishes them, and the parent dir after it (so the rename persists)."""
+    """Durability: data files, .metadata, the manifest and the version directory reach the
+    disk before the rename publishes them, and the parent dir after it (so the rename
+    persists). Seen by wrapping os.fsync and os.replace, outside the library."""
     events: list[tuple[str, str]] = []
-    real_fsync, real_rename = os.fsync, os.rename
+    real_fsync, real_replace = os.fsync, os.replace
 
     def fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
         return real_fsync(fd)
 
-    def rename(src, dst):
+    def replace(src, dst):
         events.append(("rename", str(dst)))
-        return real_rename(src, dst)
+        return real_replace(src, dst)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "replace", replace)
     path = save(tmp_path / "ckpt")
     publish = events.index(("rename", str(path)))
     synced = [Path(p).name for kind, p in events[:publish] if kind == "fsync"]
+    version = os.readlink(path)
     on_disk = {p.name for p in path.iterdir()}
     data = {name for name in on_disk if name.endswith(".distcp")}
     assert len(data) == 3 and on_disk == data | {".metadata", ".manifest.json"}
-    assert data | {".manifest.json.tmp", ".metadata.tmp"} <= set(synced)  # then renamed
-    assert any(name.startswith(".ckpt.partial-") for name in synced)  # the staging dir
+    assert data | {".manifest.json.tmp", ".metadata.tmp", version} <= set(synced)
     assert ("fsync", str(tmp_path)) in events[publish:]

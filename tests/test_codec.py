@@ -10,8 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.codec_cases import error_state, gradients, same
 from triton_kernels.codec_common import (
-    TILE_ELEMENTS,
     TRITON_GROUP_SIZES,
     payload_chunk_bytes,
     qmax,
@@ -44,63 +44,6 @@ FEW = settings(
 )
 
 
-@st.composite
-def gradients(draw, group_sizes=(2, 4, 32, 64, 128), max_groups=None):
-    """Small gradients with outliers, all-zero groups, tiny groups, and NaN/Inf.
-
-    ``max_groups=None`` draws 1-4 groups; ``"tiles"`` draws up to three kernel tiles' worth,
-    so shapes cross the tile boundaries of the Triton kernels.
-    """
-    group_size = draw(st.sampled_from(group_sizes))
-    if max_groups == "tiles":
-        per_tile = max(TILE_ELEMENTS.values()) // group_size  # the larger of the two tiles
-        groups = draw(st.one_of(st.integers(1, 3), st.integers(per_tile - 1, 3 * per_tile + 1)))
-    else:
-        groups = draw(st.integers(1, 4))
-    seed = draw(st.integers(0, 2**16))
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(groups * group_size, generator=gen) * draw(st.sampled_from([1e-6, 1.0, 1e4]))
-    flat = x.view(groups, group_size)
-    kinds = draw(
-        st.lists(
-            st.sampled_from(["plain", "zero", "outlier", "nan", "inf", "tiny"]),
-            min_size=groups,
-            max_size=groups,
-        )
-    )
-    for g, kind in enumerate(kinds):
-        pos = int(torch.randint(group_size, (1,), generator=gen))
-        if kind == "zero":
-            flat[g] = 0
-        elif kind == "outlier":
-            flat[g, pos] = 1e6
-        elif kind == "nan":
-            flat[g, pos] = float("nan")
-        elif kind == "inf":
-            flat[g, pos] = float("-inf") if pos % 2 else float("inf")
-        elif kind == "tiny":
-            flat[g] *= 1e-30
-    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
-    return x.to(dtype), group_size, seed
-
-
-def _error_state(dtype, numel, group_size, seed):
-    gen = torch.Generator().manual_seed(seed + 1)
-    if dtype is None:
-        return None, None
-    if dtype == torch.int8:
-        e = torch.randint(-127, 128, (numel,), generator=gen, dtype=torch.int8)
-        return e, torch.rand(numel // group_size, generator=gen) * 0.01
-    return (torch.randn(numel, generator=gen) * 0.1).to(dtype), None
-
-
-def _same(a, b):
-    """Same dtype and shape, equal values, NaN exactly where the other has NaN."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return bool(((a == b) | (a.isnan() & b.isnan())).all())
-
-
 @pytest.mark.usefixtures("triton_interpreter")
 @FEW
 @given(
@@ -111,18 +54,18 @@ def _same(a, b):
 )
 def test_quantize_ef_triton_matches_reference(grad, error_dtype, bits, beta):
     x, group_size, seed = grad
-    e_ref, s_ref = _error_state(error_dtype, x.numel(), group_size, seed)
+    e_ref, s_ref = error_state(error_dtype, x.numel(), group_size, seed)
     e_tri = None if e_ref is None else e_ref.clone()
     s_tri = None if s_ref is None else s_ref.clone()
     kw = dict(group_size=group_size, bits=bits, beta=beta)
     packed_ref, scales_ref = quantize_ef_reference(x, e_ref, s_ref, **kw)
     packed_tri, scales_tri = quantize_ef_triton(x, e_tri, s_tri, **kw)
     assert torch.equal(packed_ref, packed_tri)
-    assert _same(scales_ref, scales_tri)
+    assert same(scales_ref, scales_tri)
     if e_ref is not None:
-        assert _same(e_ref, e_tri)
+        assert same(e_ref, e_tri)
     if s_ref is not None:
-        assert _same(s_ref, s_tri)
+        assert same(s_ref, s_tri)
 
 
 @pytest.mark.usefixtures("triton_interpreter")
@@ -144,7 +87,7 @@ def test_dequantize_reduce_triton_matches_reference(grad, chunks, bits, out_dtyp
     kw = dict(group_size=group_size, bits=bits, out_scale=out_scale, out_dtype=out_dtype)
     ref = dequantize_reduce_reference(packed, scales, **kw)
     tri = dequantize_reduce_triton(packed, scales, **kw)
-    assert _same(ref, tri)
+    assert same(ref, tri)
 
 
 @pytest.mark.usefixtures("triton_interpreter")
@@ -164,7 +107,7 @@ def test_payload_kernels_match_reference(grad, rows, cut, error_dtype, bits, out
     n = max(1, x.numel() // rows - cut)  # usually not a multiple of group_size
     chunks = x[: rows * n].view(rows, n)
     groups = -(-n // group_size)
-    e_ref, s_ref = _error_state(error_dtype, rows * groups * group_size, group_size, seed)
+    e_ref, s_ref = error_state(error_dtype, rows * groups * group_size, group_size, seed)
     e_tri = None if e_ref is None else e_ref.clone()
     s_tri = None if s_ref is None else s_ref.clone()
     width = payload_chunk_bytes(groups, group_size, bits)
@@ -175,15 +118,15 @@ def test_payload_kernels_match_reference(grad, rows, cut, error_dtype, bits, out
     quantize_ef_to_payload_triton(chunks, p_tri, e_tri, s_tri, **kw)
     assert torch.equal(p_ref, p_tri)
     if e_ref is not None:
-        assert _same(e_ref, e_tri)
+        assert same(e_ref, e_tri)
     if s_ref is not None:
-        assert _same(s_ref, s_tri)
+        assert same(s_ref, s_tri)
     out_ref = torch.full((n,), 7.0, dtype=out_dtype)
     out_tri = out_ref.clone()
     kw = dict(group_size=group_size, bits=bits, out_scale=0.25)
     dequantize_reduce_from_payload_reference(p_ref, out_ref, **kw)
     dequantize_reduce_from_payload_triton(p_ref, out_tri, **kw)
-    assert _same(out_ref, out_tri)
+    assert same(out_ref, out_tri)
 
 
 @FEW

@@ -14,6 +14,9 @@ import sys
 import pytest
 
 CODEC = ("triton_kernels.quantize_ef", "triton_kernels.dequantize_reduce")
+# every kernel on a communication path gets the codec's PTX checks (no FMA, vector loads,
+# 64-bit offsets); the qwZ weight kernels have no multiply-add to contract at all
+PTX_CHECKED = (*CODEC, "triton_kernels.quantize_blockwise")
 BROKEN = "tests.kernels_broken"
 
 
@@ -40,6 +43,8 @@ def test_every_kernel_is_discovered_and_compiled(report):
         "_quantize_ef_kernel",
         "_dequantize_reduce_kernel",
         "_permute_indices_kernel",
+        "_quantize_blockwise_kernel",
+        "_dequantize_blockwise_kernel",
     } <= kernels
     assert ours["uncovered"] == []
 
@@ -65,7 +70,7 @@ def test_broken_copy_fails_to_compile(report):
 
 
 def test_codec_has_no_fma_with_fusion_off(report):
-    results = _results(report, CODEC)
+    results = _results(report, PTX_CHECKED)
     assert results and all(r["fma"] == 0 for r in results), [r["case"] for r in results if r["fma"]]
     # the check can fail: the same code with fusion on does contract into FMAs
     fused = _results(report, CODEC, fused=True)
@@ -73,12 +78,12 @@ def test_codec_has_no_fma_with_fusion_off(report):
 
 
 def test_codec_streams_use_vector_loads(report):
-    for r in _results(report, CODEC):
+    for r in _results(report, PTX_CHECKED):
         assert any(ld.startswith(("ld.global.v2", "ld.global.v4")) for ld in r["loads"]), r
         # no byte or half-word loads: codes, int8 errors and bf16 values come in 16-byte vectors
         assert not any(ld.endswith((".b8", ".u8", ".s8", ".b16", ".u16")) for ld in r["loads"]), r
 
 
 def test_codec_pointer_offsets_are_64_bit(report):
-    for r in _results(report, CODEC):
+    for r in _results(report, PTX_CHECKED):
         assert r["offset_types"] == ["i64"], (r["case"], r["offset_types"])

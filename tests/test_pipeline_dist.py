@@ -39,14 +39,18 @@ def _check_counts(case: dict, per_rank: list[dict]) -> None:
     m = case.get("n_microbatches", M)
     per_mb = case.get("grad_sync") == "per_microbatch"
     reshard = bool(case.get("reshard_after_forward"))
+    # Experts split over ep = dp sit on an efsdp mesh of one rank: their units (one per MoE
+    # layer, 4 layers over pp stages) neither gather nor reduce.
+    idle = 4 // PP if case.get("moe") and case.get("ep", 1) == DP else 0
     for out in per_rank:
-        units = out["units"]
+        units = out["units"] - idle
         assert units >= 2
         assert out["rs"] == [units * m if per_mb else units] * len(out["rs"]), case
-        # step 0 also runs the stages' shape inference: count from step 1
+        # step 0 also runs the stages' shape inference (one more forward): count from step 1
         ag = out["ag"][1:]
         if not reshard:
             assert ag == [units] * len(ag), case  # one all-gather per unit per step
+            assert out["ag"][0] == 2 * units, case
         elif not per_mb:
             assert ag == [units * (m + 1)] * len(ag), case  # every forward, one backward
         else:
@@ -59,6 +63,7 @@ DEFAULT_CASES = [
     {"schedule": "Interleaved1F1B", "grad_sync": "deferred"},
     {"schedule": "1F1B", "grad_sync": "per_microbatch", "reshard_after_forward": True},
     {"schedule": "1F1B", "grad_sync": "per_microbatch", "moe": True, "ep": 2},
+    {"schedule": "1F1B", "grad_sync": "deferred", "moe": True, "ep": 2},
 ]
 
 
@@ -67,10 +72,10 @@ def test_pipeline_matches_reference_and_counts_collectives():
     for i, case in enumerate(DEFAULT_CASES):
         per_rank = [r[i] for r in results]
         _check_against_reference(case, per_rank)
-        if not case.get("moe"):
-            _check_counts(case, per_rank)
+        _check_counts(case, per_rank)
         for out in per_rank:  # no extra reduction on the first step (shape inference)
             assert len(set(out["rs"])) == 1, (case, out["rs"])
+            assert out["eval_rs"] == 0, case  # nor in a forward-only step
 
 
 SLOW_CASES = [
@@ -158,9 +163,46 @@ def test_build_pipeline_rejects_bad_arguments():
         (dict(comm="loco"), TypeError, "comm must be"),
         (dict(mesh=None), TypeError, "do not pass mesh"),
         (dict(schedule="ZBVZeroBubble", grad_sync="per_microbatch"), ValueError, "deferred"),
+        # stage counts name the arguments passed, not the derived num_stages
+        (
+            dict(schedule="Interleaved1F1B", stages_per_rank=3),
+            ValueError,
+            r"pp=2 x stages_per_rank=3 = 6 stages exceed the 4 blocks of layers .* lower pp or "
+            "stages_per_rank",
+        ),
+        (dict(n_microbatches=1), ValueError, "needs n_microbatches >= pp, got n_microbatches=1"),
     ]
     for kwargs, exc, match in bad:
         with pytest.raises(exc, match=match):
             fsdp_ext.build_pipeline(model, dims, **{**good, **kwargs})
     with pytest.raises(TypeError, match="ParallelDims"):
         fsdp_ext.build_pipeline(model, {"pp": 2}, **good)
+    with pytest.raises(ValueError, match=r"pp=8 = 8 stages exceed the 4 blocks .* lower pp$"):
+        fsdp_ext.build_pipeline(
+            model, fsdp_ext.ParallelDims(8, pp=8), **{**good, "n_microbatches": 8}
+        )
+
+
+def _uneven_batch(rows: int) -> str:
+    """pp=2 over 2 ranks, 2 microbatches, a batch of ``rows``: what pipeline_step says."""
+    import fsdp_ext
+    from tests.pipeline_cases import SEQ, VOCAB, loss_fn, make_model
+
+    dims = fsdp_ext.ParallelDims(2, pp=2)
+    dims.build_mesh("cpu")
+    schedule, stages = fsdp_ext.build_pipeline(
+        make_model(), dims, n_microbatches=2, loss_fn=loss_fn
+    )
+    x = torch.randint(0, VOCAB, (rows, SEQ))
+    try:
+        fsdp_ext.pipeline_step(schedule, stages, x, x)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_uneven_batch_is_refused_on_every_rank():
+    """3 rows over 2 microbatches: every rank refuses it up front, naming both numbers
+    (unchecked, the last stage fails on mismatched shapes and the other rank loses its peer)."""
+    for message in run_distributed(_uneven_batch, 2, 3):
+        assert message.startswith("inputs has a batch of 3 rows, which n_microbatches=2 does not")

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from examples.config import COMMS, ConfigError, build_parser, check_world, comm_config
 from examples.model import ModelConfig
-from examples.train import TrainConfig, train
+from examples.train import TrainConfig, parse_args, train
 from fsdp_ext import verify_checkpoint
 from fsdp_ext.testing import run_distributed
 
@@ -37,9 +38,12 @@ def test_resume_is_bitwise_exact(tmp_path):
     head = run_distributed(_train, 2, first)[0]
     # saved with SpreadFileSystemWriter: verified, and only the last --keep 1 is left
     ckpts = tmp_path / "b" / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["run.json", "step-0000010"]
     report = verify_checkpoint(ckpts / "step-0000010")
     assert report.ok, report.problems
+    # the link and its one version directory
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted(
+        ["run.json", "step-0000010", report.version]
+    )
     assert sorted(report.bytes_per_rank) == [0, 1]
     tail = run_distributed(_train, 2, replace(first, stop_after=0, resume=True))[0]
     assert tail["start_step"] == 10
@@ -49,7 +53,8 @@ def test_resume_is_bitwise_exact(tmp_path):
 
 
 def test_two_ranks_learn():
-    before = run_distributed(_train, 2, replace(TINY, steps=0))[0]
+    # one warm-up step (lr 6e-4) barely moves the model: its loss is the initial one
+    before = run_distributed(_train, 2, replace(TINY, steps=1))[0]
     ranks = run_distributed(_train, 2, replace(TINY, steps=40, lr=1e-2))
     after = ranks[0]
     assert before["val_loss"] > 5.0  # about ln(256) at init
@@ -109,6 +114,8 @@ def test_resume_refuses_a_checkpoint_that_cannot_load(tmp_path):
         (["--seq-len", "8"], {}, "started with --seq-len 16, got 8"),
         (["--comm", "default"], {}, "started with --comm loco, got default"),
         ([], {"WORLD_SIZE": "2"}, "started with world size 1, got 2"),
+        (["--intra-node-size", "1"], {}, "started with nodes of None ranks, got 1"),
+        (["--steps", "2"], {}, "is finished: its latest checkpoint is step 2 of --steps 2"),
     ]:
         proc = _cli([*resume, *extra], **env)
         assert proc.returncode == 2, (extra, proc.stderr[-2000:])
@@ -117,3 +124,101 @@ def test_resume_refuses_a_checkpoint_that_cannot_load(tmp_path):
     again = _cli(resume)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout.strip().splitlines()[-1])["steps"] == 4
+
+
+@pytest.mark.parametrize(
+    ("argv", "world", "needle"),
+    [
+        (["--pp", "2", "--microbatches", "1"], 4, "--microbatches: 1F1B over --pp 2 stages needs"),
+        (["--intra-node-size", "3"], 2, "--intra-node-size: 3 does not divide the world size 2"),
+        (["--intra-node-size", "0"], 1, "--intra-node-size: must be an int >= 1 or 'auto'"),
+        (["--intra-node-size", "two"], 1, "--intra-node-size: must be an int >= 1 or 'auto'"),
+        (["--lr", "-1"], 1, "--lr: must be > 0, got -1.0"),
+        (["--num-experts", "1"], 1, "--num-experts: 1 is fewer than the --top-k 2 experts"),
+        (["--ckpt-every", "-5"], 1, "--ckpt-every: must be >= 0, got -5"),
+        (["--stop-after", "-1"], 1, "--stop-after: must be >= 0, got -1"),
+        (["--warmup-steps", "-1"], 1, "--warmup-steps: must be >= 0, got -1"),
+        (["--comm", "default", "--intra-node-size", "2"], 4, "--intra-node-size: only the 4-bit"),
+        (["--pp", "2", "--intra-node-size", "4", "--batch-size", "24"], 12, "cut the 6-rank"),
+        (["--pp", "3"], 4, "--pp: 3 does not divide the world size 4"),
+    ],
+)
+def test_bad_settings_name_their_flag(argv, world, needle, capsys):
+    """Each bad setting exits 2 with one line naming its flag, before any process group."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=world)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("train.py: error: argument "), err
+    assert needle in err
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"lr": -1.0}, "--lr: must be > 0"),
+        ({"ckpt_every": -5}, "--ckpt-every: must be >= 0"),
+        ({"stop_after": -1}, "--stop-after: must be >= 0"),
+        ({"model": replace(TINY.model, num_experts=1)}, "--num-experts: 1 is fewer than"),
+        ({"comm": "default", "intra_node_size": 2}, "--intra-node-size: only the 4-bit"),
+        ({"pp": 2, "microbatches": 1}, "--microbatches: 1F1B over --pp 2 stages"),
+    ],
+)
+def test_train_config_checks_itself(change, needle):
+    """train() takes the dataclass: it refuses the same settings, naming the same flag."""
+    with pytest.raises(ConfigError, match=needle):
+        replace(TINY, **change)
+
+
+def test_bad_settings_fail_before_any_worker_starts():
+    """Under --nproc-per-node the launcher never starts: one line, exit 2, no traceback."""
+    for argv, needle in [
+        (["--pp", "2", "--microbatches", "1"], "argument --microbatches: 1F1B over --pp 2"),
+        (["--intra-node-size", "3"], "argument --intra-node-size: 3 does not divide the world"),
+    ]:
+        proc = _cli([*argv, "--nproc-per-node", "2"])
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+        assert needle in proc.stderr
+        assert "torchrun" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_intra_node_size_auto_reads_the_launcher(monkeypatch):
+    """'auto' takes the node size from torchrun's LOCAL_WORLD_SIZE (2 nodes x 2 ranks)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = parse_args(["--intra-node-size", "auto"], world_size=4)
+    assert comm_config(cfg, 4).intra_node_size == 2
+    assert comm_config(replace(cfg, intra_node_size=None), 4).intra_node_size is None
+    assert comm_config(replace(cfg, comm="default", intra_node_size=None), 4) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="--intra-node-size: 3 does not divide the world size 4"):
+        check_world(cfg, 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert comm_config(cfg, 1).intra_node_size == 1  # a single process is a node of one
+    # our own launch is one node of --nproc-per-node ranks
+    assert comm_config(parse_args(["--intra-node-size", "auto", "--nproc-per-node", "2"]), 2) == (
+        replace(COMMS["loco"], intra_node_size=2)
+    )
+
+
+def test_help_lists_every_flag_with_its_default():
+    text = build_parser().format_help()
+    for flag, default in [
+        ("--nproc-per-node", "off"),
+        ("--steps", "250"),
+        ("--batch-size", "16"),
+        ("--dim", "128"),
+        ("--num-experts", "8"),
+        ("--top-k", "2"),
+        ("--pp", "1"),
+        ("--microbatches", "4"),
+        ("--lr", "0.003"),
+        ("--comm", "loco"),
+        ("--intra-node-size", "off"),
+        ("--ckpt-every", "0"),
+        ("--stop-after", "0"),
+        ("--out", "runs/train"),
+    ]:
+        at = text.index(f"  {flag} ")
+        assert f"(default: {default})" in " ".join(text[at:].split("\n  --")[0].split()), flag
+    assert "--resume" in text and "--seed" in text

@@ -4,9 +4,12 @@ LoCo, checkpoints; a resumed run continues with exactly the straight run's losse
 from dataclasses import replace
 
 import pytest
+import torch
+from torch.distributed import ProcessGroup
 
-from examples.model import ModelConfig
+from examples.model import ModelConfig, Transformer
 from examples.train import TrainConfig, parse_args, train
+from fsdp_ext import plan_stages
 from fsdp_ext.testing import run_distributed
 
 TINY_PP = TrainConfig(
@@ -64,3 +67,80 @@ def test_pp_arguments_fail_in_one_line(argv, needle, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv, world_size=4)
     assert needle in capsys.readouterr().err
+
+
+class GlooBytes:
+    """Bytes this rank hands to gloo per (collective, dtype), counted on the ProcessGroup
+    itself, below torch.distributed and the library: a ring sends (n - 1) / n of its input."""
+
+    NAMES = ("reduce_scatter_single", "_reduce_scatter_base", "all_to_all_single", "alltoall_base")
+
+    def __init__(self):
+        self.bytes: dict[tuple[str, str], int] = {}
+        self._originals = {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            if hasattr(ProcessGroup, name):
+                self._originals[name] = getattr(ProcessGroup, name)
+                setattr(ProcessGroup, name, self._counted(name, self._originals[name]))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._originals.items():
+            setattr(ProcessGroup, name, fn)
+
+    def _counted(self, name, fn):
+        def counted(group, output, input, *args, **kwargs):
+            n = group.size()
+            key = (name, str(input.dtype).removeprefix("torch."))
+            sent = input.numel() * input.element_size() * (n - 1) // n
+            self.bytes[key] = self.bytes.get(key, 0) + sent
+            return fn(group, output, input, *args, **kwargs)
+
+        return counted
+
+
+def _stage_grad_bytes(cfg: TrainConfig, stage: int, shards: int) -> int:
+    """fp32 bytes of one stage's gradients, each padded on dim 0 to a multiple of `shards`
+    (FSDP's reduce-scatter input); the stage's modules are the split's."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    plan = plan_stages(model, cfg.pp)
+    total = 0
+    for name, p in model.named_parameters():
+        top = name.split(".")[0]
+        in_stage = (
+            (top in plan.first and stage == 0)
+            or (top in plan.last and stage == cfg.pp - 1)
+            or any(name.startswith(b + ".") for b in plan.block_fqns(stage))
+        )
+        if in_stage:
+            rows = -(-p.shape[0] // shards) * shards
+            total += rows * (p.numel() // p.shape[0]) * 4
+    return total
+
+
+def _reduction_bytes(root: str) -> dict:
+    out = {}
+    for k in (None, 2):
+        cfg = replace(TINY_PP, ep=1, steps=2, intra_node_size=k, out=f"{root}/{k}")
+        with GlooBytes() as wire:
+            summary = train(cfg)
+        out[k] = {"wire": wire.bytes, "intra_node_bytes": summary["comm_stats"]["intra_node_bytes"]}
+    return out
+
+
+def test_pp2_hierarchical_loco_reduces_inside_the_node(tmp_path):
+    """--pp 2 --intra-node-size 2 on 4 ranks: each stage's dp pair sits on one node, so its
+    gradients reduce in full precision (half of the padded stage each step), with no 4-bit
+    traffic; without the flag they go 4-bit. Measured on gloo's ProcessGroup."""
+    results = run_distributed(_reduction_bytes, 4, str(tmp_path))
+    for rank, r in enumerate(results):
+        flat, nodes = r[None]["wire"], r[2]["wire"]
+        assert flat.get(("reduce_scatter_single", "float32"), 0) == 0
+        assert flat[("all_to_all_single", "uint8")] > 0
+        assert ("all_to_all_single", "uint8") not in nodes
+        expected = 2 * _stage_grad_bytes(TINY_PP, stage=rank // 2, shards=2) // 2
+        assert nodes[("reduce_scatter_single", "float32")] == expected
+        assert r[2]["intra_node_bytes"] == expected  # the library's own count agrees

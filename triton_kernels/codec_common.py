@@ -27,6 +27,8 @@ packed away into a finite nibble.
 
 from __future__ import annotations
 
+import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +85,56 @@ def payload_views(
     codes = payload[:, :code_bytes]
     scales = payload.view(torch.float32)[:, code_bytes // 4 :]
     return codes, scales
+
+
+# The fast CPU paths work on blocks of whole groups, about this many elements, so that the
+# block's handful of fp32 work buffers stays in the core's L2 cache while each torch op
+# makes its pass over it: the reference makes its ~30 passes over memory-sized temporaries.
+CPU_BLOCK_ELEMENTS = 131072
+# The CPU paths pair 4-bit codes through int16 views of byte pairs where that is the byte order.
+LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def cpu_block_groups(group_size: int) -> int:
+    """Groups per block of the fast CPU paths."""
+    return max(1, CPU_BLOCK_ELEMENTS // group_size)
+
+
+SMALLEST_NORMAL = 2.0**-126  # fp32
+
+
+class CpuWorkspace:
+    """The block buffers of the fast CPU paths: fp32 ``h, q, e, r`` ``[groups, group_size]``,
+    per-group ``absmax``, ``safe`` and ``ones``, and the byte buffers of 4-bit packing."""
+
+    def __init__(self, device: torch.device, groups: int, group_size: int):
+        self.groups, self.group_size = groups, group_size
+        self.h, self.q, self.e, self.r = torch.empty(4, groups, group_size, device=device)
+        self.absmax, self.safe = torch.empty(2, groups, 1, device=device)
+        self.ones = torch.ones(groups, 1, device=device)
+        self.code_bytes = torch.empty(groups * group_size, dtype=torch.uint8, device=device)
+        self.low, self.high = torch.empty(
+            2, groups * group_size // 2 + 1, dtype=torch.int16, device=device
+        )
+        self.pairs = self.low
+
+
+_workspaces = threading.local()
+
+
+def cpu_workspace(device: torch.device, groups: int, group_size: int) -> CpuWorkspace:
+    """This thread's workspace for blocks of ``groups`` groups, kept between calls: a fresh
+    one per call would page-fault its megabytes in again every reduction."""
+    cache = getattr(_workspaces, "by_shape", None)
+    if cache is None:
+        cache = _workspaces.by_shape = {}
+    key = (torch.device(device), group_size)
+    work = cache.get(key)
+    if work is None or work.groups < groups:
+        work = cache[key] = CpuWorkspace(
+            device, max(groups, cpu_block_groups(group_size)), group_size
+        )
+    return work
 
 
 # Tile table: (groups per program, num_warps) by kernel and group size. A program of 4 warps

@@ -5,7 +5,11 @@
 chunk order ``w = 0, 1, ...``, so the reference and the kernel agree bit for bit, and a NaN
 scale (a non-finite group on some sender) makes that group non-finite in the output.
 
-Two entry points share one kernel: :func:`dequantize_reduce` returns a new flat tensor, and
+Three implementations (chosen by :mod:`triton_kernels.backend`): the torch reference, the
+Triton kernel, and a fast CPU path, bit-exact with the reference (same operations, same
+order, block by block in cache).
+
+Two entry points share each implementation: :func:`dequantize_reduce` returns a new flat tensor, and
 :func:`dequantize_reduce_from_payload` reads a received all-to-all buffer in place (layout in
 :mod:`triton_kernels.codec_common`) and writes the first ``out.numel()`` values straight into
 ``out`` (FSDP's reduce-scatter output): one read of the payload, one write of the output.
@@ -17,12 +21,15 @@ import torch
 
 from triton_kernels import backend
 from triton_kernels.codec_common import (
+    LITTLE_ENDIAN,
     QMAX,
     TRITON_GROUP_SIZES,
     CompileCase,
     as_int16_bits,
     bytes_per_group,
     check_payload,
+    cpu_block_groups,
+    cpu_workspace,
     launch_options,
     payload_views,
     qmax,
@@ -69,7 +76,8 @@ def dequantize_reference(
     """``[W, bytes]`` codes and ``[W, G]`` scales -> ``[W, G, group_size]`` fp32 values."""
     offset = qmax(bits) + 1
     if bits == 4:
-        codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
+        pairs = torch.stack([packed & 0xF, packed >> 4], dim=-1)
+        codes = pairs.view(packed.shape[0], 2 * packed.shape[1])
     else:
         codes = packed
     q = codes.float() - offset
@@ -114,6 +122,82 @@ def dequantize_reduce_from_payload_reference(
         out_dtype=out.dtype,
     )
     out.copy_(reduced[: out.numel()])
+
+
+def _dequantize_rows_cpu(codes, scales, out, group_size, bits, out_scale) -> None:
+    """The fast CPU path's core: ``codes`` ``[W, G * bytes per group]`` and ``scales``
+    ``[W, G]`` (unit column stride) -> the first ``out.numel()`` values of the reduction.
+
+    Block by block of whole groups: every chunk's codes are unpacked into an fp32 block
+    buffer, ``q - offset`` times the group's scale, and added to the block's accumulator in
+    chunk order, the operations of :func:`dequantize_reduce_reference` in its order. 4-bit
+    bytes are split through int16: ``(b & 0xF) | (b & 0xF0) << 4`` is the byte pair
+    ``[lo, hi]`` (little-endian), converted to fp32 in one pass.
+    """
+    num_chunks, groups = scales.shape
+    n = out.numel()
+    if n == 0:
+        return
+    offset = qmax(bits) + 1
+    per_block = cpu_block_groups(group_size)
+    k_max = min(per_block, groups)
+    work = cpu_workspace(codes.device, k_max, group_size)
+    acc, q, low, high = work.h, work.q, work.low, work.high
+    out_scale32 = torch.tensor(out_scale, dtype=torch.float32)
+    per_group = bytes_per_group(group_size, bits)
+    for g0 in range(0, groups, per_block):
+        k = min(groups, g0 + per_block) - g0
+        lo, hi = g0 * group_size, min((g0 + k) * group_size, n)
+        if lo >= n:
+            break
+        ab, qb = acc[:k], q[:k]
+        ab.zero_()
+        for w in range(num_chunks):
+            b = codes[w, g0 * per_group : (g0 + k) * per_group]
+            if bits == 8:
+                qb.view(-1).copy_(b)
+            elif LITTLE_ENDIAN:
+                lb, hb = low[: b.numel()], high[: b.numel()]
+                lb.copy_(b)
+                torch.bitwise_and(lb, 0xF0, out=hb)
+                lb.bitwise_and_(0x0F).bitwise_or_(hb.bitwise_left_shift_(4))
+                qb.view(-1).copy_(lb.view(torch.uint8))
+            else:
+                qb.view(-1, 2).copy_(torch.stack([b & 0xF, b >> 4], dim=-1))
+            qb.sub_(offset).mul_(scales[w, g0 : g0 + k].view(k, 1))
+            ab.add_(qb)
+        ab.mul_(out_scale32)
+        out[lo:hi].copy_(ab.view(-1)[: hi - lo])
+
+
+def dequantize_reduce_cpu(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    group_size: int = 128,
+    bits: int = 4,
+    out_scale: float = 1.0,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Fast CPU path; same contract and bits as :func:`dequantize_reduce_reference`."""
+    _check_args(packed, scales, group_size, bits, out_dtype)
+    out = torch.empty(scales.shape[1] * group_size, dtype=out_dtype, device=packed.device)
+    _dequantize_rows_cpu(packed, scales, out, group_size, bits, out_scale)
+    return out
+
+
+def dequantize_reduce_from_payload_cpu(
+    payload: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    group_size: int = 128,
+    bits: int = 4,
+    out_scale: float = 1.0,
+) -> None:
+    """Fast CPU path; same contract and bits as :func:`dequantize_reduce_from_payload_reference`."""
+    groups = _check_payload_args(payload, out, group_size, bits)
+    codes, scales = payload_views(payload, groups, group_size, bits)
+    _dequantize_rows_cpu(codes, scales, out, group_size, bits, out_scale)
 
 
 if triton is not None:
@@ -277,6 +361,18 @@ def dequantize_reduce_from_payload_triton(
     _launch(codes, scales, out, groups, group_size, bits, out_scale)
 
 
+_DEQUANTIZE_REDUCE = {
+    "triton": dequantize_reduce_triton,
+    "cpu": dequantize_reduce_cpu,
+    "reference": dequantize_reduce_reference,
+}
+_DEQUANTIZE_REDUCE_FROM_PAYLOAD = {
+    "triton": dequantize_reduce_from_payload_triton,
+    "cpu": dequantize_reduce_from_payload_cpu,
+    "reference": dequantize_reduce_from_payload_reference,
+}
+
+
 @torch.library.custom_op(
     "triton_kernels::dequantize_reduce",
     mutates_args=(),
@@ -291,7 +387,7 @@ def _dequantize_reduce_op(
     out_scale: float,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    fn = dequantize_reduce_triton if backend.use_triton(packed) else dequantize_reduce_reference
+    fn = _DEQUANTIZE_REDUCE[backend.implementation(packed, cpu_path=True)]
     return fn(
         packed, scales, group_size=group_size, bits=bits, out_scale=out_scale, out_dtype=out_dtype
     )
@@ -311,8 +407,7 @@ def _(packed, scales, group_size, bits, out_scale, out_dtype):
 def _dequantize_reduce_from_payload_op(
     payload: torch.Tensor, out: torch.Tensor, group_size: int, bits: int, out_scale: float
 ) -> None:
-    use = backend.use_triton(payload)
-    fn = dequantize_reduce_from_payload_triton if use else dequantize_reduce_from_payload_reference
+    fn = _DEQUANTIZE_REDUCE_FROM_PAYLOAD[backend.implementation(payload, cpu_path=True)]
     fn(payload, out, group_size=group_size, bits=bits, out_scale=out_scale)
 
 

@@ -11,7 +11,12 @@ One pass over the gradient ``g`` and the error ``e`` (updated in place):
 with a non-finite ``h`` is sent as ``q = 0`` with scale NaN and its error is reset to zero
 (see :mod:`triton_kernels.codec_common`).
 
-Two entry points share one kernel:
+Three implementations (chosen by :mod:`triton_kernels.backend`): the torch reference (the
+spec), the Triton kernel, and a fast CPU path that makes the reference's passes block by
+block over cache-resident buffers, with the same IEEE operations in the same order, so it is
+bit-exact with the reference (``tests/test_codec_cpu.py``).
+
+Two entry points share each implementation:
 
 - :func:`quantize_ef` takes a flat ``x`` and returns ``(packed, scales)``;
 - :func:`quantize_ef_to_payload` takes ``[W, n]`` rows (any ``n``; each row is zero-padded to
@@ -22,17 +27,23 @@ Two entry points share one kernel:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from triton_kernels import backend
 from triton_kernels.codec_common import (
     ERROR_QMAX,
+    LITTLE_ENDIAN,
     QMAX,
+    SMALLEST_NORMAL,
     TRITON_GROUP_SIZES,
     CompileCase,
     as_int16_bits,
     bytes_per_group,
     check_payload,
+    cpu_block_groups,
+    cpu_workspace,
     launch_options,
     payload_views,
     qmax,
@@ -169,6 +180,173 @@ def quantize_ef_to_payload_reference(
     codes, payload_scales = payload_views(payload, groups, group_size, bits)
     codes.copy_(packed.view(num_rows, -1))
     payload_scales.copy_(scales.view(num_rows, -1))
+
+
+def _quantize_rows_cpu(rows, codes, scales, error, error_scales, group_size, bits, beta) -> None:
+    """The fast CPU path's core: ``[W, n]`` rows -> ``codes`` ``[W, G * bytes per group]`` and
+    ``scales`` ``[W, G]`` (both with unit column stride), error updated in place.
+
+    Row by row, block by block of whole groups, the operations of
+    :func:`quantize_ef_reference` run in its order on a few fp32 block buffers that stay in
+    cache, so every value is rounded exactly as there. Fewer passes, same arithmetic:
+
+    - ``h = x + e`` is one mixed-dtype op (``x`` bf16 or fp32, ``e`` decoded by one
+      ``int8 * fp32`` op), which converts exactly and then adds in fp32;
+    - a group's non-finite test reads its absmax (``amax`` propagates NaN and Inf), and the
+      rare non-finite groups are masked after the fact; the clamps run only where a scale
+      is subnormal (see :func:`_block_checks`);
+    - an fp32 error buffer is updated in place, without a copy;
+    - codes go through int8: ``q`` converted exactly, then ``+ qmax + 1`` in uint8; 4-bit
+      pairs through an int16 view of the codes, ``v = c0 + 256 c1`` (little-endian), so
+      ``v | v >> 4`` holds ``c0 | c1 << 4`` in its low byte.
+    """
+    num_rows, n = rows.shape
+    groups = -(-n // group_size)
+    if num_rows == 0 or groups == 0:
+        return
+    q_max = qmax(bits)
+    per_block = cpu_block_groups(group_size)
+    k_max = min(per_block, groups)
+    work = cpu_workspace(rows.device, k_max, group_size)
+    beta32 = torch.tensor(beta, dtype=torch.float32)
+    one_minus_beta32 = torch.tensor(1.0 - beta, dtype=torch.float32)
+    per_group = bytes_per_group(group_size, bits)
+    for w in range(num_rows):
+        row = rows[w]
+        for g0 in range(0, groups, per_block):
+            k = min(groups, g0 + per_block) - g0
+            lo, hi = g0 * group_size, min((g0 + k) * group_size, n)
+            hb, qb, eb, rb = work.h[:k], work.q[:k], work.e[:k], work.r[:k]
+            am, sf, one = work.absmax[:k], work.safe[:k], work.ones[:k]
+            if hi - lo == k * group_size:
+                x = row[lo:hi].view(k, group_size)
+            else:  # the row's last block: padded to whole groups, as the reference pads
+                x = hb
+                x.view(-1)[: hi - lo].copy_(row[lo:hi])
+                x.view(-1)[hi - lo :].zero_()
+            if error is not None:
+                start = (w * groups + g0) * group_size
+                err = error[start : start + k * group_size].view(k, group_size)
+                if error_scales is not None:
+                    err_scales = error_scales[w * groups + g0 : w * groups + g0 + k].view(k, 1)
+                    torch.mul(err, err_scales, out=eb)
+                elif err.dtype == torch.float32:
+                    eb = err  # updated in place below
+                else:
+                    eb.copy_(err)
+                torch.add(x, eb, out=hb)
+            elif x.dtype == torch.float32:
+                hb = x  # only read from here on
+            else:
+                hb.copy_(x)
+            torch.abs(hb, out=qb)
+            torch.amax(qb, dim=1, keepdim=True, out=am)
+            sc = scales[w, g0 : g0 + k].view(k, 1)
+            torch.div(am, q_max, out=sc)
+            torch.where(sc > 0, sc, one, out=sf)
+            any_bad, clamp = _block_checks(am, sf)
+            torch.div(hb, sf, out=qb)
+            qb.add_(0.5).floor_()
+            if clamp:
+                qb.clamp_(-q_max - 1, q_max)
+            if any_bad:
+                bad = ~torch.isfinite(am)
+                qb.masked_fill_(bad, 0.0)
+            if error is not None:
+                torch.mul(qb, sc, out=rb)
+                torch.sub(hb, rb, out=rb)  # the residual h - q s
+                rb.mul_(one_minus_beta32)
+                eb.mul_(beta32).add_(rb)
+                if any_bad:
+                    eb.masked_fill_(bad, 0.0)
+                if error_scales is not None:
+                    torch.abs(eb, out=rb)
+                    torch.amax(rb, dim=1, keepdim=True, out=am)
+                    torch.div(am, ERROR_QMAX, out=err_scales)
+                    torch.where(err_scales > 0, err_scales, one, out=sf)
+                    torch.div(eb, sf, out=rb)
+                    rb.add_(0.5).floor_()
+                    if float(sf.amin()) < SMALLEST_NORMAL:
+                        rb.clamp_(-ERROR_QMAX, ERROR_QMAX)
+                    err.copy_(rb)
+                elif eb is not err:
+                    err.copy_(eb)  # bf16: round to nearest even, as the reference
+            if any_bad:
+                sc.masked_fill_(bad, float("nan"))
+            out = codes[w, g0 * per_group : (g0 + k) * per_group]
+            if bits == 8:
+                out.view(torch.int8).copy_(qb.view(-1))
+                out.add_(q_max + 1)  # uint8 arithmetic: q + 128, from q's two's complement
+                continue
+            c = work.code_bytes[: k * group_size]
+            c.view(torch.int8).copy_(qb.view(-1))
+            c.add_(q_max + 1)
+            if not LITTLE_ENDIAN:
+                out.copy_(c[0::2] | (c[1::2] << 4))
+                continue
+            v = c.view(torch.int16)
+            packed = work.pairs[: k * group_size // 2]
+            torch.bitwise_right_shift(v, 4, out=packed)
+            out.copy_(packed.bitwise_or_(v))  # int16 -> uint8 keeps the low byte
+
+
+def _block_checks(absmax: torch.Tensor, safe: torch.Tensor) -> tuple[bool, bool]:
+    """(whether a group of the block is non-finite, whether the clamp can bite), in one sync.
+
+    A NaN or Inf makes the sum of the absmaxes non-finite (a finite sum that overflows only
+    sends the block down the masking path, which then masks nothing). The clamp of
+    ``floor(h / s + 0.5)`` to ``[-qmax - 1, qmax]`` is a no-op unless a scale is subnormal:
+    with a normal ``s = fl(absmax / qmax)``, ``|fl(h / s)| <= qmax (1 + 2^-23)``, which
+    rounds half up to at most ``qmax``.
+    """
+    total, smallest = torch.stack((absmax.sum(), safe.amin())).tolist()
+    return not math.isfinite(total), smallest < SMALLEST_NORMAL
+
+
+def quantize_ef_cpu(
+    x: torch.Tensor,
+    error: torch.Tensor | None = None,
+    error_scales: torch.Tensor | None = None,
+    *,
+    group_size: int = 128,
+    bits: int = 4,
+    beta: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fast CPU path; same contract and bits as :func:`quantize_ef_reference`."""
+    _check_args(x, error, error_scales, group_size, bits)
+    groups = x.numel() // group_size
+    packed = torch.empty(
+        groups * bytes_per_group(group_size, bits), dtype=torch.uint8, device=x.device
+    )
+    scales = torch.empty(groups, dtype=torch.float32, device=x.device)
+    _quantize_rows_cpu(
+        x.view(1, -1),
+        packed.view(1, -1),
+        scales.view(1, -1),
+        error,
+        error_scales,
+        group_size,
+        bits,
+        beta,
+    )
+    return packed, scales
+
+
+def quantize_ef_to_payload_cpu(
+    rows: torch.Tensor,
+    payload: torch.Tensor,
+    error: torch.Tensor | None = None,
+    error_scales: torch.Tensor | None = None,
+    *,
+    group_size: int = 128,
+    bits: int = 4,
+    beta: float = 0.0,
+) -> None:
+    """Fast CPU path; same contract and bits as :func:`quantize_ef_to_payload_reference`."""
+    groups = _check_rows(rows, error, error_scales, group_size, bits)
+    check_payload(payload, rows.shape[0], groups, group_size, bits)
+    codes, scales = payload_views(payload, groups, group_size, bits)
+    _quantize_rows_cpu(rows, codes, scales, error, error_scales, group_size, bits, beta)
 
 
 if triton is not None:
@@ -416,6 +594,18 @@ def quantize_ef_to_payload_triton(
     )
 
 
+_QUANTIZE_EF = {
+    "triton": quantize_ef_triton,
+    "cpu": quantize_ef_cpu,
+    "reference": quantize_ef_reference,
+}
+_QUANTIZE_EF_TO_PAYLOAD = {
+    "triton": quantize_ef_to_payload_triton,
+    "cpu": quantize_ef_to_payload_cpu,
+    "reference": quantize_ef_to_payload_reference,
+}
+
+
 # Explicit schemas: the same registration on every torch from 2.4 (the GPU machines' 2.11
 # included), whatever its reading of string annotations.
 @torch.library.custom_op(
@@ -432,7 +622,7 @@ def _quantize_ef_op(
     bits: int,
     beta: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    fn = quantize_ef_triton if backend.use_triton(x) else quantize_ef_reference
+    fn = _QUANTIZE_EF[backend.implementation(x, cpu_path=True)]
     return fn(x, error, error_scales, group_size=group_size, bits=bits, beta=beta)
 
 
@@ -459,8 +649,7 @@ def _quantize_ef_to_payload_op(
     bits: int,
     beta: float,
 ) -> None:
-    use = backend.use_triton(rows)
-    fn = quantize_ef_to_payload_triton if use else quantize_ef_to_payload_reference
+    fn = _QUANTIZE_EF_TO_PAYLOAD[backend.implementation(rows, cpu_path=True)]
     fn(rows, payload, error, error_scales, group_size=group_size, bits=bits, beta=beta)
 
 

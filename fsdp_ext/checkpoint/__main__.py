@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     report = verify_checkpoint(args.path)
     for problem in report.problems:
         print(problem)
+    for note in report.notes:
+        print(f"note: {note}")
     if args.command == "inspect":
         print(report.table())
     print(report.summary())

@@ -23,3 +23,16 @@ def default_layer_key(fqn: str) -> str | None:
     """
     match = _LAYER.search(fqn)
     return match.group(1) if match else None
+
+
+def layer_of(layer_key: LayerKey | None, fqn: str) -> str | None:
+    """``layer_key(fqn)``, checked: a layer id must be a str (or None, outside a layer)."""
+    if layer_key is None:
+        return None
+    layer = layer_key(fqn)
+    if layer is not None and not isinstance(layer, str):
+        raise TypeError(
+            f"layer_key must return a str layer id or None; it returned {layer!r} "
+            f"({type(layer).__name__}) for {fqn!r}"
+        )
+    return layer

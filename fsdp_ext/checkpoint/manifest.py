@@ -33,6 +33,18 @@ class UnsafeCheckpointError(RuntimeError):
     """A checkpoint asked to run code on load (a pickle global outside the allowed set)."""
 
 
+class CheckpointPathError(RuntimeError):
+    """The checkpoint path holds something the writer will not replace; nothing was written."""
+
+
+class CheckpointBusyError(CheckpointPathError):
+    """Another save holds the path's lock; the message names it."""
+
+
+class CheckpointSpaceError(OSError):
+    """The device ran out of space during a save; the message says how much was needed."""
+
+
 @dataclass
 class FileRecord:
     name: str
@@ -50,24 +62,80 @@ class Manifest:
     world_size: int
     checksum: str = CHECKSUM
     format: str = FORMAT
+    # the overwrite protocol's records (absent from checkpoints written before it)
+    target: str = ""  # the name of the path this version was published at
+    save_id: str = ""
+    replaces: str | None = None  # the version the path pointed to when this save began
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str, source: str) -> Manifest:
+        """Parse and type-check a manifest; anything off raises naming ``source``."""
         try:
             raw = json.loads(text)
+            if not isinstance(raw, dict):
+                raise TypeError(f"a {type(raw).__name__}, not an object")
             if raw.get("format") != FORMAT or raw.get("checksum") not in (CHECKSUM, NO_CHECKSUM):
                 raise ValueError(f"format {raw.get('format')!r} / checksum {raw.get('checksum')!r}")
+            if not isinstance(raw["files"], dict):
+                raise TypeError("files is not an object")
+            files = {}
+            for name, rec in raw["files"].items():
+                record = _file_record(rec)
+                if record.name != name or not _plain_name(name):
+                    raise ValueError(f"file entry {name!r} names {record.name!r}")
+                files[name] = record
+            replaces = raw.get("replaces")
+            if replaces is not None and not isinstance(replaces, str):
+                raise TypeError(f"replaces is {replaces!r}")
             return cls(
-                files={k: FileRecord(**v) for k, v in raw["files"].items()},
-                metadata=FileRecord(**raw["metadata"]),
-                world_size=int(raw["world_size"]),
+                files=files,
+                metadata=_file_record(raw["metadata"]),
+                world_size=_count(raw["world_size"], "world_size"),
                 checksum=raw["checksum"],
+                target=_string(raw.get("target", ""), "target"),
+                save_id=_string(raw.get("save_id", ""), "save_id"),
+                replaces=replaces,
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointIntegrityError(f"{source}: not a readable manifest ({exc})") from exc
+            raise CheckpointIntegrityError(
+                f"{source}: not a readable manifest ({type(exc).__name__}: {exc})"
+            ) from exc
+
+
+def _count(value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+        raise TypeError(f"{what} is {value!r}, not a count")
+    return value
+
+
+def _string(value, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} is {value!r}, not a string")
+    return value
+
+
+def _plain_name(name: str) -> bool:
+    """A file directly in the checkpoint directory (no path that leads elsewhere)."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
+
+
+def _file_record(raw) -> FileRecord:
+    if not isinstance(raw, dict):
+        raise TypeError(f"a file record is {raw!r}")
+    record = FileRecord(**raw)
+    layers = record.layers
+    if not isinstance(layers, list) or not all(isinstance(x, str) for x in layers):
+        raise TypeError(f"{record.name!r}: layers is {layers!r}")
+    _string(record.name, "a file name")
+    _string(record.checksum, f"{record.name!r}: checksum")
+    _count(record.rank, f"{record.name!r}: rank")
+    _count(record.items, f"{record.name!r}: items")
+    if _count(record.size, f"{record.name!r}: size") < 0:
+        raise ValueError(f"{record.name!r}: size {record.size}")
+    return record
 
 
 def crc32_hex(value: int) -> str:
@@ -92,7 +160,13 @@ def read_manifest(directory: str | os.PathLike) -> Manifest | None:
     path = Path(directory) / MANIFEST_NAME
     if not path.is_file():
         return None
-    return Manifest.from_json(path.read_text(), str(path))
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointIntegrityError(
+            f"{path}: not a readable manifest (not UTF-8: {exc})"
+        ) from exc
+    return Manifest.from_json(text, str(path))
 
 
 def check_record(path: str, record: FileRecord, size: int, checksum: str | None) -> None:

@@ -18,6 +18,7 @@ is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import warnings
@@ -81,10 +82,10 @@ class _VerifiedFileSystem(FileSystem):
     def create_stream(self, path, mode: str):
         manifest = self.reader.manifest
         if "r" not in mode or manifest is None:
-            with super().create_stream(path, mode) as stream:
+            with super().create_stream(self.reader.resolve(path), mode) as stream:
                 yield stream
             return
-        yield io.BytesIO(self.reader.verified_bytes(Path(path)))
+        yield io.BytesIO(self.reader.verified_bytes(self.reader.resolve(path)))
 
 
 class VerifiedFileSystemReader(FileSystemReader):
@@ -93,24 +94,49 @@ class VerifiedFileSystemReader(FileSystemReader):
     ``dcp.load(state, storage_reader=VerifiedFileSystemReader(path),
     planner=SafeLoadPlanner())``. Errors: :class:`CheckpointIntegrityError` (missing,
     truncated or altered file, named with expected and found values) and
-    :class:`UnsafeCheckpointError` (a pickle that would run code).
+    :class:`UnsafeCheckpointError` (a pickle that would run code, or metadata that is not
+    what DCP writes). A checkpoint saved with ``checksums=False`` is refused unless
+    ``require_checksums=False`` (then sizes alone are checked, with a warning).
+
+    A path that is a link to a version directory (what ``SpreadFileSystemWriter`` publishes)
+    is resolved once, and every file is read from that version, so a save publishing over
+    the path meanwhile cannot mix two checkpoints; the ranks check that they all resolved
+    the same version (a node of a network filesystem may see a new link late).
     """
 
-    def __init__(self, path: str | os.PathLike, **kwargs) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, require_checksums: bool = True, **kwargs
+    ) -> None:
+        if not isinstance(require_checksums, bool):
+            raise TypeError(f"require_checksums must be a bool, got {require_checksums!r}")
         super().__init__(path, **kwargs)
         self.fs = _VerifiedFileSystem(self)
+        self.require_checksums = require_checksums
         self.manifest: Manifest | None = None
         self._manifest_loaded = False
+        self._root: Path | None = None
 
     def reset(self, checkpoint_id=None) -> None:
         super().reset(checkpoint_id)
-        self.manifest, self._manifest_loaded = None, False
+        self.manifest, self._manifest_loaded, self._root = None, False, None
+
+    @property
+    def root(self) -> Path:
+        """The directory files are read from: the version the path linked to when resolved."""
+        if self._root is None:
+            path = Path(self.path)
+            self._root = path.parent / os.readlink(path) if path.is_symlink() else path
+        return self._root
+
+    def resolve(self, path) -> Path:
+        """A file under the checkpoint path, read from the resolved version directory."""
+        return self.root / Path(path).name
 
     def _load_manifest(self) -> Manifest | None:
         if not self._manifest_loaded:
-            directory = Path(self.path)
+            directory = self.root
             if not directory.is_dir():
-                raise CheckpointIntegrityError(f"{directory}: no such checkpoint directory")
+                raise CheckpointIntegrityError(f"{self.path}: no such checkpoint directory")
             self.manifest = read_manifest(directory)
             self._manifest_loaded = True
         return self.manifest
@@ -119,25 +145,31 @@ class VerifiedFileSystemReader(FileSystemReader):
         # No **kwargs on purpose: dcp.load then does not retry with per-rank metadata files
         # (a format we do not write) and repeat the error.
         manifest = self._load_manifest()
-        path = Path(self.path) / METADATA_NAME
+        path = self.root / METADATA_NAME
         if not path.is_file():
             raise CheckpointIntegrityError(
                 f"{path}: missing (the save did not finish, or the file was deleted)"
             )
         data = path.read_bytes()
-        if manifest is not None:
-            check_record(str(path), manifest.metadata, len(data), self._checksum(data))
-        metadata = load_metadata(data, str(path))
-        modules = getattr(metadata.storage_meta, "modules", None) or []
         if manifest is not None and manifest.checksum == NO_CHECKSUM:
+            if self.require_checksums:
+                raise CheckpointIntegrityError(
+                    f"{self.root / MANIFEST_NAME}: records no checksums (saved with "
+                    "checksums=False, or the field was altered), so a changed byte could not "
+                    "be detected; pass require_checksums=False to load it on sizes alone"
+                )
             warnings.warn(
                 f"{self.path}: written with checksums=False; verifying file sizes only",
                 stacklevel=2,
             )
+        if manifest is not None:
+            check_record(str(path), manifest.metadata, len(data), self._checksum(data))
+        metadata = load_metadata(data, str(path))
+        modules = getattr(metadata.storage_meta, "modules", None) or []
         if manifest is None:
             if MARKER in modules:
                 raise CheckpointIntegrityError(
-                    f"{Path(self.path) / MANIFEST_NAME}: missing, but {path} says the "
+                    f"{self.root / MANIFEST_NAME}: missing, but {path} says the "
                     "checkpoint was written with one; its files cannot be verified"
                 )
             warnings.warn(
@@ -158,9 +190,25 @@ class VerifiedFileSystemReader(FileSystemReader):
         for info in self.storage_data.values():
             if info.relative_path not in manifest.files:
                 raise CheckpointIntegrityError(
-                    f"{Path(self.path) / info.relative_path}: referenced by {METADATA_NAME} "
+                    f"{self.root / info.relative_path}: referenced by {METADATA_NAME} "
                     f"but not listed in {MANIFEST_NAME}"
                 )
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return dataclasses.replace(plan, storage_data=self.root.name)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        seen: dict[str, list[int]] = {}
+        for rank, plan in enumerate(plans):
+            seen.setdefault(plan.storage_data, []).append(rank)
+        if len(seen) > 1:
+            views = "; ".join(f"ranks {ranks} read {name}" for name, ranks in seen.items())
+            raise CheckpointIntegrityError(
+                f"{self.path}: the ranks resolved it to different versions ({views}): a save "
+                "published over it during the load, or a node of a network filesystem still "
+                "sees the previous link (sshfs keeps links up to 20 s); load again"
+            )
+        return plans
 
     def verified_bytes(self, path: Path) -> bytes:
         record = self.manifest.files[path.name]
@@ -191,6 +239,6 @@ class _VettedPlanner:
         data = value.getvalue()
         if not isinstance(self._inner, SafeLoadPlanner):
             info = self._reader.storage_data[read_item.storage_index]
-            where = Path(self._reader.path) / info.relative_path
+            where = self._reader.root / info.relative_path
             load_object_safely(data, f"{where}: item {read_item.dest_index.fqn}")
         self._inner.load_bytes(read_item, io.BytesIO(data))

@@ -1,4 +1,11 @@
-"""Check a checkpoint without loading it: completeness, sizes, checksums, who wrote what."""
+"""Check a checkpoint without loading it: completeness, sizes, checksums, who wrote what.
+
+``verify_checkpoint`` never raises for a bad checkpoint: every problem becomes one line of
+the report naming the file. For a path that links to a version directory (how
+``SpreadFileSystemWriter`` publishes) it says which version the path loads, and describes
+the other versions beside it: the previous checkpoint a killed save had not yet removed, a
+complete save killed before its publish, an unfinished one.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from fsdp_ext.checkpoint.fs import DIRECTORY, LINK, MISSING, CheckpointFS
+from fsdp_ext.checkpoint.lock import LockOwner, lock_path
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
     MARKER,
@@ -18,24 +27,33 @@ from fsdp_ext.checkpoint.manifest import (
     PLAN_NAME,
     CheckpointIntegrityError,
     FileRecord,
+    Manifest,
     UnsafeCheckpointError,
     check_record,
     checksum_file,
     read_manifest,
 )
 from fsdp_ext.checkpoint.unpickler import load_metadata
-from fsdp_ext.checkpoint.writer import rank_done_name, staging_prefix
+from fsdp_ext.checkpoint.versions import Version, versions
+from fsdp_ext.checkpoint.writer import rank_done_name
 
 
 @dataclass
 class CheckpointReport:
-    """``ok`` when complete and every checksum matches; ``problems`` has one line each."""
+    """``ok`` when complete and every checksum matches; ``problems`` has one line each.
+
+    ``version`` is the version directory the path links to (None for a plain directory),
+    ``save_id`` the save that wrote it; ``notes`` describe what else is beside it.
+    """
 
     path: str
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     files: dict[str, FileRecord] = field(default_factory=dict)
     bytes_per_rank: dict[int, int] = field(default_factory=dict)
     tensors: int = 0
+    version: str | None = None
+    save_id: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -44,8 +62,10 @@ class CheckpointReport:
     def summary(self) -> str:
         total = sum(self.bytes_per_rank.values())
         state = "ok" if self.ok else f"{len(self.problems)} problem(s)"
+        where = f" -> {self.version}" if self.version else ""
+        saved = f" (save {self.save_id})" if self.save_id else ""
         return (
-            f"{self.path}: {state}; {len(self.files)} files, {total} bytes, "
+            f"{self.path}{where}{saved}: {state}; {len(self.files)} files, {total} bytes, "
             f"{self.tensors} tensors, {len(self.bytes_per_rank)} ranks"
         )
 
@@ -58,49 +78,91 @@ class CheckpointReport:
         return "\n".join(lines)
 
 
-def verify_checkpoint(path) -> CheckpointReport:
-    """Verify the checkpoint directory ``path``; never raises for a bad checkpoint."""
+def verify_checkpoint(path, *, require_checksums: bool = True) -> CheckpointReport:
+    """Verify the checkpoint at ``path``; never raises for a bad checkpoint.
+
+    ``require_checksums``: a manifest recording no checksums (``checksums=False``) is a
+    problem, because a changed byte would pass; with False, sizes alone are checked.
+    """
     root = Path(path)
     report = CheckpointReport(str(root))
-    if not root.is_dir():
-        report.problems.append(f"{root}: no such checkpoint directory")
-        for partial in sorted(root.parent.glob(staging_prefix(root) + "*")):
-            _report_unfinished(partial, report)
-        return report
-    if (root / PLAN_NAME).exists():
-        _report_unfinished(root, report)
-        return report
     try:
-        manifest = read_manifest(root)
+        _verify(root, report, require_checksums)
+    except Exception as exc:  # an unforeseen failure still gives a report, never a traceback
+        report.problems.append(f"{root}: could not be verified ({type(exc).__name__}: {exc})")
+    return report
+
+
+def _verify(root: Path, report: CheckpointReport, require_checksums: bool) -> None:
+    fs = CheckpointFS()
+    directory = _resolve(fs, root, report)
+    manifest = None
+    if directory is not None:
+        manifest = _check_directory(directory, report, require_checksums)
+    _describe_neighbours(fs, root, report, manifest)
+
+
+def _resolve(fs: CheckpointFS, root: Path, report: CheckpointReport) -> Path | None:
+    """The directory to check: the path itself, or the version it links to."""
+    kind = fs.kind(root)
+    if kind == LINK:
+        name = fs.readlink(root)
+        report.version = name
+        directory = root.parent / name
+        if fs.kind(directory) != DIRECTORY:
+            report.problems.append(f"{root}: links to {name}, which is not a directory")
+            return None
+        return directory
+    if kind == MISSING:
+        report.problems.append(f"{root}: no such checkpoint directory")
+        return None
+    if kind != DIRECTORY:
+        report.problems.append(f"{root}: is a {kind}, not a checkpoint directory")
+        return None
+    return root
+
+
+def _check_directory(directory: Path, report: CheckpointReport, require: bool) -> Manifest | None:
+    if not (directory / MANIFEST_NAME).is_file() and (directory / PLAN_NAME).is_file():
+        _report_unfinished(directory, report.problems)
+        return None
+    try:
+        manifest = read_manifest(directory)
     except CheckpointIntegrityError as exc:
         report.problems.append(str(exc))
-        return report
-    meta_path = root / METADATA_NAME
+        return None
+    meta_path = directory / METADATA_NAME
     if manifest is None:
         report.problems.append(
-            f"{root / MANIFEST_NAME}: missing; sizes and checksums cannot be verified"
+            f"{directory / MANIFEST_NAME}: missing; sizes and checksums cannot be verified"
         )
     else:
+        report.save_id = manifest.save_id or None
+        if manifest.checksum == NO_CHECKSUM and require:
+            report.problems.append(
+                f"{directory / MANIFEST_NAME}: records no checksums (saved with checksums=False, "
+                "or the field was altered); only sizes were checked"
+            )
         report.files = manifest.files
         for rec in manifest.files.values():
             report.bytes_per_rank[rec.rank] = report.bytes_per_rank.get(rec.rank, 0) + rec.size
-            _check_file(root / rec.name, rec, report, manifest.checksum)
+            _check_file(directory / rec.name, rec, report, manifest.checksum)
         if meta_path.is_file() and not _check_file(
             meta_path, manifest.metadata, report, manifest.checksum
         ):
-            return report  # altered metadata: do not even parse it
+            return manifest  # altered metadata: do not even parse it
     if not meta_path.is_file():
         report.problems.append(f"{meta_path}: missing (the save did not finish, or it was deleted)")
-        return report
+        return manifest
     try:
         metadata = load_metadata(meta_path.read_bytes(), str(meta_path))
     except (CheckpointIntegrityError, UnsafeCheckpointError) as exc:
         report.problems.append(str(exc))
-        return report
+        return manifest
     if manifest is None and MARKER in (getattr(metadata.storage_meta, "modules", None) or []):
         report.problems[-1] += f" ({METADATA_NAME} says it was written with one)"
-    _check_coverage(root, metadata, manifest, report)
-    return report
+    _check_coverage(directory, metadata, manifest, report)
+    return manifest
 
 
 def _check_file(path: Path, record: FileRecord, report: CheckpointReport, kind: str) -> bool:
@@ -117,7 +179,7 @@ def _check_file(path: Path, record: FileRecord, report: CheckpointReport, kind: 
 
 
 def _check_coverage(root: Path, metadata, manifest, report: CheckpointReport) -> None:
-    """Every tensor's chunks cover it, and every chunk is stored in a listed file."""
+    """Every tensor's chunks tile it exactly, and every chunk is stored in a listed file."""
     stored = {(k.fqn, tuple(k.offset or ())): v for k, v in metadata.storage_data.items()}
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
@@ -125,11 +187,9 @@ def _check_coverage(root: Path, metadata, manifest, report: CheckpointReport) ->
                 report.problems.append(f"{root}: item {fqn} has no stored data")
             continue
         report.tensors += 1
-        volume = sum(math.prod(c.sizes) for c in md.chunks)
-        if volume != math.prod(md.size):
-            report.problems.append(
-                f"{root}: tensor {fqn} chunks cover {volume} of {math.prod(md.size)} elements"
-            )
+        problem = _tiling_problem(md.size, md.chunks)
+        if problem:
+            report.problems.append(f"{root}: tensor {fqn} {problem}")
         for chunk in md.chunks:
             if (fqn, tuple(chunk.offsets)) not in stored:
                 report.problems.append(
@@ -142,25 +202,100 @@ def _check_coverage(root: Path, metadata, manifest, report: CheckpointReport) ->
         ]
 
 
-def _report_unfinished(partial: Path, report: CheckpointReport) -> None:
+def _tiling_problem(size, chunks) -> str | None:
+    """Why ``chunks`` do not cover a tensor of ``size`` exactly once, or None.
+
+    Inside the bounds, pairwise disjoint and summing to the tensor's volume is an exact
+    cover. A load would otherwise leave elements as they were, silently (DCP copies only
+    what the chunks hold).
+    """
+    for c in chunks:
+        if any(o + n > d for o, n, d in zip(c.offsets, c.sizes, size, strict=True)):
+            return f"chunk at {tuple(c.offsets)} of {tuple(c.sizes)} lies outside {tuple(size)}"
+    volume = sum(math.prod(c.sizes) for c in chunks)
+    if volume != math.prod(size):
+        return f"chunks cover {volume} of {math.prod(size)} elements"
+    ordered = sorted(chunks, key=lambda c: tuple(c.offsets))
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1 :]:
+            if size and b.offsets[0] >= a.offsets[0] + a.sizes[0]:
+                break  # sorted by dim-0 offset: no later chunk meets ``a`` either
+            if all(
+                max(ao, bo) < min(ao + an, bo + bn)
+                for ao, an, bo, bn in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
+            ):
+                return f"chunks at {tuple(a.offsets)} and {tuple(b.offsets)} overlap"
+    return None
+
+
+def _describe_neighbours(
+    fs: CheckpointFS, root: Path, report: CheckpointReport, manifest: Manifest | None
+) -> None:
+    """Notes on the other versions of this path, and on a lock a save holds on it."""
+    replaced = manifest.replaces if manifest is not None else None
+    for version in versions(fs, root):
+        if version.name == report.version:
+            continue
+        report.notes.append(_describe(root, version, report.version, replaced))
+        if not version.complete:
+            _report_unfinished(root.parent / version.name, report.notes, header=False)
+    lock = lock_path(root)
+    if fs.kind(lock) == LINK:
+        owner = LockOwner.decode(fs.readlink(lock))
+        if owner is None:
+            report.notes.append(f"{lock}: a lock file this writer did not make")
+        else:
+            stale = owner.stale_reason()
+            state = f"stale: {stale}" if stale else "a save may be running"
+            report.notes.append(f"{lock}: held by {owner.describe()} ({state})")
+
+
+def _describe(root: Path, version: Version, current: str | None, replaced: str | None) -> str:
+    where = root.parent / version.name
+    later = "; the next save to this path removes it"
+    if not version.complete:
+        return f"{where}: an unfinished save ({version.save_id}), never published{later}"
+    if version.name == replaced:
+        return (
+            f"{where}: the previous checkpoint (save {version.save_id}), replaced by "
+            f"{current}; the save that replaced it stopped before removing it{later}"
+        )
+    if current is None or version.replaces == current:
+        now = f"still links to {current}" if current else "was never created"
+        return (
+            f"{where}: a complete save ({version.save_id}) that was never published: it "
+            f"stopped before its publish, so {root.name} {now}{later}"
+        )
+    return f"{where}: an older complete version (save {version.save_id}){later}"
+
+
+def _report_unfinished(partial: Path, lines: list[str], header: bool = True) -> None:
     """Name what a save that never published is missing: ranks, files, metadata."""
-    report.problems.append(f"{partial}: an unfinished save (never published)")
+    if header:
+        lines.append(f"{partial}: an unfinished save (never published)")
     plan_path = partial / PLAN_NAME
     if not plan_path.is_file():
         return
-    expected = json.loads(plan_path.read_text())["files"]
-    by_rank: dict[int, list[str]] = defaultdict(list)
-    for name, info in sorted(expected.items()):
-        by_rank[info["rank"]].append(name)
+    try:
+        expected = json.loads(plan_path.read_bytes().decode())["files"]
+        by_rank: dict[int, list[str]] = defaultdict(list)
+        for name, info in sorted(expected.items()):
+            by_rank[int(info["rank"])].append(str(name))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        lines.append(f"{plan_path}: not a readable plan record ({type(exc).__name__}: {exc})")
+        return
     for rank, names in sorted(by_rank.items()):
         if not (partial / rank_done_name(rank)).is_file():
-            report.problems.append(
+            lines.append(
                 f"{partial / rank_done_name(rank)}: missing: rank {rank} did not finish writing "
                 f"{', '.join(names)}"
             )
-    for name, info in sorted(expected.items()):
-        if not (partial / name).is_file():
-            report.problems.append(f"{partial / name}: missing (rank {info['rank']})")
+    for rank, names in sorted(by_rank.items()):
+        lines += [f"{partial / n}: missing (rank {rank})" for n in names if not _exists(partial, n)]
     for name in (METADATA_NAME, MANIFEST_NAME):
         if not (partial / name).is_file():
-            report.problems.append(f"{partial / name}: missing (written after every rank finished)")
+            lines.append(f"{partial / name}: missing (written after every rank finished)")
+
+
+def _exists(directory: Path, name: str) -> bool:
+    return "/" not in name and name not in ("", ".", "..") and (directory / name).is_file()

@@ -1,42 +1,40 @@
-"""A FileSystemWriter with per-layer files, a checksummed manifest and an atomic publish.
+"""A FileSystemWriter with per-layer files, a checksummed manifest and an atomic overwrite.
 
 Stock ``FileSystemWriter`` writes into the target directory in place and renames only
-``.metadata`` at the end, so a crash during an overwrite mixes old and new files. Here:
+``.metadata`` at the end, so a crash during an overwrite mixes old and new files. Here the
+path is a link to a version directory (``versions.py``), and a save runs:
 
-1. the coordinator, in the global plan step, makes a staging directory beside the target
-   (``.NAME.partial-<save id>``), names every file each rank will write (one per layer
-   group per rank, at least ``thread_count`` per rank) and records them in ``.plan.json``;
+1. the coordinator, in the global plan step, refuses a path holding anything it did not
+   write, takes the path's lock (``lock.py``), removes unfinished versions of earlier saves,
+   makes the new version directory ``.NAME.v-<save id>`` and records in ``.plan.json``
+   every file each rank will write (one per layer run per rank, at least ``thread_count``);
 2. every rank writes its files there through ``thread_count`` threads, hashing the bytes as
-   they stream out;
+   they stream out, fsyncs them and leaves a ``.done-rankR.json``;
 3. after every rank has reported, the coordinator writes ``.metadata`` (stock format, so the
    stock reader loads it) and ``.manifest.json`` (size and CRC-32 of every file), fsyncs,
-   and renames the staging directory onto the target. An existing target is first moved
-   aside, then removed once the new one is in place.
+   renames a new link onto the path (the publish), removes the versions it replaced and
+   releases the lock.
 
-A save that dies before step 3 leaves the target untouched and a staging directory that
-``verify_checkpoint`` reports as unfinished, naming the files that are missing.
+Every filesystem operation goes through ``self.fs`` (:class:`CheckpointFS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import pickle
 import queue
-import shutil
-import threading
-import zlib
+import time
+import uuid
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
-    FileSystem,
     FileSystemWriter,
     _item_size,
 )
@@ -45,7 +43,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key
+from fsdp_ext.checkpoint.fs import MISSING, CheckpointFS, is_out_of_space
+from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
+from fsdp_ext.checkpoint.lock import LockOwner, acquire, release
 from fsdp_ext.checkpoint.manifest import (
     CHECKSUM,
     MANIFEST_NAME,
@@ -53,11 +53,17 @@ from fsdp_ext.checkpoint.manifest import (
     METADATA_NAME,
     NO_CHECKSUM,
     PLAN_NAME,
+    CheckpointSpaceError,
     FileRecord,
     Manifest,
-    crc32_hex,
 )
 from fsdp_ext.checkpoint.planner import item_key
+from fsdp_ext.checkpoint.versions import (
+    current_version,
+    publish,
+    remove_leftovers,
+    version_name,
+)
 
 _FILE_RECORD_PREFIX = "\0fsdp_ext.file\0"
 _OTHER = "other"
@@ -72,91 +78,37 @@ class _RankFiles:
     layers: dict[str, list[str]]
 
 
+@dataclass
+class _Save:
+    """The coordinator's state of one save, from the global plan to the publish."""
+
+    target: Path
+    staging: Path
+    save_id: str
+    owner: LockOwner
+    previous: str | None  # the version the path pointed to when the save began
+
+
 def rank_done_name(rank: int) -> str:
     return f".done-rank{rank}.json"
 
 
-def staging_prefix(target: Path) -> str:
-    return f".{target.name}.partial-"
-
-
-class _ChecksumStream:
-    """A write-only file that keeps the CRC-32 and length of every byte written to it."""
-
-    def __init__(self, raw, on_close):
-        self._raw = raw
-        self._on_close = on_close
-        self.crc = 0
-        self.size = 0
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        written = self._raw.write(view)
-        self.crc = zlib.crc32(view, self.crc)
-        self.size += view.nbytes
-        return written
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-    def writable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        if not self._raw.closed:
-            self._raw.close()
-            self._on_close(self)
-
-    @property
-    def closed(self) -> bool:
-        return self._raw.closed
-
-
-class _ChecksummingFileSystem(FileSystem):
-    """Streams opened for writing record (size, crc) per path when they close."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.records: dict[str, tuple[int, str | None]] = {}
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def create_stream(self, path, mode: str) -> Iterator:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        raw = open(path, mode)  # noqa: SIM115 (closed by the wrapper)
-
-        def record(stream: _ChecksumStream) -> None:
-            with self._lock:
-                self.records[str(path)] = (
-                    stream.size,
-                    crc32_hex(stream.crc) if self.enabled else None,
-                )
-
-        stream = _ChecksumStream(raw, record)
-        try:
-            yield stream
-        finally:
-            stream.close()
+def new_save_id() -> str:
+    """Sortable by time, unique by its random tail: ``20261123T215612-1a2b3c4d``."""
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
 
 
 class SpreadFileSystemWriter(FileSystemWriter):
-    """Per-layer files, a manifest with checksums, and an atomic publish of the directory.
+    """Per-layer files, a manifest with checksums, and an atomic overwrite.
 
     Save with ``dcp.save(state, storage_writer=SpreadFileSystemWriter(path),
-    planner=SpreadSavePlanner())`` or ``dcp.async_save`` (staging included). Load with
+    planner=SpreadSavePlanner())`` or ``dcp.async_save`` (thread or process mode). Load with
     :class:`~fsdp_ext.checkpoint.VerifiedFileSystemReader` (checked) or the stock
     ``FileSystemReader`` (unchecked). ``checksums=False`` keeps the manifest's sizes but
-    skips the hashing (for measuring its cost). Files hold runs of whole layers of at least
-    ``min_file_bytes`` (0: one file per layer per rank).
+    skips the hashing (for measuring its cost; the verified reader then refuses to load
+    unless told ``require_checksums=False``). Files hold runs of whole layers of at least
+    ``min_file_bytes`` (0: one file per layer per rank). ``fs`` replaces the filesystem
+    operations (default: :class:`CheckpointFS`, the local POSIX filesystem).
     """
 
     def __init__(
@@ -169,6 +121,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         thread_count: int = 1,
         sync_files: bool = True,
         overwrite: bool = True,
+        fs: CheckpointFS | None = None,
         **kwargs,
     ) -> None:
         if not isinstance(thread_count, int) or thread_count < 1:
@@ -177,6 +130,10 @@ class SpreadFileSystemWriter(FileSystemWriter):
             raise TypeError(
                 f"layer_key must be a callable fqn -> layer id or None, got {layer_key!r}"
             )
+        if not isinstance(checksums, bool):
+            raise TypeError(f"checksums must be a bool, got {checksums!r}")
+        if fs is not None and not isinstance(fs, CheckpointFS):
+            raise TypeError(f"fs must be a CheckpointFS (or a subclass), got {fs!r}")
         if kwargs.get("single_file_per_rank") is False:
             raise ValueError("single_file_per_rank=False is not supported: files are per layer")
         kwargs.pop("single_file_per_rank", None)
@@ -192,7 +149,9 @@ class SpreadFileSystemWriter(FileSystemWriter):
         if not isinstance(min_file_bytes, int) or min_file_bytes < 0:
             raise ValueError(f"min_file_bytes must be an int >= 0, got {min_file_bytes!r}")
         self.min_file_bytes = min_file_bytes
-        self.fs = _ChecksummingFileSystem(checksums)
+        self.fs = fs if fs is not None else CheckpointFS()
+        self.fs.checksums = checksums
+        self._save: _Save | None = None
 
     # -- local and global plan -------------------------------------------------------------
 
@@ -204,31 +163,48 @@ class SpreadFileSystemWriter(FileSystemWriter):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        target = Path(self.path)
-        if target.exists() and not self.overwrite:
-            raise RuntimeError(f"checkpoint {target} already exists and overwrite=False")
-        return plan
+        return plan  # the coordinator makes the version directory; nothing at the path yet
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        target = Path(self.path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        for stale in target.parent.glob(staging_prefix(target) + "*"):
-            shutil.rmtree(stale, ignore_errors=True)  # a save that died earlier
-        staging = target.parent / f"{staging_prefix(target)}{self.save_id}"
-        staging.mkdir()
-        out, expected = [], {}
-        for rank, plan in enumerate(plans):
-            assignment = self._assign_files(rank, plan, str(staging))
-            for name, keys in assignment.files:
-                expected[name] = {
-                    "rank": rank,
-                    "items": len(keys),
-                    "layers": assignment.layers[name],
-                }
-            out.append(dataclasses.replace(plan, storage_data=assignment))
-        plan_record = {"target": target.name, "world_size": len(plans), "files": expected}
-        self._staging = str(staging)
-        (staging / PLAN_NAME).write_text(json.dumps(plan_record, indent=1, sort_keys=True) + "\n")
+        fs, target = self.fs, Path(self.path)
+        current_version(fs, target, overwrite=self.overwrite)  # refuse before writing anything
+        fs.makedirs(target.parent)
+        save_id = new_save_id()
+        owner = LockOwner.here(save_id)
+        acquire(fs, target, owner)
+        staging = target.parent / version_name(target.name, save_id)
+        try:
+            previous = current_version(fs, target, overwrite=self.overwrite)
+            remove_leftovers(fs, target, keep=previous, published=False)
+            out, expected = [], {}
+            for rank, plan in enumerate(plans):
+                assignment = self._assign_files(rank, plan, str(staging))
+                for name, keys in assignment.files:
+                    expected[name] = {
+                        "rank": rank,
+                        "items": len(keys),
+                        "layers": assignment.layers[name],
+                    }
+                out.append(dataclasses.replace(plan, storage_data=assignment))
+            record = {
+                "target": target.name,
+                "save_id": save_id,
+                "replaces": previous,
+                "world_size": len(plans),
+                "files": expected,
+            }
+            fs.make_dir(staging)
+            fs.write_file(
+                staging / PLAN_NAME,
+                (json.dumps(record, indent=1, sort_keys=True) + "\n").encode(),
+                False,  # diagnostic: a plan lost on power loss reads as an empty version
+            )
+        except BaseException:
+            if fs.kind(staging) != MISSING:
+                fs.remove_tree(staging)
+            release(fs, target, owner)
+            raise
+        self._save = _Save(target, staging, save_id, owner, previous)
         return out
 
     def _assign_files(self, rank: int, plan: SavePlan, staging: str) -> _RankFiles:
@@ -240,8 +216,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         """
         groups: dict[str, list] = defaultdict(list)
         for item in plan.items:
-            layer = self.layer_key(item.index.fqn) if self.layer_key else None
-            groups[layer or _OTHER].append(item)
+            groups[layer_of(self.layer_key, item.index.fqn) or _OTHER].append(item)
         bins: list[tuple[str, list]] = []
         run_names: list[str] = []
         for name in sorted(groups, key=_natural):
@@ -269,7 +244,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         for name, items in bins:
             file_name = f"__{rank}_{_safe(name)}{DEFAULT_SUFFIX}"
             files.append((file_name, [item_key(i.index) for i in items]))
-            found = {self.layer_key(i.index.fqn) for i in items} if self.layer_key else set()
+            found = {layer_of(self.layer_key, i.index.fqn) for i in items}
             layers[file_name] = sorted(x for x in found if x is not None)
         return _RankFiles(staging, files, layers)
 
@@ -277,28 +252,38 @@ class SpreadFileSystemWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment: _RankFiles = plan.storage_data
+        staging = Path(assignment.staging)
         by_key = {item_key(i.index): i for i in plan.items}
         file_queue: queue.Queue = queue.Queue()
         for file_name, keys in assignment.files:
-            path = os.path.join(assignment.staging, file_name)
-            file_queue.put((path, file_name, [by_key[k] for k in keys]))
+            file_queue.put((staging / file_name, file_name, [by_key[k] for k in keys]))
+        need = sum(_nbytes(i) for i in plan.items)
         # fsync once every file is written, not after each one (what the stock loop does), so
         # the kernel flushes one file while the next is being written
         sync, self.sync_files = self.sync_files, False
         try:
             results = self._write_data(planner, file_queue).value()
+            for file_name, _keys in assignment.files:
+                if sync:
+                    self.fs.fsync(staging / file_name)
+        except BaseException as exc:
+            space = [(p, e) for p, e in self.fs.write_errors.items() if is_out_of_space(e)]
+            if space:
+                raise self._out_of_space(space[0][0], space[0][1], need) from exc
+            if is_out_of_space(exc):
+                raise self._out_of_space(str(staging), exc, need) from exc
+            raise
         finally:
             self.sync_files = sync
-        for file_name, _keys in assignment.files:
-            _fsync_path(Path(assignment.staging) / file_name, sync)
-            size, checksum = self.fs.records[os.path.join(assignment.staging, file_name)]
+        for file_name, keys in assignment.files:
+            size, checksum = self.fs.records[str(staging / file_name)]
             record = FileRecord(
                 name=file_name,
                 rank=self.rank or 0,
                 size=size,
                 checksum=checksum or "",
                 layers=assignment.layers[file_name],
-                items=len(_keys),
+                items=len(keys),
             )
             results.append(
                 WriteResult(
@@ -311,8 +296,8 @@ class SpreadFileSystemWriter(FileSystemWriter):
         done = [
             asdict(r.storage_data) for r in results if r.index.fqn.startswith(_FILE_RECORD_PREFIX)
         ]
-        _write_synced(
-            Path(assignment.staging) / rank_done_name(self.rank or 0),
+        self.fs.write_file(
+            staging / rank_done_name(self.rank or 0),
             json.dumps(done).encode(),
             False,  # diagnostic only: losing it on power loss just reads as "unfinished"
         )
@@ -320,10 +305,39 @@ class SpreadFileSystemWriter(FileSystemWriter):
         fut.set_result(results)
         return fut
 
+    def _out_of_space(self, path: str, exc: OSError, need: int) -> CheckpointSpaceError:
+        try:
+            free = f"{self.fs.free_bytes(Path(self.path).parent)} bytes are free now"
+        except OSError:
+            free = "the free space could not be read"
+        return CheckpointSpaceError(
+            errno.ENOSPC,
+            f"{path}: no space left on the device ({exc.strerror or exc}); this rank's "
+            f"files need about {need} bytes and {free}. An overwrite keeps the previous "
+            "checkpoint until the new one is published, so the device needs room for both",
+        )
+
     # -- commit ----------------------------------------------------------------------------
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Write .metadata and the manifest into the staging dir, then publish it."""
+        """Write .metadata and the manifest into the version directory, then publish it."""
+        save = self._save
+        if save is None:
+            raise RuntimeError("finish() without prepare_global_plan(): not the coordinator")
+        try:
+            self._complete(save, metadata, results)
+            publish(self.fs, save.target, save.staging.name, save.save_id, self.sync_files)
+            remove_leftovers(self.fs, save.target, keep=save.staging.name, published=True)
+        except OSError as exc:
+            if is_out_of_space(exc):
+                raise self._out_of_space(str(save.staging), exc, 0) from exc
+            raise
+        finally:
+            release(self.fs, save.target, save.owner)
+            self._save = None
+
+    def _complete(self, save: _Save, metadata: Metadata, results: list[list[WriteResult]]):
+        fs, staging = self.fs, save.staging
         records: dict[str, FileRecord] = {}
         storage_data = {}
         for rank_results in results:
@@ -332,34 +346,42 @@ class SpreadFileSystemWriter(FileSystemWriter):
                     records[wr.storage_data.name] = wr.storage_data
                 else:
                     storage_data[wr.index] = wr.storage_data
-        staging, target = Path(self._staging), Path(self.path)
-        expected = json.loads((staging / PLAN_NAME).read_text())["files"]
+        expected = json.loads(fs.read_bytes(staging / PLAN_NAME))["files"]
         missing = sorted(set(expected) - set(records))
         if missing:
-            raise RuntimeError(f"ranks did not report files {missing}; not publishing {target}")
+            raise RuntimeError(
+                f"ranks did not report files {missing}; not publishing {save.target}"
+            )
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
         # stock format: plain pickle, so the stock FileSystemReader loads it
-        with self.fs.create_stream(staging / f"{METADATA_NAME}.tmp", "wb") as stream:
+        tmp = staging / f"{METADATA_NAME}.tmp"
+        with fs.create_stream(tmp, "wb") as stream:
             pickle.dump(metadata, stream)
             if self.sync_files:
                 stream.flush()
-                os.fsync(stream.fileno())
-        os.replace(staging / f"{METADATA_NAME}.tmp", staging / METADATA_NAME)
-        size, checksum = self.fs.records[str(staging / f"{METADATA_NAME}.tmp")]
+                fs.fsync(tmp)
+        fs.replace(tmp, staging / METADATA_NAME)
+        size, checksum = fs.records[str(tmp)]
         manifest = Manifest(
             files=records,
             metadata=FileRecord(METADATA_NAME, rank=-1, size=size, checksum=checksum or ""),
             world_size=len(results),
             checksum=CHECKSUM if self.checksums else NO_CHECKSUM,
+            target=save.target.name,
+            save_id=save.save_id,
+            replaces=save.previous,
         )
-        _write_synced(staging / MANIFEST_NAME, manifest.to_json().encode(), self.sync_files)
-        (staging / PLAN_NAME).unlink()
-        for done in staging.glob(rank_done_name(0).replace("0", "*")):
-            done.unlink()
-        _fsync_path(staging, self.sync_files)
-        _publish(staging, target, self.sync_files)
+        tmp = staging / f"{MANIFEST_NAME}.tmp"
+        fs.write_file(tmp, manifest.to_json().encode(), self.sync_files)
+        fs.replace(tmp, staging / MANIFEST_NAME)
+        fs.unlink(staging / PLAN_NAME)
+        for rank in range(len(results)):
+            if fs.kind(staging / rank_done_name(rank)) != MISSING:
+                fs.unlink(staging / rank_done_name(rank))
+        if self.sync_files:
+            fs.fsync(staging)
 
     def storage_meta(self) -> StorageMeta:
         # the marker lets a reader tell "manifest deleted" from "a stock checkpoint"
@@ -368,6 +390,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
     def reset(self, checkpoint_id=None) -> None:
         super().reset(checkpoint_id)
         self.fs.records.clear()
+        self.fs.write_errors.clear()
 
 
 def _nbytes(item) -> int:
@@ -382,39 +405,3 @@ def _natural(name: str) -> tuple:
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
-
-
-def _write_synced(path: Path, data: bytes, sync: bool) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_path(path: Path, sync: bool) -> None:
-    """fsync a file or a directory by path (a directory, so that renames in it persist)."""
-    if not sync:
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(staging: Path, target: Path, sync: bool) -> None:
-    """Rename the finished staging dir onto the target; an old target is moved aside first."""
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.replaced-{staging.name.rsplit('-', 1)[-1]}"
-        if target.is_dir():
-            os.rename(target, old)
-        else:
-            raise RuntimeError(f"{target} exists and is not a directory; not replacing it")
-    os.rename(staging, target)
-    _fsync_path(target.parent, sync)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

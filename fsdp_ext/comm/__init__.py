@@ -1,4 +1,5 @@
-"""Compressed gradient communication for FSDP2: 4-/8-bit LoCo reduce-scatter and HSDP hook.
+"""Compressed communication for FSDP2: 4-/8-bit LoCo reduce-scatter and HSDP hook, int8
+parameter all-gather (qwZ).
 
 Every wire format is a :class:`Codec` (``fsdp_ext/comm/codec.py``), named in
 :data:`fsdp_ext.comm.registry.CODECS` or added with :func:`register_codec`.
@@ -12,6 +13,9 @@ from fsdp_ext.comm.reduce_scatter import LoCoReduceScatter
 from fsdp_ext.comm.register import CommHandle, register_comm_hook
 from fsdp_ext.comm.registry import make_codec, register_codec
 from fsdp_ext.comm.stats import CommStats
+from fsdp_ext.comm.weight_all_gather import QuantizedWeightAllGather, WeightGatherStats
+from fsdp_ext.comm.weight_config import QuantizedAllGather
+from fsdp_ext.comm.weight_register import WeightGatherHandle, register_weight_all_gather
 
 __all__ = [
     "AbsmaxCodec",
@@ -22,7 +26,12 @@ __all__ = [
     "LoCoAllReduceHook",
     "LoCoConfig",
     "LoCoReduceScatter",
+    "QuantizedAllGather",
+    "QuantizedWeightAllGather",
+    "WeightGatherHandle",
+    "WeightGatherStats",
     "make_codec",
     "register_codec",
     "register_comm_hook",
+    "register_weight_all_gather",
 ]

@@ -18,6 +18,8 @@ from fsdp_ext.comm.reduce_scatter import LoCoReduceScatter
 from fsdp_ext.comm.registry import LEGACY_CODEC, make_codec
 from fsdp_ext.comm.stats import CommStats
 from fsdp_ext.comm.unit import SUPPORTED_REDUCE_DTYPES, UnitBinding, reduce_dtype_of
+from fsdp_ext.comm.weight_config import QuantizedAllGather
+from fsdp_ext.comm.weight_register import WeightGatherHandle, register_weight_all_gather
 
 logger = logging.getLogger("fsdp_ext.comm")
 
@@ -77,6 +79,7 @@ class CommHandle:
         self._codec = make_codec(config.codec, config)
         self.strict = strict
         self._removed = False
+        self.weights: WeightGatherHandle | None = None  # qwZ, when registered with weights=
 
     @property
     def stats(self) -> CommStats:
@@ -180,6 +183,8 @@ class CommHandle:
             if unit.all_reduce_hook is not None:
                 unit.module.set_all_reduce_hook(None)
             unit.binding.remove()
+        if self.weights is not None:
+            self.weights.remove()
         self._removed = True
 
 
@@ -220,8 +225,12 @@ def register_comm_hook(
     *,
     replicate_group: dist.ProcessGroup | None = None,
     strict: bool = False,
+    weights: QuantizedAllGather | None = None,
 ) -> CommHandle:
     """Install a :class:`LoCoReduceScatter` on every FSDP unit of ``model``.
+
+    ``weights``: also quantise the parameter all-gathers (ZeRO++ qwZ, see
+    :func:`register_weight_all_gather`); ``CommHandle.weights`` then holds their handle.
 
     Every unit gets its own comm, sized over all of its trainable parameters (a unit of
     several modules, ``fully_shard([a, b])``, included). With ``replicate_group`` (HSDP),
@@ -286,4 +295,7 @@ def register_comm_hook(
             hook = LoCoAllReduceHook(config, replicate_group, unit=binding)
             module.set_all_reduce_hook(hook)
         units[fqn] = _Unit(module, binding, comm, hook, shard_group.size())
-    return CommHandle(units, config, strict=strict)
+    handle = CommHandle(units, config, strict=strict)
+    if weights is not None:
+        handle.weights = register_weight_all_gather(model, weights)
+    return handle

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_ext.comm.absmax_codec import AbsmaxCodec
+from fsdp_ext.comm.blockwise_int8_codec import BlockwiseInt8Codec
 from fsdp_ext.comm.codec import Codec
 
 __all__ = ["CODECS", "make_codec", "register_codec"]
@@ -19,6 +20,7 @@ CodecFactory = Callable[[Any], Codec]
 
 CODECS: dict[str, CodecFactory] = {
     "absmax": AbsmaxCodec.from_config,  # LoCo and qgZ, 4 or 8 bits
+    "int8_blockwise": BlockwiseInt8Codec.from_config,  # qwZ weights, no feedback
 }
 
 #: the codec of checkpoints written before codecs had names

@@ -40,7 +40,12 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fsdp_ext.moe.layer import MoE
 from fsdp_ext.parallel_dims import ParallelDims
-from fsdp_ext.wrap import GranularityPolicy, check_wrap, fully_shard
+from fsdp_ext.wrap import (
+    GranularityPolicy,
+    check_wrap,
+    fully_shard,
+    resolve_reshard_after_forward,
+)
 
 
 @dataclass(frozen=True)
@@ -77,8 +82,22 @@ def shard_moe_model(
             fully_shard_kwargs.get("mp_policy", MixedPrecisionPolicy()),
             param_dtype=next(moes[0].experts.parameters()).dtype,
         )
+        expert_kwargs = dict(fully_shard_kwargs)
+        if "reshard_after_forward" in expert_kwargs:
+            raf = resolve_reshard_after_forward(
+                expert_kwargs["reshard_after_forward"], parallel_dims.edp_mesh
+            )
+            if parallel_dims.ep_enabled and not isinstance(raf, bool) and raf is not None:
+                # FSDPParam.to_sharded_post_forward raises NotImplementedError (2.11-2.14)
+                raise ValueError(
+                    f"reshard_after_forward={fully_shard_kwargs['reshard_after_forward']!r} "
+                    f"(an int, {raf}) cannot apply to expert-parallel experts (ep="
+                    f"{parallel_dims.ep}): torch reshards DTensor parameters only to the whole "
+                    "mesh; use ep=1 or a bool"
+                )
+            expert_kwargs["reshard_after_forward"] = raf
         for moe in moes:
-            shard_experts(moe.experts, parallel_dims, reduce=reduce, **fully_shard_kwargs)
+            shard_experts(moe.experts, parallel_dims, reduce=reduce, **expert_kwargs)
     return fully_shard(
         model, auto_wrap_policy=policy, mesh=parallel_dims.dp_mesh, **fully_shard_kwargs
     )

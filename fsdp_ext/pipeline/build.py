@@ -19,7 +19,7 @@ from fsdp_ext._torch import ReduceScatter
 from fsdp_ext.comm import LoCoConfig, register_comm_hook
 from fsdp_ext.moe import MoE, apply_expert_parallel, shard_moe_model
 from fsdp_ext.parallel_dims import ParallelDims
-from fsdp_ext.pipeline.split import Cost, build_stage, plan_stages
+from fsdp_ext.pipeline.split import Cost, build_stage, find_blocks, plan_stages
 from fsdp_ext.pipeline.stage import GRAD_SYNC_MODES, FSDPPipelineStage
 from fsdp_ext.wrap import GranularityPolicy, fully_shard
 
@@ -145,8 +145,10 @@ def build_pipeline(
             raise ValueError(f"stages_per_rank must be an int >= 1, got {stages_per_rank!r}")
         if stages_per_rank < 1:
             raise ValueError(f"stages_per_rank must be an int >= 1, got {stages_per_rank!r}")
+    pp = parallel_dims.pp
+    _check_stage_count(model, schedule, pp, stages_per_rank, n_microbatches)
     pp_mesh = parallel_dims.pp_mesh
-    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    pp_rank = pp_mesh.get_local_rank()
     num_stages = pp * stages_per_rank
     plan = plan_stages(model, num_stages, cost=cost)
     if dist.get_rank() == 0:
@@ -165,6 +167,7 @@ def build_pipeline(
             group=pp_mesh.get_group(),
             grad_sync=grad_sync,
             reshard_after_backward=bool(reshard),
+            n_microbatches=n_microbatches,
         )
         stage.comm_handle = _register_comm(module, comm)
         stages.append(stage)
@@ -175,6 +178,27 @@ def build_pipeline(
         else schedule_cls(stages, **kwargs)
     )
     return runner, stages
+
+
+def _check_stage_count(
+    model: nn.Module, schedule: str, pp: int, stages_per_rank: int, n_microbatches: int
+) -> None:
+    """Errors in the arguments the caller passed (pp, stages_per_rank), not num_stages."""
+    stages = f"pp={pp}" if stages_per_rank == 1 else f"pp={pp} x stages_per_rank={stages_per_rank}"
+    fqn, container = find_blocks(model)
+    blocks = list(container.named_children())
+    if pp * stages_per_rank > len(blocks):
+        fewer = "pp" if stages_per_rank == 1 else "pp or stages_per_rank"
+        raise ValueError(
+            f"{stages} = {pp * stages_per_rank} stages exceed the {len(blocks)} blocks of "
+            f"{fqn or type(model).__name__} (every stage needs one block at least); "
+            f"lower {fewer}"
+        )
+    if schedule == "1F1B" and n_microbatches < pp:
+        raise ValueError(
+            f"schedule '1F1B' keeps one microbatch in flight per stage: it needs "
+            f"n_microbatches >= pp, got n_microbatches={n_microbatches} with pp={pp}"
+        )
 
 
 def _shard_stage(module, parallel_dims, auto_wrap_policy, reshard, kwargs) -> None:

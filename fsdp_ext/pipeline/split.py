@@ -134,7 +134,7 @@ def balanced_bounds(
     return tuple(reversed(bounds))
 
 
-def _find_container(model: nn.Module) -> tuple[str, nn.Module]:
+def find_blocks(model: nn.Module) -> tuple[str, nn.Module]:
     """The outermost container holding the most parameters (the model's blocks)."""
     if isinstance(model, CONTAINER_TYPES):
         return "", model
@@ -180,7 +180,7 @@ def plan_stages(model: nn.Module, num_stages: int, *, cost: str | Cost = "params
         raise ValueError(f"cost must be 'params' or a callable (module) -> float, got {cost!r}")
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
-    container_fqn, container = _find_container(model)
+    container_fqn, container = find_blocks(model)
     blocks = _child_names(container)
     if num_stages > len(blocks):
         raise ValueError(

@@ -33,6 +33,7 @@ class FSDPPipelineStage(PipelineStageBase):
         *args: Any,
         grad_sync: str = "deferred",
         reshard_after_backward: bool = False,
+        n_microbatches: int | None = None,
         **kwargs: Any,
     ):
         if grad_sync not in GRAD_SYNC_MODES:
@@ -40,6 +41,7 @@ class FSDPPipelineStage(PipelineStageBase):
         super().__init__(*args, **kwargs)
         self.grad_sync = grad_sync
         self.reshard_after_backward = reshard_after_backward
+        self.n_microbatches = n_microbatches  # of the schedule: pipeline_step checks batches
         self.comm_handle: Any = None  # set by build_pipeline when a comm is registered
 
     def _fsdp_root(self) -> FSDPModule | None:
@@ -70,15 +72,25 @@ class FSDPPipelineStage(PipelineStageBase):
 
     def perform_reduce_grad(self, grad_scale_factor: int):
         root = self._fsdp_root()
+        if root is not None and not self.has_backward:
+            # A forward-only step (``schedule.eval``) has no gradient to reduce, but the
+            # stock stage runs FSDP's post-backward anyway: units that reduce unused
+            # parameters (MoE blocks) would send zeros, moving LoCo's error state.
+            _reshard(root)
+            return None
         if self.grad_sync == "deferred" or root is None:
             return super().perform_reduce_grad(grad_scale_factor)
         # Gradients were reduced microbatch by microbatch; parameters must be sharded
         # before the optimizer step (a schedule may not flag the last backward).
-        for module in root.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        _reshard(root)
         if grad_scale_factor != 1:
             self.scale_grads(grad_scale_factor)
+
+
+def _reshard(root: FSDPModule) -> None:
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 class _Plain:

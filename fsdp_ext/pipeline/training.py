@@ -38,6 +38,7 @@ def pipeline_step(
     one is the last (both can be passed everywhere). ``forward_only``: ``schedule.eval``,
     for validation.
     """
+    _check_batch(stages, inputs, targets)
     is_first = any(s.is_first for s in stages)
     is_last = any(s.is_last for s in stages)
     losses: list[torch.Tensor] = []
@@ -45,6 +46,28 @@ def pipeline_step(
     kwargs: dict[str, Any] = {"target": targets, "losses": losses} if is_last else {}
     (schedule.eval if forward_only else schedule.step)(*args, **kwargs)
     return losses
+
+
+def _check_batch(stages: Sequence[Any], inputs: Any, targets: Any) -> None:
+    """A batch the microbatches cannot split evenly fails deep in the last stage, and the
+    other ranks then lose their peer; every rank that passes it refuses it here instead."""
+    n = next((s.n_microbatches for s in stages if getattr(s, "n_microbatches", None)), None)
+    rows = {
+        name: t.shape[0]
+        for name, t in (("inputs", inputs), ("targets", targets))
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    }
+    if len(set(rows.values())) > 1:
+        raise ValueError(
+            f"inputs has {rows['inputs']} rows and targets {rows['targets']}; pass the same "
+            "rows of both"
+        )
+    for name, size in rows.items():
+        if n is not None and size % n:
+            raise ValueError(
+                f"{name} has a batch of {size} rows, which n_microbatches={n} does not split "
+                f"evenly; pass a multiple of {n} rows (this rank's slice of the batch)"
+            )
 
 
 def reduce_pipeline_loss(

@@ -1,8 +1,9 @@
-"""Auto-wrap for FSDP2: granularity and FSDP1 policies, dry-run plans, ``fully_shard``."""
+"""Auto-wrap for FSDP2: granularity and FSDP1 policies, dry-run plans, ``fully_shard``, hpZ."""
 
 from fsdp_ext.wrap.apply import check_wrap, fully_shard
 from fsdp_ext.wrap.cost import CostModel, calibrate_cost_model
 from fsdp_ext.wrap.measure import UnshardedBytesTracker
+from fsdp_ext.wrap.node_reshard import node_local_reshard, resolve_reshard_after_forward
 from fsdp_ext.wrap.plan import Unit, WrapPlan, plan_units
 from fsdp_ext.wrap.policy import GranularityPolicy
 
@@ -15,5 +16,7 @@ __all__ = [
     "calibrate_cost_model",
     "check_wrap",
     "fully_shard",
+    "node_local_reshard",
     "plan_units",
+    "resolve_reshard_after_forward",
 ]

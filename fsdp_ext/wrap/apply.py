@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
@@ -18,6 +19,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from fsdp_ext._torch import run_fsdp1_policy
+from fsdp_ext.wrap.node_reshard import resolve_reshard_after_forward
 from fsdp_ext.wrap.plan import WrapPlan, plan_units
 from fsdp_ext.wrap.tree import (
     EXPERTS_ALWAYS_RUN_ATTR,
@@ -119,7 +121,7 @@ def check_wrap(
     auto_wrap_policy: object = None,
     *,
     mp_policy: object | None = None,
-    reshard_after_forward: bool | int | None = None,
+    reshard_after_forward: bool | int | str | None = None,
     world_size: int | None = None,
 ) -> WrapPlan:
     """The plan :func:`fully_shard` would apply, checked, with nothing sharded.
@@ -143,7 +145,7 @@ def fully_shard(
     *,
     auto_wrap_policy: object = None,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | int | None = None,
+    reshard_after_forward: bool | int | str | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
@@ -160,7 +162,8 @@ def fully_shard(
     those fully_shard kwargs for that module.
 
     The other keywords are torch's ``fully_shard``'s and go to every call: ``mesh``,
-    ``reshard_after_forward`` (the plan may choose it per unit under a memory budget),
+    ``reshard_after_forward`` (the plan may choose it per unit under a memory budget;
+    ``"node"`` keeps a node-local secondary shard, ZeRO++'s hpZ: :mod:`.node_reshard`),
     ``shard_placement_fn``, ``mp_policy``, ``offload_policy``, ``ignored_params`` and
     ``dp_mesh_dims`` (torch >= 2.13). One left at None is not passed, so torch's own
     default applies.
@@ -169,6 +172,9 @@ def fully_shard(
     that got no tokens on a rank: FSDP2 otherwise skips gradient-less parameters, and
     ranks whose routing differs would send reduce-scatters of different lengths.
     """
+    if reshard_after_forward is not None:
+        world = mesh.size() if mesh is not None else dist.get_world_size()
+        reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, mesh, world)
     given = {
         "mesh": mesh,
         "reshard_after_forward": reshard_after_forward,

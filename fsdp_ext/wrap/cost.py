@@ -1,10 +1,13 @@
 """Step cost of a wrap plan: collectives and hooks, with constants measured on the machine.
 
-Per step, the root all-gathers once and reduce-scatters once; every other unit
-all-gathers in forward, again in backward unless ``reshard_after_forward`` is False, and
-reduce-scatters once. A collective costs ``latency_s + bytes * seconds_per_byte`` (bytes
-each rank receives or sends: ``(world - 1) / world`` of the unit's unsharded bytes), a unit
-``hook_s`` for its forward/backward hooks and autograd nodes. A prefetched all-gather
+Per step, every unit all-gathers in forward, again in backward unless its
+``reshard_after_forward`` is False (the root's is, unless fully_shard got the argument
+explicitly), and reduce-scatters once. A collective costs
+``latency_s + bytes * seconds_per_byte`` (bytes each rank receives or sends:
+``(world - 1) / world`` of the unit's unsharded bytes), a unit ``hook_s`` for its
+forward/backward hooks and autograd nodes. With an int ``reshard_after_forward=r`` (hpZ)
+the backward all-gather runs over ``r`` ranks of one node: ``(r - 1) / r`` of the bytes, at
+``intra_node_seconds_per_byte`` (default: the same link). A prefetched all-gather
 hides ``overlap`` of its time behind compute: 0 where collectives run on the calling
 thread (gloo on CPU), close to 1 with NCCL on its own stream; it is the one constant not
 calibrated (it depends on the compute it overlaps), so pass it for your GPU job.
@@ -31,18 +34,24 @@ class CostModel:
     hook_s: float = 5.0e-3
     overlap: float = 0.0
     source: str = "defaults (gloo, 2-core CPU)"
+    intra_node_seconds_per_byte: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("latency_s", "seconds_per_byte", "hook_s"):
+        for name in ("latency_s", "seconds_per_byte", "hook_s", "intra_node_seconds_per_byte"):
             value = getattr(self, name)
+            if value is None and name == "intra_node_seconds_per_byte":
+                continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"CostModel.{name} must be a number >= 0, got {value!r}")
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"CostModel.overlap must be in [0, 1], got {self.overlap!r}")
 
-    def collective_s(self, nbytes: int, world_size: int) -> float:
+    def collective_s(self, nbytes: int, world_size: int, *, intra_node: bool = False) -> float:
         moved = nbytes * (world_size - 1) / max(world_size, 1)
-        return self.latency_s + moved * self.seconds_per_byte
+        per_byte = self.seconds_per_byte
+        if intra_node and self.intra_node_seconds_per_byte is not None:
+            per_byte = self.intra_node_seconds_per_byte
+        return self.latency_s + moved * per_byte
 
     def step_s(
         self,
@@ -53,7 +62,11 @@ class CostModel:
         forward_prefetch: int = 0,
         backward_prefetch: int = 1,
     ) -> float:
-        """Modelled seconds of FSDP overhead per step; ``unit_bytes[0]`` is the root."""
+        """Modelled seconds of FSDP overhead per step; ``unit_bytes[0]`` is the root.
+
+        ``reshard_after_forward[i]``: False (kept: no backward gather), True (backward
+        gather over ``world_size``) or an int ``r`` (backward gather over ``r`` ranks).
+        """
         total = 0.0
         hidden = 1.0 - self.overlap
         for i, nbytes in enumerate(unit_bytes):
@@ -61,12 +74,13 @@ class CostModel:
                 continue
             gather = self.collective_s(nbytes, world_size)
             total += self.hook_s + self.collective_s(nbytes, world_size)  # reduce-scatter
-            if i == 0:
-                total += gather
-                continue
             total += gather * (hidden if forward_prefetch and i > 1 else 1.0)
-            if reshard_after_forward[i] is not False:
-                total += gather * (hidden if backward_prefetch else 1.0)
+            raf = reshard_after_forward[i]
+            if raf is False:
+                continue
+            if not isinstance(raf, bool) and raf < world_size:  # hpZ: inside the node
+                gather = self.collective_s(nbytes, raf, intra_node=True)
+            total += gather * (hidden if backward_prefetch else 1.0)
         return total
 
 

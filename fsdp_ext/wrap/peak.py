@@ -8,7 +8,8 @@ until the unit's reduce-scatter. The schedule follows torch 2.13's ``_fsdp_state
 
 * forward: a unit is gathered at its first member's pre-forward (and ``forward_prefetch``
   units ahead of it), freed at its last member's post-forward unless
-  ``reshard_after_forward`` is False (kept) or an int ``r`` (kept at 1/r);
+  ``reshard_after_forward`` is False (kept) or an int ``r`` (hpZ: kept at 1/r of its
+  dim-0-padded size, until its backward gather frees it);
 * backward: a unit is gathered when the gradient reaches its output, and prefetches the
   ``backward_prefetch`` units before it in post-forward order (the implicit default is
   1); its gradients appear as backward passes its modules and are freed with its
@@ -32,6 +33,8 @@ class UnitSpan:
 
     ``grads``: (position, bytes) of the gradients of the parameters the unit manages,
     at the module that owns them. ``reshard_after_forward``: True, False, or an int r.
+    ``padded_bytes``: ``param_bytes`` with each parameter's dim 0 padded to a multiple of
+    the world size (None: no padding), which is what an int r keeps ``1/r`` of.
     """
 
     name: str
@@ -40,6 +43,7 @@ class UnitSpan:
     end: int
     grads: tuple[tuple[int, int], ...]
     reshard_after_forward: bool | int = True
+    padded_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,8 @@ def _post_forward_bytes(span: UnitSpan) -> int:
         return span.param_bytes
     if raf is True:
         return 0
-    return -(-span.param_bytes // int(raf))
+    padded = span.param_bytes if span.padded_bytes is None else span.padded_bytes
+    return -(-padded // int(raf))
 
 
 def estimate_peak(

@@ -29,6 +29,7 @@ from fsdp_ext._torch import (
     run_fsdp1_policy,
 )
 from fsdp_ext.wrap.cost import CostModel
+from fsdp_ext.wrap.node_reshard import resolve_reshard_after_forward
 from fsdp_ext.wrap.peak import UnitSpan, estimate_peak
 from fsdp_ext.wrap.policy import (
     GranularityPolicy,
@@ -194,9 +195,22 @@ def managed_params(
     return [root_own, *managed]
 
 
+def padded_param_bytes(param_nbytes: int, param: torch.Tensor, world_size: int) -> int:
+    """``param_nbytes`` after FSDP pads dim 0 to a multiple of ``world_size`` (what an int
+    ``reshard_after_forward`` keeps a ``1/r`` slice of)."""
+    shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
+    if not shape or shape[0] == 0:
+        return param_nbytes
+    dim0 = shape[0]
+    return param_nbytes // dim0 * (-(-dim0 // world_size) * world_size)
+
+
 @dataclass
 class Atom:
-    """A planned unit's facts for the peak model (``grads``: (position, bytes))."""
+    """A planned unit's facts for the peak model (``grads``: (position, bytes)).
+
+    ``padded``: ``nbytes`` with each parameter's dim 0 padded to a multiple of the world.
+    """
 
     group: Group
     params: list[nn.Parameter]
@@ -204,6 +218,7 @@ class Atom:
     start: int
     end: int
     grads: dict[int, int]
+    padded: int = 0
 
 
 def make_atoms(
@@ -212,22 +227,24 @@ def make_atoms(
     layout: Layout,
     param_dtype: torch.dtype | None,
     fsdp_sizes: dict[int, int],
+    world_size: int = 1,
 ) -> tuple[Atom, list[Atom]]:
     """The root's and each group's atom."""
     managed = managed_params(root, groups, layout)
     atoms = []
     for group, params in zip([(root,), *groups], managed, strict=True):
         grads: dict[int, int] = {}
-        total = 0
+        total = padded = 0
         for p in params:
             nbytes = param_bytes(p, param_dtype, fsdp_sizes)
             total += nbytes
+            padded += padded_param_bytes(nbytes, p, world_size)
             if p.requires_grad:
                 where = layout.param_pos.get(p, layout.pos[group[0]])
                 grads[where] = grads.get(where, 0) + nbytes
         start = min(layout.pos[m] for m in group)
         end = max(layout.end[m] for m in group)
-        atoms.append(Atom(group, params, total, start, end, grads))
+        atoms.append(Atom(group, params, total, start, end, grads, padded))
     return atoms[0], atoms[1:]
 
 
@@ -253,6 +270,7 @@ def spans_for(
             root_atom.end,
             tuple(root_grads.items()),
             root_raf,
+            root_atom.padded + sum(a.padded for a in folded),
         )
     ]
     for atoms, setting in zip(units, raf, strict=True):
@@ -260,9 +278,8 @@ def spans_for(
         end = max(a.end for a in atoms)
         grad_bytes = sum(sum(a.grads.values()) for a in atoms)
         name = "+".join(str(a.start) for a in atoms)
-        spans.append(
-            UnitSpan(name, sum(a.nbytes for a in atoms), start, end, ((end, grad_bytes),), setting)
-        )
+        nbytes, padded = sum(a.nbytes for a in atoms), sum(a.padded for a in atoms)
+        spans.append(UnitSpan(name, nbytes, start, end, ((end, grad_bytes),), setting, padded))
     return spans
 
 
@@ -302,7 +319,9 @@ def build_plan(
     world_size: int = 2,
     default_raf: bool | int | None = None,
 ) -> WrapPlan:
-    root_atom, atoms = make_atoms(root, [*groups, *folded], layout, param_dtype, fsdp_sizes)
+    root_atom, atoms = make_atoms(
+        root, [*groups, *folded], layout, param_dtype, fsdp_sizes, world_size
+    )
     atoms, folded_atoms = atoms[: len(groups)], atoms[len(groups) :]
     settings = [_effective_raf(r) for r in raf]
     root_raf = root_reshard_after_forward(root, default_raf)
@@ -376,27 +395,30 @@ def plan_units(
     auto_wrap_policy: object = None,
     *,
     mp_policy: object | None = None,
-    reshard_after_forward: bool | int | None = None,
+    reshard_after_forward: bool | int | str | None = None,
     world_size: int | None = None,
 ) -> WrapPlan:
     """Dry run of :func:`fsdp_ext.fully_shard`: the units, their sizes, the peak estimate.
 
     Works on a meta-device model. ``auto_wrap_policy=None`` plans the root alone, as
     torch's fully_shard does. ``mp_policy`` (a ``MixedPrecisionPolicy``) sets the
-    dtype bytes are counted in; ``reshard_after_forward`` is fully_shard's argument;
+    dtype bytes are counted in; ``reshard_after_forward`` is fully_shard's argument
+    (``"node"``: hpZ over ranks ``0 .. world_size - 1``, nodes from ``LOCAL_WORLD_SIZE``);
     ``world_size`` (default: the process group's, else 2) scales the modelled cost.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    world = _world_size(world_size)
+    reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, None, world)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise TypeError(
-            f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}"
+            f"reshard_after_forward must be a bool, an int, None or 'node', got "
+            f"{reshard_after_forward!r}"
         )
     param_dtype = param_dtype_of(mp_policy)
     infos = module_infos(module)
     layout = Layout(module)
     fsdp_sizes = _fsdp_unsharded_bytes(module)
-    world = _world_size(world_size)
     if isinstance(auto_wrap_policy, GranularityPolicy) and auto_wrap_policy.memory_budget_bytes:
         from fsdp_ext.wrap.search import plan_for_budget
 

@@ -155,7 +155,7 @@ def plan_for_budget(
             continue
         seen.add(key)
         groups = unit_groups(root, units)
-        root_atom, atoms = make_atoms(root, groups, layout, param_dtype, fsdp_sizes)
+        root_atom, atoms = make_atoms(root, groups, layout, param_dtype, fsdp_sizes, world_size)
         fixed = [unit_reshard_after_forward(g, reshard_after_forward, {}) for g in groups]
         level_fits = False
         for grouping, (fwd, bwd), keep in itertools.product(

@@ -1,0 +1,378 @@
+"""The main job's settings: one dataclass whose fields are its command-line flags.
+
+A field with a help text is a flag (`batch_size` is `--batch-size`; the model's flags come
+from `ModelConfig` in examples/model.py). `build_parser` makes the flags from the fields and
+`parse_args` turns them back into a `TrainConfig`. Checks that need only the settings run in
+`TrainConfig.__post_init__`; those that need the world size in `check_world`, and those that
+read the output directory in `check_run_dir`. Each failure is a `ConfigError` naming the
+flag, which the command line prints as one line (exit code 2) before any worker starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import Field, asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from examples.model import Block, ModelConfig
+from fsdp_ext import GranularityPolicy, LoCoConfig
+
+__all__ = [
+    "COMMS",
+    "DTYPES",
+    "RUN_RECORD",
+    "WRAP_POLICIES",
+    "ConfigError",
+    "TrainConfig",
+    "build_parser",
+    "check_run_dir",
+    "check_world",
+    "comm_config",
+    "parse_args",
+    "run_record",
+]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WRAP_POLICIES = {"granularity": GranularityPolicy(), "block": {Block}}
+# gradient reduce-scatter: stock fp32, 4-bit without error feedback (qgZ), 4-bit LoCo
+COMMS = {"default": None, "q4": LoCoConfig(error_feedback=False), "loco": LoCoConfig()}
+RUN_RECORD = "run.json"  # what a run's checkpoints are bound to (see run_record)
+
+
+class ConfigError(ValueError):
+    """A bad setting, with the flag that sets it."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+        self.message = message
+
+
+def _node_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1 or 'auto', got {text!r}") from None
+
+
+def _arg(default: Any, help: str, **metadata: Any) -> Any:
+    """A field offered as a flag: its help text, bounds (`low`: least value, `above`: what
+    it must exceed) and argparse settings (`type`, `choices`)."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
+@dataclass
+class TrainConfig:
+    nproc_per_node: int | None = _arg(
+        None, "launch this many ranks on this machine through torchrun", low=1, type=int
+    )
+    device: str = _arg(
+        "cpu", "cpu (gloo) or cuda (nccl, one GPU per rank)", choices=("cpu", "cuda")
+    )
+    steps: int = _arg(250, "optimizer steps of the whole run; the LR schedule spans them", low=1)
+    batch_size: int = _arg(
+        16, "global batch in sequences, split over the data-parallel ranks", low=1
+    )
+    seq_len: int = _arg(128, "bytes per sequence", low=1)
+    model: ModelConfig = field(default_factory=ModelConfig)  # its flags come in here
+    ep: int = _arg(1, "expert-parallel degree: experts split over this many ranks", low=1)
+    pp: int = _arg(1, "pipeline stages (1F1B); experts and FSDP run inside each stage", low=1)
+    microbatches: int = _arg(4, "microbatches per step, under --pp > 1", low=1)
+    lr: float = _arg(3e-3, "peak learning rate (AdamW)", above=0.0)
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = _arg(20, "linear warm-up steps before the cosine decay", low=0)
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    param_dtype: str = _arg(
+        "fp32", "dtype of gathered parameters (gradients reduce in fp32)", choices=tuple(DTYPES)
+    )
+    wrap: str = _arg(
+        "granularity",
+        "dense FSDP units: GranularityPolicy() or one per Block",
+        choices=tuple(WRAP_POLICIES),
+    )
+    comm: str = _arg(
+        "loco",
+        "gradient reduce-scatter: stock fp32, 4-bit (qgZ) or 4-bit LoCo",
+        choices=tuple(COMMS),
+    )
+    intra_node_size: int | str | None = _arg(
+        None,
+        "ranks per node for the 4-bit codecs: full precision inside a node, 4-bit across "
+        "nodes ('auto': the launcher's LOCAL_WORLD_SIZE; 2 on 4 ranks emulates 2 nodes)",
+        type=_node_size,
+    )
+    log_every: int = _arg(25, "steps between progress lines", low=1)
+    val_batches: int = _arg(8, "validation batches at the end of the run", low=1)
+    ckpt_every: int = _arg(0, "save a checkpoint every N steps (0: never)", low=0)
+    keep: int = _arg(3, "complete checkpoints kept on disk, the newest", low=1)
+    resume: bool = _arg(False, "continue from the latest checkpoint under --out")
+    stop_after: int = _arg(
+        0, "end this run after N steps, schedule unchanged (0: run to --steps)", low=0
+    )
+    out: str = _arg("runs/train", "output directory: checkpoints/, loss.png")
+    seed: int = _arg(0, "seed of the initial weights and of the batch order")
+    verbose: bool = True
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return Path(self.out) / "checkpoints"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoint_root / f"step-{step:07d}"
+
+    def latest_checkpoint(self) -> Path | None:
+        """A save publishes a link to its complete version directory: a step-* with .metadata."""
+        done = sorted(p for p in self.checkpoint_root.glob("step-*") if (p / ".metadata").is_file())
+        return done[-1] if done else None
+
+    def __post_init__(self) -> None:
+        for owner, f in _flag_fields():
+            value = getattr(self.model if owner is ModelConfig else self, f.name)
+            low, above = f.metadata.get("low"), f.metadata.get("above")
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if low is not None and value < low:
+                allowed = "a positive integer" if low == 1 else f">= {low}"
+                raise ConfigError(_flag(f.name), f"must be {allowed}, got {value}")
+            if above is not None and value <= above:
+                raise ConfigError(_flag(f.name), f"must be > {above:g}, got {value}")
+        m = self.model
+        if m.dim % m.n_heads:
+            raise ConfigError("--n-heads", f"{m.n_heads} does not divide --dim {m.dim}")
+        if 0 < m.num_experts < m.top_k:
+            raise ConfigError(
+                "--num-experts",
+                f"{m.num_experts} is fewer than the --top-k {m.top_k} experts each token is "
+                f"routed to; use 0 (a dense feed-forward) or at least {m.top_k}",
+            )
+        if self.seq_len > m.max_seq_len:
+            raise ConfigError(
+                "--seq-len", f"{self.seq_len} exceeds the model's max_seq_len {m.max_seq_len}"
+            )
+        if self.ep > 1 and (m.num_experts < 1 or m.num_experts % self.ep):
+            raise ConfigError("--ep", f"{self.ep} does not divide --num-experts {m.num_experts}")
+        if self.pp > m.n_layers:
+            raise ConfigError(
+                "--pp", f"{self.pp} stages need --n-layers >= {self.pp}, got {m.n_layers}"
+            )
+        if self.pp > 1 and self.microbatches < self.pp:
+            raise ConfigError(
+                "--microbatches",
+                f"1F1B over --pp {self.pp} stages needs at least {self.pp} microbatches per "
+                f"step, got {self.microbatches}",
+            )
+        k = self.intra_node_size
+        if k is not None and k != "auto" and (not isinstance(k, int) or k < 1):
+            raise ConfigError("--intra-node-size", f"must be an int >= 1 or 'auto', got {k!r}")
+        if k is not None and COMMS[self.comm] is None:
+            raise ConfigError(
+                "--intra-node-size",
+                "only the 4-bit codecs reduce by node; --comm default sends full precision "
+                "everywhere: drop --intra-node-size or pass --comm q4 or --comm loco",
+            )
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device", "cuda was asked for but no CUDA device is available")
+
+
+def _flag_fields() -> list[tuple[type, Field]]:
+    """(owner, field) of every flag, in --help order: the model's flags where `model` sits."""
+    out = []
+    for f in fields(TrainConfig):
+        if f.name == "model":
+            out += [(ModelConfig, g) for g in fields(ModelConfig) if "help" in g.metadata]
+        elif "help" in f.metadata:
+            out.append((TrainConfig, f))
+    return out
+
+
+def _flag(name: str) -> str:
+    """The flag that sets a field (the model's max_seq_len follows --seq-len)."""
+    return "--seq-len" if name == "max_seq_len" else "--" + name.replace("_", "-")
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    """Bad arguments give one line on stderr, not a usage block or a traceback."""
+
+    def error(self, message: str):
+        # Under torchrun every rank parses the same arguments; one of them speaks.
+        quiet = os.environ.get("RANK", "0") != "0"
+        self.exit(2, None if quiet else f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per field that has a help text, with its default shown."""
+    parser = _OneLineErrors(
+        prog="train.py",
+        description="Train a small byte-level LM on CPython's standard library with fsdp-ext.",
+    )
+    model_flags = parser.add_argument_group("model (examples/model.py)")
+    for owner, f in _flag_fields():
+        default = f.default
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default}
+        if isinstance(default, bool):
+            kwargs["action"] = "store_true"
+            kwargs["help"] = f.metadata["help"]
+        else:
+            kwargs["type"] = f.metadata.get("type", type(default))
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+            shown = "off" if default is None else default
+            kwargs["help"] = f"{f.metadata['help']} (default: {shown})"
+            kwargs["metavar"] = None if "choices" in f.metadata else f.name.upper()
+        (model_flags if owner is ModelConfig else parser).add_argument(_flag(f.name), **kwargs)
+    return parser
+
+
+def _config_from(args: argparse.Namespace) -> TrainConfig:
+    model = {f.name: getattr(args, f.name) for o, f in _flag_fields() if o is ModelConfig}
+    train = {f.name: getattr(args, f.name) for o, f in _flag_fields() if o is TrainConfig}
+    return TrainConfig(model=ModelConfig(max_seq_len=args.seq_len, **model), **train)
+
+
+def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfig:
+    """Parse and check everything that can be checked before joining the process group."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = _config_from(args)
+        if cfg.nproc_per_node is not None:
+            if "RANK" in os.environ:
+                raise ConfigError("--nproc-per-node", "not allowed under torchrun, which sets it")
+            world_size = cfg.nproc_per_node
+        check_world(cfg, world_size)
+        check_run_dir(cfg, world_size)
+    except ConfigError as exc:
+        parser.error(f"argument {exc.flag}: {exc.message}")
+    return cfg
+
+
+def node_size(cfg: TrainConfig, world_size: int) -> int | None:
+    """Ranks per node of --intra-node-size; 'auto' reads the launcher's LOCAL_WORLD_SIZE
+    (our own launch is one node; a single process is a node of one)."""
+    if cfg.intra_node_size != "auto":
+        return cfg.intra_node_size
+    if cfg.nproc_per_node is not None and "RANK" not in os.environ:
+        return cfg.nproc_per_node
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def check_world(cfg: TrainConfig, world_size: int) -> None:
+    """The degrees, the batch split and the node size against the world size."""
+    w, pp, b = world_size, cfg.pp, cfg.batch_size
+    if w % pp:
+        raise ConfigError("--pp", f"{pp} does not divide the world size {w}")
+    dp = w // pp
+    if b % dp:
+        ranks = f"the world size {w}" if pp == 1 else f"the {dp} data-parallel ranks ({w} / --pp)"
+        raise ConfigError("--batch-size", f"{b} is not divisible by {ranks}")
+    if dp % cfg.ep:
+        raise ConfigError(
+            "--ep",
+            f"ep={cfg.ep} must divide dp_shard={dp} (experts are split over ranks that also "
+            "shard the dense model)",
+        )
+    if pp > 1 and b % (dp * cfg.microbatches):
+        raise ConfigError(
+            "--microbatches",
+            f"--batch-size {b} must split into {dp} data-parallel ranks x "
+            f"{cfg.microbatches} microbatches",
+        )
+    k = node_size(cfg, w)
+    if k is not None and w % k:
+        raise ConfigError("--intra-node-size", f"{k} does not divide the world size {w}")
+    if k is not None and dp % k and k % dp:
+        raise ConfigError(
+            "--intra-node-size",
+            f"nodes of {k} ranks cut the {dp}-rank data-parallel groups of --pp {pp} "
+            f"unevenly; pick a divisor or a multiple of {dp}",
+        )
+
+
+def comm_config(cfg: TrainConfig, world_size: int) -> LoCoConfig | None:
+    """--comm's codec, by node under --intra-node-size (None: the stock reduce-scatter)."""
+    config = COMMS[cfg.comm]
+    if config is None or cfg.intra_node_size is None:
+        return config
+    return replace(config, intra_node_size=node_size(cfg, world_size))
+
+
+def run_record(cfg: TrainConfig, world_size: int) -> dict:
+    """What a resume must keep: the model's shape, the codec and, with it, the ranks."""
+    return {
+        "model": asdict(cfg.model),
+        "comm": cfg.comm,
+        "world_size": world_size,
+        "pp": cfg.pp,
+        "intra_node_size": node_size(cfg, world_size),
+    }
+
+
+def check_run_dir(cfg: TrainConfig, world_size: int) -> None:
+    """A fresh run needs an --out without checkpoints; a resume one it can continue."""
+    root = cfg.checkpoint_root
+    if not cfg.resume:
+        if any(root.glob("step-*")):  # never mix two runs' checkpoints, nor overwrite them
+            raise ConfigError(
+                "--out",
+                f"{root} holds checkpoints of an earlier run; pass --resume to continue it, "
+                "or choose another --out",
+            )
+        return
+    latest = cfg.latest_checkpoint()
+    if latest is None:
+        raise ConfigError("--resume", f"no complete checkpoint under {root}")
+    step = int(latest.name.removeprefix("step-"))
+    if step >= cfg.steps:
+        raise ConfigError(
+            "--resume",
+            f"the run in {cfg.out} is finished: its latest checkpoint is step {step} of "
+            f"--steps {cfg.steps}; pass a larger --steps to train on",
+        )
+    if (root / RUN_RECORD).is_file():
+        _check_record(cfg, json.loads((root / RUN_RECORD).read_text()), world_size)
+
+
+def _check_record(cfg: TrainConfig, started: dict, world_size: int) -> None:
+    """Refuse a resume whose checkpoint cannot load into this run."""
+    now = run_record(cfg, world_size)
+    was = f"the run in {cfg.out} was started with"
+    for key, value in now["model"].items():
+        if started["model"].get(key, value) != value:
+            raise ConfigError(
+                _flag(key),
+                f"{was} {_flag(key)} {started['model'][key]}, got {value}; its checkpoints "
+                "only load into the same model",
+            )
+    if started["comm"] != now["comm"]:
+        raise ConfigError(
+            "--comm",
+            f"{was} --comm {started['comm']}, got {now['comm']}; its checkpoints hold that "
+            "codec's state",
+        )
+    if started.get("pp", 1) != now["pp"]:
+        raise ConfigError(
+            "--pp",
+            f"{was} --pp {started.get('pp', 1)}, got {now['pp']}; resume at the same pp degree",
+        )
+    if COMMS[now["comm"]] is None:
+        return
+    if started["world_size"] != world_size:
+        raise ConfigError(
+            "--nproc-per-node",
+            f"{was} world size {started['world_size']}, got {world_size}; --comm "
+            f"{now['comm']} keeps an error buffer per rank, so resume on as many ranks",
+        )
+    if started.get("intra_node_size") != now["intra_node_size"]:
+        raise ConfigError(
+            "--intra-node-size",
+            f"{was} nodes of {started.get('intra_node_size')} ranks, got "
+            f"{now['intra_node_size']}; the error buffers in its checkpoints follow the nodes",
+        )

@@ -1,0 +1,114 @@
+"""hpZ: keep each unit's post-forward copy inside the node, so backward gathers stay there.
+
+FSDP2 takes ``reshard_after_forward=r`` (an int): after forward a unit keeps ``1/r`` of
+its unsharded parameters, and the backward all-gather runs over ``r`` ranks only. Those
+``r`` ranks are consecutive entries of the unit's mesh (torch 2.11-2.14 builds the
+post-forward mesh as ``mesh.mesh.view(-1, r)``), so the right ``r`` is the number of the
+mesh's ranks on one node, and it is right only if every block of ``r`` consecutive mesh
+entries sits on one node. That is what :func:`node_local_reshard` computes and checks.
+
+Global rank ``g`` sits on node ``g // node_size`` (the launcher's numbering);
+``"auto"`` reads the node size from torchrun's ``LOCAL_WORLD_SIZE``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from torch.distributed.device_mesh import DeviceMesh
+
+NODE = "node"
+
+
+def launcher_node_size() -> int:
+    """Ranks per node as the launcher set them (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is None or not local.isdigit() or int(local) < 1:
+        raise ValueError(
+            "a node size of 'auto' needs the launcher's LOCAL_WORLD_SIZE (torchrun sets it), "
+            f"got {local!r}; pass intra_node_size=<ranks per node> instead"
+        )
+    return int(local)
+
+
+def resolve_node_size(intra_node_size: int | str) -> int:
+    """An int node size, or ``"auto"`` resolved from the launcher."""
+    if intra_node_size == "auto":
+        return launcher_node_size()
+    k = intra_node_size
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"intra_node_size must be 'auto' or an int >= 1, got {k!r}")
+    return k
+
+
+def node_reshard_for_ranks(
+    ranks: Sequence[int], node_size: int, shard_size: int | None = None
+) -> bool | int:
+    """``reshard_after_forward`` for a unit whose flattened mesh holds ``ranks`` (mesh
+    order, the shard dim last, ``shard_size`` entries long; default: all of them).
+
+    The number ``r`` of the mesh's ranks per node, checked block by block; ``True`` when
+    each shard group lies inside one node (every gather stays there anyway), ``False``
+    when each node holds one rank of it (the node-local copy is the whole parameter).
+    """
+    ranks = list(ranks)
+    shard_size = len(ranks) if shard_size is None else shard_size
+    per_node: dict[int, int] = {}
+    for g in ranks:
+        per_node[g // node_size] = per_node.get(g // node_size, 0) + 1
+    counts = set(per_node.values())
+    if len(counts) != 1:
+        raise ValueError(
+            f"reshard_after_forward='node' needs every node to hold as many of the mesh's "
+            f"ranks; node size {node_size} puts {dict(sorted(per_node.items()))} of "
+            f"{ranks} on each node"
+        )
+    r = counts.pop()
+    for start in range(0, len(ranks), r):
+        block = ranks[start : start + r]
+        if len({g // node_size for g in block}) != 1:
+            raise ValueError(
+                f"reshard_after_forward='node': FSDP keeps the post-forward copy on blocks of "
+                f"{r} consecutive mesh entries, and {block} spans nodes (node size "
+                f"{node_size}, mesh {ranks}); order the mesh so each node's ranks are adjacent"
+            )
+    if (r % shard_size) if r >= shard_size else (shard_size % r):
+        raise ValueError(
+            f"reshard_after_forward='node': {r} of the mesh's ranks per node and a shard dim "
+            f"of {shard_size} ranks: neither divides the other"
+        )
+    if r >= shard_size:
+        return True
+    return False if r == 1 else r
+
+
+def node_local_reshard(
+    mesh: DeviceMesh | None = None, intra_node_size: int | str = "auto", world_size: int = 0
+) -> bool | int:
+    """The ``reshard_after_forward`` that makes a unit on ``mesh`` hpZ: post-forward copy
+    and backward all-gather inside each node.
+
+    ``mesh``: the unit's mesh (1-D, or 2-D HSDP with the shard dim last); ``None`` means
+    ranks ``0 .. world_size - 1`` (a dry run). ``intra_node_size``: ranks per node, or
+    ``"auto"`` (the launcher's ``LOCAL_WORLD_SIZE``).
+    """
+    node_size = resolve_node_size(intra_node_size)
+    if mesh is not None:
+        return node_reshard_for_ranks(mesh.mesh.flatten().tolist(), node_size, mesh.mesh.shape[-1])
+    if world_size < 1:
+        raise ValueError("node_local_reshard needs a mesh or a world_size >= 1")
+    return node_reshard_for_ranks(range(world_size), node_size)
+
+
+def resolve_reshard_after_forward(
+    value: bool | int | str | None, mesh: DeviceMesh | None, world_size: int = 0
+) -> bool | int | None:
+    """``fully_shard``'s argument with ``"node"`` replaced by :func:`node_local_reshard`."""
+    if value == NODE:
+        return node_local_reshard(mesh, "auto", world_size)
+    if isinstance(value, str):
+        raise ValueError(
+            f"reshard_after_forward must be a bool, an int, None or 'node', got {value!r}"
+        )
+    return value

@@ -1,0 +1,263 @@
+"""The fast CPU codec path: bit for bit equal to the torch reference (hypothesis over shapes,
+group sizes, block sizes, outliers, zeros, tiny values, NaN/Inf, both bit widths, every error
+dtype, with and without error feedback, the decode-reduce too, foreign payload bytes), checked
+against an independent fp64 formula of the quantiser, and the library's default on CPU."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import triton_kernels.codec_common as codec_common
+import triton_kernels.dequantize_reduce as dequantize_reduce
+import triton_kernels.quantize_ef as quantize_ef
+from fsdp_ext import LoCoConfig, LoCoReduceScatter
+from fsdp_ext.testing import run_distributed
+from tests.codec_cases import error_state, gradients
+from triton_kernels import backend
+from triton_kernels.codec_common import payload_chunk_bytes
+from triton_kernels.dequantize_reduce import (
+    dequantize_reduce_cpu,
+    dequantize_reduce_from_payload_cpu,
+    dequantize_reduce_from_payload_reference,
+    dequantize_reduce_reference,
+)
+from triton_kernels.quantize_ef import (
+    quantize_ef_cpu,
+    quantize_ef_reference,
+    quantize_ef_to_payload_cpu,
+    quantize_ef_to_payload_reference,
+)
+
+ERROR_DTYPES = [None, torch.int8, torch.bfloat16, torch.float32]
+MANY = settings(
+    max_examples=150,
+    deadline=None,
+    # the block-size fixture is set explicitly by every example
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    derandomize=True,
+)
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (so -0.0 differs from 0.0, and NaN payloads must match)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    view = _INT_VIEW.get(a.dtype)
+    return torch.equal(a.view(view), b.view(view)) if view else torch.equal(a, b)
+
+
+def _clone(t):
+    return None if t is None else t.clone()
+
+
+@pytest.fixture
+def block_elements(request):
+    """Patch the CPU path's block size, so small shapes cross block boundaries."""
+    saved = codec_common.CPU_BLOCK_ELEMENTS
+    yield lambda n: setattr(codec_common, "CPU_BLOCK_ELEMENTS", n)
+    codec_common.CPU_BLOCK_ELEMENTS = saved
+
+
+# block sizes in elements: one group of 64 or more per block, a few groups, the default
+BLOCKS = st.sampled_from([64, 256, 1024, codec_common.CPU_BLOCK_ELEMENTS])
+
+
+@MANY
+@given(
+    gradients((2, 4, 8, 32, 64, 128, 256), "tiles", subnormal=True),
+    st.sampled_from(ERROR_DTYPES),
+    st.sampled_from([4, 8]),
+    st.sampled_from([0.0, 0.8, 0.95]),
+    BLOCKS,
+)
+def test_quantize_ef_cpu_is_bit_exact(block_elements, grad, error_dtype, bits, beta, block):
+    block_elements(block)
+    x, group_size, seed = grad
+    e_ref, s_ref = error_state(error_dtype, x.numel(), group_size, seed)
+    e_cpu, s_cpu = _clone(e_ref), _clone(s_ref)
+    kw = dict(group_size=group_size, bits=bits, beta=beta)
+    packed_ref, scales_ref = quantize_ef_reference(x, e_ref, s_ref, **kw)
+    packed_cpu, scales_cpu = quantize_ef_cpu(x, e_cpu, s_cpu, **kw)
+    assert bitwise_equal(packed_ref, packed_cpu)
+    assert bitwise_equal(scales_ref, scales_cpu)
+    if e_ref is not None:
+        assert bitwise_equal(e_ref, e_cpu)
+    if s_ref is not None:
+        assert bitwise_equal(s_ref, s_cpu)
+
+
+@MANY
+@given(
+    gradients((8, 32, 64, 128), "tiles", subnormal=True),
+    st.integers(1, 4),
+    st.integers(0, 300),
+    st.integers(0, 5),
+    st.sampled_from(ERROR_DTYPES),
+    st.sampled_from([4, 8]),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    BLOCKS,
+)
+def test_payload_paths_cpu_are_bit_exact(
+    block_elements, grad, rows, cut, row_gap, error_dtype, bits, out_dtype, block
+):
+    """Rows of any length (padded to whole groups inside), with a row stride wider than the
+    row, codes and scales in one buffer, and the reduction written into a given output."""
+    block_elements(block)
+    x, group_size, seed = grad
+    n = max(1, x.numel() // rows - cut)
+    wide = torch.full((rows, n + row_gap), 3.0, dtype=x.dtype)
+    wide[:, :n] = x.repeat(-(-rows * n // x.numel()))[: rows * n].view(rows, n)
+    chunks = wide[:, :n]  # rows with a stride wider than the row
+    groups = -(-n // group_size)
+    e_ref, s_ref = error_state(error_dtype, rows * groups * group_size, group_size, seed)
+    e_cpu, s_cpu = _clone(e_ref), _clone(s_ref)
+    width = payload_chunk_bytes(groups, group_size, bits)
+    p_ref = torch.full((rows, width), 0xAB, dtype=torch.uint8)
+    p_cpu = p_ref.clone()
+    kw = dict(group_size=group_size, bits=bits, beta=0.8)
+    quantize_ef_to_payload_reference(chunks, p_ref, e_ref, s_ref, **kw)
+    quantize_ef_to_payload_cpu(chunks, p_cpu, e_cpu, s_cpu, **kw)
+    assert torch.equal(p_ref, p_cpu)
+    if e_ref is not None:
+        assert bitwise_equal(e_ref, e_cpu)
+    if s_ref is not None:
+        assert bitwise_equal(s_ref, s_cpu)
+    out_ref = torch.full((n,), 7.0, dtype=out_dtype)
+    out_cpu = out_ref.clone()
+    kw = dict(group_size=group_size, bits=bits, out_scale=1 / 3)
+    dequantize_reduce_from_payload_reference(p_ref, out_ref, **kw)
+    dequantize_reduce_from_payload_cpu(p_ref, out_cpu, **kw)
+    assert bitwise_equal(out_ref, out_cpu)
+
+
+@st.composite
+def foreign_payloads(draw):
+    """Payload bytes no encoder wrote: every code, and scales that are negative, zero, -0.0,
+    subnormal, huge, Inf or NaN."""
+    group_size = draw(st.sampled_from([8, 32, 128]))
+    bits = draw(st.sampled_from([4, 8]))
+    chunks = draw(st.integers(0, 4))
+    groups = draw(st.integers(1, 20))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    codes = torch.randint(0, 256, (chunks, groups * group_size * bits // 8), generator=gen)
+    pool = torch.tensor(
+        [0.0, -0.0, 1e-42, -3e-39, 1.0, -2.5, 3e38, float("inf"), float("-inf"), float("nan")]
+    )
+    picks = torch.randint(0, len(pool) + 3, (chunks, groups), generator=gen)
+    scales = torch.where(
+        picks < len(pool),
+        pool[picks.clamp(max=len(pool) - 1)],
+        torch.rand(chunks, groups, generator=gen) * 1e-3,
+    )
+    return codes.to(torch.uint8), scales, group_size, bits
+
+
+@MANY
+@given(
+    foreign_payloads(),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.sampled_from([1.0, 0.5, 1 / 3, -2.0, 1e-30]),
+    BLOCKS,
+)
+def test_dequantize_reduce_cpu_is_bit_exact(block_elements, payload, out_dtype, out_scale, block):
+    block_elements(block)
+    codes, scales, group_size, bits = payload
+    kw = dict(group_size=group_size, bits=bits, out_scale=out_scale, out_dtype=out_dtype)
+    assert bitwise_equal(
+        dequantize_reduce_reference(codes, scales, **kw), dequantize_reduce_cpu(codes, scales, **kw)
+    )
+
+
+@settings(MANY, max_examples=60)
+@given(
+    gradients((8, 32, 128), "tiles", subnormal=True),
+    st.sampled_from([4, 8]),
+    st.sampled_from([None, torch.float32]),
+    st.sampled_from([0.0, 0.5, 0.8]),
+    BLOCKS,
+)
+def test_quantize_ef_cpu_follows_the_fp64_formula(
+    block_elements, grad, bits, error_dtype, beta, block
+):
+    """An independent formula, in fp64 from the fp32 inputs: ``s = absmax(h) / qmax`` with
+    ``h = x + e``; ``q = clamp(floor(h / s + 0.5), -qmax - 1, qmax)``; the nibble or byte is
+    ``q + qmax + 1`` (element 2i low, 2i + 1 high); ``e <- beta e + (1 - beta)(h - q s)``; a
+    group holding NaN/Inf is sent as ``q = 0`` with a NaN scale and its error is reset."""
+    block_elements(block)
+    x, group_size, seed = grad
+    q_max = {4: 7, 8: 127}[bits]
+    error, _ = error_state(error_dtype, x.numel(), group_size, seed)
+    # h = g + e is one fp32 addition (the spec's arithmetic is fp32); the rest is fp64
+    h = (x.float() if error is None else x.float() + error).double()
+    error_before = _clone(error)
+    packed, scales = quantize_ef_cpu(x, error, group_size=group_size, bits=bits, beta=beta)
+    # unpack by hand
+    b = packed.long()
+    codes = torch.stack([b & 15, b >> 4], dim=-1).view(-1) if bits == 4 else b
+    q = (codes - (q_max + 1)).double().view(-1, group_size)
+    h = h.view(-1, group_size)
+    absmax = h.abs().amax(dim=1)
+    finite = torch.isfinite(h).all(dim=1)
+    s = scales.double()
+    assert bool(s[~finite].isnan().all()) and bool((q[~finite] == 0).all())
+    hf, qf, sf, af = h[finite], q[finite], s[finite], absmax[finite]
+    # the scale is absmax / qmax rounded once to fp32 (absolutely, for subnormal scales)
+    assert bool(((sf - af / q_max).abs() <= af / q_max * 2**-24 + 2**-150).all())
+    # q is h / s rounded half up, within the fp32 rounding of h / s
+    ratio = torch.where(sf[:, None] > 0, hf / sf[:, None], torch.zeros_like(hf))
+    want = torch.floor(ratio + 0.5).clamp(-q_max - 1, q_max)
+    near_tie = ((ratio + 0.5) - torch.round(ratio + 0.5)).abs() < 1e-5 * (1 + ratio.abs())
+    assert bool(((qf == want) | near_tie).all())
+    assert bool((qf.abs() <= q_max).all())  # symmetric: -qmax - 1 never occurs
+    if error is not None:
+        e0 = (error_before.double() if error_before is not None else 0).view(-1, group_size)
+        e_new = beta * e0 + (1 - beta) * (h - q * s[:, None])
+        got = error.double().view(-1, group_size)
+        assert bool((got[~finite] == 0).all())
+        tol = 1e-6 * (af[:, None] + e0[finite].abs()) + 1e-30
+        assert bool(((got[finite] - e_new[finite]).abs() <= tol).all())
+
+
+def test_cpu_path_is_the_default_on_cpu_and_the_reference_stays_selectable():
+    cpu = torch.empty(0)
+    assert backend.implementation(cpu, cpu_path=True) == "cpu"
+    assert backend.implementation(cpu) == "reference"  # kernels without a CPU path
+    with backend.use_backend("reference"):
+        assert backend.implementation(cpu, cpu_path=True) == "reference"
+    with backend.use_backend("cpu"):
+        assert backend.implementation(cpu, cpu_path=True) == "cpu"
+    bad = pytest.raises(ValueError, match="backend must be one of auto, triton, cpu, reference")
+    with bad, backend.use_backend("fast"):
+        pass
+
+
+def _recording(fn, name, ran):
+    def run(*args, **kwargs):
+        ran.append(name)
+        return fn(*args, **kwargs)
+
+    return run
+
+
+def _which_paths_run():
+    """One LoCo reduce-scatter on 2 gloo ranks, recording the implementations the ops ran."""
+    ran = []
+    for table in (
+        quantize_ef._QUANTIZE_EF_TO_PAYLOAD,
+        dequantize_reduce._DEQUANTIZE_REDUCE_FROM_PAYLOAD,
+    ):
+        for name, fn in list(table.items()):
+            table[name] = _recording(fn, name, ran)
+    comm = LoCoReduceScatter(LoCoConfig(group_size=32))
+    out = torch.empty(100)
+    x = torch.randn(200, generator=torch.Generator().manual_seed(dist.get_rank()))
+    comm(output_tensor=out, input_tensor=x, group=dist.group.WORLD, op=dist.ReduceOp.AVG)
+    return ran
+
+
+def test_library_runs_the_cpu_path_by_default():
+    for ran in run_distributed(_which_paths_run, 2):
+        assert ran == ["cpu", "cpu"]
