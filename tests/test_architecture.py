@@ -30,6 +30,7 @@ def _load_checker():
 
 ig = _load_checker()
 
+
 @pytest.fixture(scope="module")
 def graph():
     return ig.collect()
