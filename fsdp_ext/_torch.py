@@ -103,8 +103,19 @@ __all__ = [
 ]
 
 # 2.13 renamed the tensor collectives (``*_single``); 2.11-2.12 have only the old names.
-reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# Looked up at each call, so that a benchmark wrapping ``dist``'s collectives to count the
+# bytes on the wire sees the library's calls too.
+
+
+def reduce_scatter_into(*args: Any, **kwargs: Any) -> Any:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(*args, **kwargs)
+
+
+def all_gather_into(*args: Any, **kwargs: Any) -> Any:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(*args, **kwargs)
+
 
 # FSDPParamGroup methods at which unsharded memory changes (2.11-2.14): a memory tracker
 # samples before the first three (memory is freed inside) and after ``unshard``.
