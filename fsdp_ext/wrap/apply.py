@@ -20,7 +20,7 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 
 from fsdp_ext._torch import run_fsdp1_policy
 from fsdp_ext.wrap.node_reshard import resolve_reshard_after_forward
-from fsdp_ext.wrap.plan import WrapPlan, plan_units
+from fsdp_ext.wrap.plan import plan_units
 from fsdp_ext.wrap.tree import (
     EXPERTS_ALWAYS_RUN_ATTR,
     FORCE_LEAF_TYPES,
@@ -29,6 +29,7 @@ from fsdp_ext.wrap.tree import (
     is_container,
     is_routed_experts,
 )
+from fsdp_ext.wrap.units import WrapPlan
 
 # Torch versions before ``set_reduce_scatter_unused_params`` get the autograd fallback.
 NATIVE_UNUSED_PARAM_REDUCE_SCATTER = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
