@@ -166,8 +166,8 @@ def fully_shard(
     ``reshard_after_forward`` (the plan may choose it per unit under a memory budget;
     ``"node"`` keeps a node-local secondary shard, ZeRO++'s hpZ: :mod:`.node_reshard`),
     ``shard_placement_fn``, ``mp_policy``, ``offload_policy``, ``ignored_params`` and
-    ``dp_mesh_dims`` (torch >= 2.13). One left at None is not passed, so torch's own
-    default applies.
+    ``dp_mesh_dims`` (in the torch versions that have it: 2.13 does). One left at None is
+    not passed, so torch's own default applies.
 
     Units holding an MoE block reduce-scatter every parameter, with zeros for experts
     that got no tokens on a rank: FSDP2 otherwise skips gradient-less parameters, and
