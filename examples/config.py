@@ -154,6 +154,9 @@ class TrainConfig:
         for owner, f in _flag_fields():
             value = getattr(self.model if owner is ModelConfig else self, f.name)
             low, above = f.metadata.get("low"), f.metadata.get("above")
+            choices = f.metadata.get("choices")
+            if choices is not None and value not in choices:
+                raise ConfigError(_flag(f.name), f"must be one of {list(choices)}, got {value!r}")
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
             if low is not None and value < low:

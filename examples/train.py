@@ -130,6 +130,7 @@ def attach_comm(model: Transformer, cfg: TrainConfig) -> CommHandle | WeightGath
 
 
 def sharded(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Parallel:
+    """FSDP over the whole model (experts over --ep), --comm on every unit."""
     shard_model(model, cfg, dims)
     world = dist.get_world_size()
 

@@ -77,8 +77,10 @@ def test_sigkill_of_the_parent_is_cleaned_by_the_next_lab_and_only_its_prefix(tm
         start_new_session=True,
     )
     prefix = f"fsdplab-{cli.pid}-"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
     live_decoy = f"{RunNames(os.getpid(), 'abcdef').run_id}-decoy"  # a live owner: this test
-    foreign = f"notlab-{os.getpid()}-decoy"  # not the lab's prefix at all
+    foreign = f"otherlab-{dead.pid}-abcdef-node0"  # a dead owner, but not the lab's prefix
     try:
         _wait_for(lambda: len(list(shared.glob("rank*.pid"))) == 2, 120, "both ranks")
         run_ids = [r for r in lab_runs() if r.startswith(prefix)]
