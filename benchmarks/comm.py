@@ -2,6 +2,7 @@
 
     python benchmarks/comm.py --quick                 # 2 ranks, short runs: < 5 min
     python benchmarks/comm.py --plot-dir docs         # the full run behind docs/comm.md
+    python benchmarks/comm.py --step-time             # step ms: stock / q4 / LoCo, 2 and 4 ranks
 
 Three measurements, each on the example model (examples/train.py, CPython stdlib bytes):
 
@@ -16,6 +17,15 @@ Three measurements, each on the example model (examples/train.py, CPython stdlib
    run of the same seed are averaged over seeds (mean and standard error). Wire bytes are
    measured: each rank wraps ``all_to_all_single`` and the stock reduce-scatter and counts
    the bytes of the tensors handed to them that are bound for another rank.
+
+``--step-time`` measures time instead (loopback gloo, no capped link): the example trains
+``--step-time-steps`` steps per run with the stock fp32 reduce-scatter, q4 and LoCo, the modes
+interleaved over ``--step-time-rounds`` rounds, on each world size, with the codec kernels on
+the given backends (``cpu``, the default on CPU tensors, and ``reference``, the torch spec the
+library ran before the fast CPU path). It reports each mode's median step ms and
+``loco_step_overhead_vs_q4_max``, the largest ``loco / q4 - 1`` over the world sizes on the
+first backend; and, to isolate the hook from the model, one ``LoCoReduceScatter`` call on a
+``--hook-shard``-element shard per rank (2 ranks, median ms of stock / q4 / LoCo).
 
 The last line printed is one JSON object.
 """
@@ -34,6 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import examples.train as train_module  # noqa: E402
@@ -43,8 +54,9 @@ from benchmarks.comm_fidelity import (  # noqa: E402
     mean_and_stderr,
 )
 from examples.train import TrainConfig, train  # noqa: E402
-from fsdp_ext import LoCoConfig, register_comm_hook  # noqa: E402
+from fsdp_ext import LoCoConfig, LoCoReduceScatter, register_comm_hook  # noqa: E402
 from fsdp_ext.testing import run_distributed  # noqa: E402
+from triton_kernels.backend import use_backend  # noqa: E402
 
 MODES = ("default", "q4", "loco")
 TAIL = 20  # the train loss reported is the mean of the last TAIL steps
@@ -147,6 +159,77 @@ def run(
             flush=True,
         )
     return runs
+
+
+def _timed_mode(cfg: TrainConfig, config: LoCoConfig | None, backend: str) -> dict:
+    with use_backend(backend):
+        return _run_mode(cfg, config)
+
+
+def step_times(base: TrainConfig, worlds: list[int], rounds: int, backends: list[str]) -> dict:
+    """Median step ms of stock / q4 / LoCo per backend and world size, modes interleaved."""
+    configs = {"default": None, **codecs()}
+    out = {}
+    for backend in backends:
+        for world in worlds:
+            per_mode = {mode: [] for mode in configs}
+            for rnd in range(rounds):
+                for mode in list(configs)[:: 1 if rnd % 2 == 0 else -1]:
+                    result = run_distributed(
+                        _timed_mode, world, base, configs[mode], backend, timeout=3600
+                    )[0]
+                    per_mode[mode].append(round(result["step_ms"], 1))
+            median = {mode: statistics.median(ms) for mode, ms in per_mode.items()}
+            out.setdefault(backend, {})[str(world)] = {
+                "step_ms": median,
+                "step_ms_per_round": per_mode,
+                "loco_vs_q4": round(median["loco"] / median["q4"], 4),
+            }
+            print(
+                f"step time, {backend} codec, world {world}: "
+                + "  ".join(f"{m} {ms:.1f} ms" for m, ms in median.items())
+                + f"  loco/q4 {median['loco'] / median['q4']:.3f}",
+                flush=True,
+            )
+    return out
+
+
+def _hook_rank(shard: int, reps: int, backend: str) -> dict:
+    """One rank: median ms of one reduce-scatter of ``shard`` elements per rank, stock (gloo's
+    reduce-scatter), q4 and LoCo, alternated call by call."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comms = {
+        "q4": LoCoReduceScatter(codecs()["q4"]),
+        "loco": LoCoReduceScatter(codecs()["loco"]),
+    }
+    x = torch.randn(world * shard, generator=torch.Generator().manual_seed(rank))
+    out = torch.empty(shard)
+    times = {"default": [], **{name: [] for name in comms}}
+    kwargs = dict(group=dist.group.WORLD, op=dist.ReduceOp.AVG)
+    with use_backend(backend):
+        for rep in range(reps + 2):
+            for name in list(times)[:: 1 if rep % 2 else -1]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                if name == "default":
+                    dist.reduce_scatter_tensor(out, x, **kwargs)
+                else:
+                    comms[name](output_tensor=out, input_tensor=x, **kwargs)
+                if rep >= 2:  # the first calls allocate the error buffers and workspaces
+                    times[name].append(time.perf_counter() - t0)
+    return {name: round(statistics.median(t) * 1e3, 3) for name, t in times.items()}
+
+
+def hook_times(shard: int, reps: int, backends: list[str]) -> dict:
+    out = {}
+    for backend in backends:
+        out[backend] = run_distributed(_hook_rank, 2, shard, reps, backend)[0]
+        print(
+            f"one reduce-scatter of {shard} elements per rank, {backend} codec: "
+            + "  ".join(f"{m} {ms:.2f} ms" for m, ms in out[backend].items()),
+            flush=True,
+        )
+    return out
 
 
 def _fidelity_rank(
@@ -349,7 +432,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--plot-dir", default=None, help="write comm_fidelity.png, comm_regime_loss.png here"
     )
+    p.add_argument("--step-time", action="store_true", help="only step times of stock / q4 / LoCo")
+    p.add_argument("--step-time-worlds", default="2,4", help="comma-separated (2,4)")
+    p.add_argument("--step-time-steps", type=int, default=30, help="steps per run (30)")
+    p.add_argument("--step-time-rounds", type=int, default=3, help="runs per mode (3)")
+    p.add_argument(
+        "--step-time-backends",
+        default="cpu",
+        help="codec backends, comma-separated: cpu (the default path), reference (cpu)",
+    )
+    p.add_argument("--hook-shard", type=int, default=262144, help="elements per rank (262144)")
     a = p.parse_args(argv)
+    if a.step_time:
+        return main_step_time(a)
     steps = a.steps or (20 if a.quick else 200)
     fid_steps = a.fidelity_steps or (30 if a.quick else 200)
     seeds = list(range(a.seeds or (1 if a.quick else 3)))
@@ -445,6 +540,32 @@ def main(argv: list[str] | None = None) -> dict:
             },
             out_dir / "comm_regime_loss.png",
         )
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main_step_time(a: argparse.Namespace) -> dict:
+    t_start = time.perf_counter()
+    backends = [b for b in a.step_time_backends.split(",") if b]
+    worlds = [int(w) for w in a.step_time_worlds.split(",") if w]
+    hooks = hook_times(a.hook_shard, 20, backends)
+    base = TrainConfig(
+        steps=a.step_time_steps, verbose=False, log_every=10**9, out="unused", val_batches=1
+    )
+    steps = step_times(base, worlds, a.step_time_rounds, backends)
+    first = steps[backends[0]]
+    result = {
+        "bench": "comm_step_time",
+        "machine": MACHINE,
+        "link": "loopback (no cap)",
+        "steps_per_run": a.step_time_steps,
+        "rounds": a.step_time_rounds,
+        "hook_shard": a.hook_shard,
+        "hook_ms": hooks,
+        "step_time": steps,
+        "loco_step_overhead_vs_q4_max": round(max(first[w]["loco_vs_q4"] for w in first) - 1, 4),
+        "wall_s": round(time.perf_counter() - t_start),
+    }
     print(json.dumps(result), flush=True)
     return result
 

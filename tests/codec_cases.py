@@ -49,8 +49,9 @@ def gradients(draw, group_sizes=(2, 4, 32, 64, 128), max_groups=None, subnormal=
             flat[g, pos] = float("-inf") if pos % 2 else float("inf")
         elif kind == "tiny":
             flat[g] *= 1e-30
-        elif kind == "subnormal":
-            flat[g] = flat[g] / flat[g].abs().amax().clamp_min(1e-30) * 2e-43
+        elif kind == "subnormal":  # absmax of 10 or 140 steps of 2^-149, or near 2^-126
+            amplitude = (1.4e-44, 2e-43, 1e-39)[pos % 3]
+            flat[g] = flat[g] / flat[g].abs().amax().clamp_min(1e-30) * amplitude
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
     return x.to(dtype), group_size, seed
 

@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.comm import MODES, fidelity, main, regime_summary, run, summarize
+from benchmarks.comm import (
+    MODES,
+    fidelity,
+    hook_times,
+    main,
+    regime_summary,
+    run,
+    step_times,
+    summarize,
+)
 from benchmarks.comm_fidelity import FidelityTracker, mean_and_stderr
 from examples.model import ModelConfig
 from examples.train import TrainConfig
@@ -146,3 +155,19 @@ def test_regime_only_reports_the_low_lr_regime(capsys):
     regime = result["degradation_regime"]
     assert regime["config"] == {"group_size": 4096, "world_size": 2, "steps": 3, "lr": 3e-4}
     assert regime["seeds"] == 1 and len(regime["q4_gap_per_seed"]) == 1
+
+
+@pytest.mark.slow  # six short training runs
+def test_step_time_smoke():
+    """The step-time mode on a tiny model: every mode, both codec backends."""
+    steps = step_times(replace(TINY), [2], rounds=1, backends=["cpu", "reference"])
+    for backend in ("cpu", "reference"):
+        row = steps[backend]["2"]
+        assert set(row["step_ms"]) == set(MODES)
+        assert all(ms > 0 for ms in row["step_ms"].values())
+        assert row["loco_vs_q4"] == round(row["step_ms"]["loco"] / row["step_ms"]["q4"], 4)
+
+
+def test_hook_time_smoke():
+    hooks = hook_times(1024, 2, ["cpu"])
+    assert set(hooks["cpu"]) == set(MODES) and all(ms > 0 for ms in hooks["cpu"].values())

@@ -11,4 +11,10 @@ def test_benchmark_reports_every_kernel(capsys):
     assert result["min_fraction_of_copy"] == min(
         result["kernels"][k]["fraction_of_copy"] for k in ("quantize_ef", "dequantize_reduce")
     )
+    # the fast CPU path against the reference, side by side, writing the same bits
+    codec = result["cpu_codec"]
+    assert codec["bit_exact"] is True and codec["threads"] == 1
+    assert result["cpu_codec_speedup_vs_reference"] == codec["quantize_ef"]["speedup"] > 0
+    assert codec["dequantize_reduce"]["speedup"] > 0
+    assert result["cpu_codec_compile_s"] == 0.0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith('{"bench": "kernels"')

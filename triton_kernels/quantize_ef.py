@@ -253,8 +253,11 @@ def _quantize_rows_cpu(rows, codes, scales, error, error_scales, group_size, bit
                 bad = ~torch.isfinite(am)
                 qb.masked_fill_(bad, 0.0)
             if error is not None:
-                torch.mul(qb, sc, out=rb)
-                torch.sub(hb, rb, out=rb)  # the residual h - q s
+                # the residual h - q s, as h + q (-s): negation is exact, and IEEE
+                # subtraction is addition of the negated operand
+                torch.neg(sc, out=sf)
+                torch.mul(qb, sf, out=rb)
+                rb.add_(hb)
                 rb.mul_(one_minus_beta32)
                 eb.mul_(beta32).add_(rb)
                 if any_bad:
