@@ -413,6 +413,11 @@ def main(argv: list[str] | None = None) -> dict:
     def ms(config: str, mbit: int) -> float | None:
         return step_ms.get(config, {}).get(str(mbit))
 
+    def ratio(numerator: str, denominator: str, mbit: int) -> float | None:
+        """Step time of one configuration over another's (None where either did not run)."""
+        a, b = ms(numerator, mbit), ms(denominator, mbit)
+        return round(a / b, 4) if a and b else None
+
     slowest = rates[0]
     result = {
         "bench": "cluster",
@@ -424,22 +429,25 @@ def main(argv: list[str] | None = None) -> dict:
         "repeats": repeats,
         "rates_mbit": rates,
         "step_ms": step_ms,
-        "speedup_loco_vs_stock_fp32_at_slowest": round(
-            ms("stock_fp32", slowest) / ms("loco_flat", slowest), 3
-        ),
-        "speedup_loco_hier_vs_stock_fp32_at_slowest": (
-            round(ms("stock_fp32", slowest) / ms("loco_hier", slowest), 3)
-            if ms("loco_hier", slowest)
-            else None
-        ),
-        "loco_step_overhead_vs_q4_max": round(
-            max(ms("loco_flat", r) / ms("q4", r) - 1 for r in rates), 4
+        "speedup_loco_vs_stock_fp32_at_slowest": ratio("stock_fp32", "loco_flat", slowest),
+        "speedup_loco_hier_vs_stock_fp32_at_slowest": ratio("stock_fp32", "loco_hier", slowest),
+        "speedup_zeropp_vs_stock_fp32_at_slowest": ratio("stock_fp32", "zeropp", slowest),
+        "loco_step_overhead_vs_q4_max": max(
+            (
+                round(ratio("loco_flat", "q4", r) - 1, 4)
+                for r in rates
+                if ratio("loco_flat", "q4", r)
+            ),
+            default=None,
         ),
         "link_bytes_vs_commstats_max_rel_err": round(
             max(
-                r["commstats_vs_counter_rel_err"]
-                for r in rows
-                if "commstats_vs_counter_rel_err" in r
+                (
+                    r["commstats_vs_counter_rel_err"]
+                    for r in rows
+                    if "commstats_vs_counter_rel_err" in r
+                ),
+                default=float("nan"),
             ),
             4,
         ),
@@ -455,10 +463,14 @@ def main(argv: list[str] | None = None) -> dict:
             r["config"]: round(r["val_loss"], 4) for r in main_rows if r["rate_mbit"] == slowest
         },
         "compute_ms_per_step": {k: round(v, 1) for k, v in compute.items()},
-        "calibration": calibration(
-            compute["stock_fp32"],
-            next(r for r in main_rows if r["config"] == "stock_fp32")["link_bytes_per_step"],
-            rates,
+        "calibration": (
+            calibration(
+                compute["stock_fp32"],
+                next(r for r in main_rows if r["config"] == "stock_fp32")["link_bytes_per_step"],
+                rates,
+            )
+            if "stock_fp32" in compute
+            else None
         ),
         "reference_cluster": REFERENCE,
         "configs_not_in_train_py": sorted(missing_all),
