@@ -33,6 +33,17 @@ for stock ``dedup_save_plans`` and for ours.
     python benchmarks/checkpoint.py              # ~340 MB model
     python benchmarks/checkpoint.py --simulate   # planner only, seconds
     python benchmarks/checkpoint.py --link-sweep 50,100,200,400,800,1600,0   # the link plot
+
+In the cluster lab (``--lab``, root): 4 ranks on 4 (or 2) emulated nodes, each node's links
+capped (``--lab-link`` Mbit/s, comma-separated to sweep), the checkpoint directory on the lab's
+shared sshfs storage; a 63 MB model whose embedding is 1.5x a fair share. The three writers
+(lowest rank, stock default, ours with checksums) save each layout, then each checkpoint is
+loaded by its own reader, ``--lab-reps`` rounds after a warm-up, interleaved; the medians
+give ``lab_save_speedup_vs_lowest_rank``, ``lab_save_ratio_vs_dcp_default`` and
+``lab_load_ratio_vs_dcp_default`` (first rate, replicated layout). Each node's storage-link
+interface counters give the bytes it sent and received per save and load.
+
+    python benchmarks/checkpoint.py --lab --lab-link 100,200,400     # docs/checkpoint_lab.png
 """
 
 from __future__ import annotations
@@ -650,6 +661,32 @@ def lab_worker(root: str, reps: int, layouts: tuple[str, ...]) -> dict:
     return out
 
 
+def plot_lab(result: dict, path: Path) -> None:
+    """Save and load seconds of each writer, per link rate, for the first layout measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [str(r) for r in result["link_mbit"]]
+    layout = next(k for k in result["per_rate"][rates[0]] if isinstance(k, str) and k in LAYOUTS)
+    labels = {"lowest_rank": "stock, lowest rank", "dcp_default": "stock default", "ours": "ours"}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.8 / len(labels)
+    for ax, what in zip(axes, ("save_s", "load_s"), strict=True):
+        for i, (variant, label) in enumerate(labels.items()):
+            values = [result["per_rate"][r][layout][variant][what] for r in rates]
+            xs = [j + (i - 1) * width for j in range(len(rates))]
+            ax.bar(xs, values, width, color=f"C{i}", label=label)
+        ax.set_xticks(range(len(rates)), [f"{r} Mbit/s" for r in rates])
+        ax.set_ylabel(f"{what[:4]} seconds (median)")
+        ax.set_title(f"{what[:4]}, {layout} {result['model_mb']} MB, 4 nodes x 1 rank")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def lab_main(args) -> dict:
     """Build a lab (4 ranks on ``--lab-nodes`` nodes, sshfs shared storage, each node's links
     capped), run :func:`lab_worker` in it once per link rate, report the ratios."""
@@ -727,6 +764,8 @@ def lab_main(args) -> dict:
             for rate, m in per_rate.items()
         },
     }
+    if args.plot:
+        plot_lab(result, DOCS / "checkpoint_lab.png")
     print(json.dumps(result), flush=True)
     return result
 
