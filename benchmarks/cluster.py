@@ -285,9 +285,9 @@ def plot(rows: list[dict], compute: dict, path: Path) -> None:
                 (r for r in rows if r["layout"] == layout and r["config"] == config),
                 key=lambda r: r["rate_mbit"],
             )
-            ax.plot(
-                [r["rate_mbit"] for r in mine], [r["step_ms"] for r in mine], "o-", label=config
-            )
+            x, y = [r["rate_mbit"] for r in mine], [r["step_ms"] for r in mine]
+            color = f"C{list(CONFIGS).index(config) % 10}"  # the same in every panel
+            ax.plot(x, y, "o-", color=color, label=config)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("link rate per node, each way (Mbit/s)")
