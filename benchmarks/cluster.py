@@ -370,7 +370,9 @@ def main(argv: list[str] | None = None) -> dict:
     names = a.configs.split(",")
     t_start = time.perf_counter()
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    out_dir = Path(tempfile.mkdtemp(prefix="cluster-bench-"))
+    # train.py's --out (its loss plots); removed at the end, or at exit after an error
+    scratch = tempfile.TemporaryDirectory(prefix="cluster-bench-")
+    out_dir = Path(scratch.name)
     common = [
         "--steps",
         str(steps),
@@ -413,6 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
                         flush=True,
                     )
 
+    scratch.cleanup()
     print_table(rows, compute)
     main_layout = next(iter(plan))
     main_rows = [r for r in rows if r["layout"] == main_layout]
