@@ -21,10 +21,6 @@ from fsdp_ext.comm.codec import Codec
 from fsdp_ext.comm.error_feedback import ErrorFeedback, ErrorSubset
 
 
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def pad_columns(chunks: torch.Tensor, width: int) -> torch.Tensor:
     """``[W, n]`` -> contiguous ``[W, width]``, zero-padded, so no group straddles two chunks."""
     if chunks.shape[1] == width and chunks.is_contiguous():
