@@ -438,7 +438,20 @@ def main(argv: list[str] | None = None) -> dict:
         a, b = ms(numerator, mbit), ms(denominator, mbit)
         return round(a / b, 4) if a and b else None
 
-    slowest = rates[0]
+    def vs_best_stock(config: str, mbit: int) -> float | None:
+        """Step time of ``config`` over the faster stock configuration's (fp32 or bf16)."""
+        stock = [t for t in (ms("stock_fp32", mbit), ms("stock_bf16", mbit)) if t]
+        return round(ms(config, mbit) / min(stock), 4) if stock and ms(config, mbit) else None
+
+    def val_gap(config: str) -> float | None:
+        """Relative validation-loss gap of ``config`` to stock fp32 at the slowest rate."""
+        loss = {r["config"]: r["val_loss"] for r in main_rows if r["rate_mbit"] == slowest}
+        if config not in loss or "stock_fp32" not in loss:
+            return None
+        return round(loss[config] / loss["stock_fp32"] - 1, 4)
+
+    slowest, fastest_rate = rates[0], rates[-1]
+    zeropp_slow = vs_best_stock("zeropp", slowest)
     result = {
         "bench": "cluster",
         "machine": MACHINE,
@@ -453,6 +466,11 @@ def main(argv: list[str] | None = None) -> dict:
         "speedup_loco_vs_stock_fp32_at_slowest": ratio("stock_fp32", "loco_flat", slowest),
         "speedup_loco_hier_vs_stock_fp32_at_slowest": ratio("stock_fp32", "loco_hier", slowest),
         "speedup_zeropp_vs_stock_fp32_at_slowest": ratio("stock_fp32", "zeropp", slowest),
+        "speedup_zeropp_vs_best_stock_at_slowest": (
+            round(1 / zeropp_slow, 4) if zeropp_slow else None
+        ),
+        "zeropp_vs_stock_at_fastest": vs_best_stock("zeropp", fastest_rate),
+        "val_loss_gap_zeropp_vs_stock_fp32": val_gap("zeropp"),
         "loco_step_overhead_vs_q4_max": max(
             (
                 round(ratio("loco_flat", "q4", r) - 1, 4)
