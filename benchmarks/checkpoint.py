@@ -33,6 +33,17 @@ for stock ``dedup_save_plans`` and for ours.
     python benchmarks/checkpoint.py              # ~340 MB model
     python benchmarks/checkpoint.py --simulate   # planner only, seconds
     python benchmarks/checkpoint.py --link-sweep 50,100,200,400,800,1600,0   # the link plot
+
+In the cluster lab (``--lab``, root): 4 ranks on 4 (or 2) emulated nodes, each node's links
+capped (``--lab-link`` Mbit/s, comma-separated to sweep), the checkpoint directory on the lab's
+shared sshfs storage; a 63 MB model whose embedding is 1.5x a fair share. The three writers
+(lowest rank, stock default, ours with checksums) save each layout, then each checkpoint is
+loaded by its own reader, ``--lab-reps`` rounds after a warm-up, interleaved; the medians
+give ``lab_save_speedup_vs_lowest_rank``, ``lab_save_ratio_vs_dcp_default`` and
+``lab_load_ratio_vs_dcp_default`` (first rate, replicated layout). Each node's storage-link
+interface counters give the bytes it sent and received per save and load.
+
+    python benchmarks/checkpoint.py --lab --lab-link 100,200,400     # docs/checkpoint_lab.png
 """
 
 from __future__ import annotations
@@ -41,8 +52,8 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -57,7 +68,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -68,8 +83,10 @@ from fsdp_ext.checkpoint import (
     SpreadSavePlanner,
     VerifiedFileSystemReader,
     item_nbytes,
+    remove_checkpoint,
     spread_plans,
 )
+from fsdp_ext.lab import FABRIC_DEVICE, Cluster, unavailable_reason
 from fsdp_ext.testing import create_write_items, dedup_save_plans, run_distributed
 
 WORLD = 4
@@ -83,8 +100,10 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def model_shapes(dim: int, vocab: int, n_layers: int = 24) -> dict[str, tuple[int, ...]]:
-    """A decoder's weights: big embedding/output, layers whose MLP width cycles 1x..4x dim."""
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, dim)}
+    """A decoder's weights: layers whose MLP width cycles 1x..4x dim, an output matrix, and
+    an embedding of twice the vocabulary (a fused multi-modal or padded table): bigger than
+    a fair share of 4 ranks (a third of the rest), so the planner must split it."""
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (2 * vocab, dim)}
     for i in range(n_layers):
         ffn = dim * (1 + i % 4)
         shapes |= {
@@ -242,10 +261,26 @@ def timed(fn) -> float:
 
 
 def bytes_per_rank(path: Path) -> list[int]:
+    """Bytes each rank wrote: the sizes on disk of its data files (``__R_...``)."""
     out = [0] * WORLD
     for f in path.iterdir():
         if f.suffix == ".distcp":
             out[int(f.name.split("_")[2])] += f.stat().st_size
+    return out
+
+
+def planned_bytes_per_rank(path: Path) -> list[int]:
+    """Tensor bytes the plan gave each rank: the chunks ``.metadata`` says each file holds."""
+    meta = dcp.FileSystemReader(path).read_metadata()
+    out = [0] * WORLD
+    for index, info in meta.storage_data.items():
+        entry = meta.state_dict_metadata[index.fqn]
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        chunk = next(c for c in entry.chunks if tuple(c.offsets) == tuple(index.offset))
+        out[int(info.relative_path.split("_")[2])] += (
+            chunk.sizes.numel() * entry.properties.dtype.itemsize
+        )
     return out
 
 
@@ -259,8 +294,8 @@ def save_rounds(root: str, name: str, state: dict, reps: int, link: float | None
         order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
         for variant in order:
             path = Path(root) / f"{name}-{variant}"
-            if rank == 0 and path.exists():
-                shutil.rmtree(path)
+            if rank == 0:
+                remove_checkpoint(path)  # a link and its version, or a stock directory
             dist.barrier()
             writer, planner = writer_and_planner(variant, path, link)
             seconds = timed(
@@ -269,6 +304,25 @@ def save_rounds(root: str, name: str, state: dict, reps: int, link: float | None
             if rep:
                 save_s[variant].append(seconds)
     return save_s
+
+
+def load_rounds(root: str, name: str, state: dict, reps: int) -> tuple[dict, dict]:
+    """Load seconds per variant (each checkpoint by its own reader), ``reps`` rounds after an
+    untimed warm-up, variants interleaved and rotated; and whether every load was exact."""
+    load_s: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    correct = dict.fromkeys(VARIANTS, True)
+    for rep in range(reps + 1):
+        order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
+        for variant in order:
+            target = zeros_like_state(state)
+            reader, planner = reader_and_planner(variant, Path(root) / f"{name}-{variant}")
+            seconds = timed(
+                functools.partial(dcp.load, target, storage_reader=reader, planner=planner)
+            )
+            correct[variant] &= same(target, state)
+            if rep:
+                load_s[variant].append(seconds)
+    return load_s, correct
 
 
 def _measure(
@@ -281,31 +335,24 @@ def _measure(
     for layout in LAYOUTS:
         state = build_state(layout, shapes)
         save_s = save_rounds(root, layout, state, reps, None)
+        load_s, correct = load_rounds(root, layout, state, load_reps)
         layout_out = {}
         for variant in VARIANTS:
             path = Path(root) / f"{layout}-{variant}"
-            load_s, correct = [], True
-            for _ in range(load_reps):
-                target = zeros_like_state(state)
-                reader, planner = reader_and_planner(variant, path)
-                load_s.append(
-                    timed(
-                        lambda t=target, r=reader, p=planner: dcp.load(
-                            t, storage_reader=r, planner=p
-                        )
-                    )
-                )
-                correct &= same(target, state)
-            flags = torch.tensor(int(correct))
+            flags = torch.tensor(int(correct[variant]))
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
             per_rank = bytes_per_rank(path)
+            planned = planned_bytes_per_rank(path)
             mean = sum(per_rank) / WORLD
             layout_out[variant] = {
                 "bytes_per_rank_mb": [round(b / 2**20, 1) for b in per_rank],
+                "planned_per_rank_mb": [round(b / 2**20, 1) for b in planned],
                 "max_mean": round(max(per_rank) / mean, 3),
+                "max_mean_planned": round(max(planned) / (sum(planned) / WORLD), 3),
                 "save_s": round(statistics.median(save_s[variant]), 3),
                 "save_s_all": [round(t, 3) for t in save_s[variant]],
-                "load_s": round(statistics.median(load_s), 3),
+                "load_s": round(statistics.median(load_s[variant]), 3),
+                "load_s_all": [round(t, 3) for t in load_s[variant]],
                 "files": sum(1 for _ in path.iterdir()),
                 "loads_equal": bool(flags),
             }
@@ -526,6 +573,203 @@ def plot_simulation(sim: dict, path: Path) -> None:
     plt.close(fig)
 
 
+# -- the cluster lab -------------------------------------------------------------------------
+
+LAB_VARIANTS = ("lowest_rank", "dcp_default", "ours")  # checksums on
+LAB_MODEL = {"dim": 256, "vocab": 12288, "n_layers": 12}  # 66 MB; the embedding 1.5x a share
+
+
+def _storage_bytes() -> tuple[int, int]:
+    """(sent, received) on this node's storage link: its interface counters, read inside the
+    node's namespace, count every byte this node wrote to or read from the shared storage.
+    A lab node has three interfaces: loopback, its link to the other nodes, and this one."""
+    links = [d for d in Path("/sys/class/net").iterdir() if d.name not in ("lo", FABRIC_DEVICE)]
+    if len(links) != 1:
+        raise RuntimeError(f"expected one storage link beside lo and {FABRIC_DEVICE}: {links}")
+    stats = links[0] / "statistics"
+    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
+def _lab_round(fn, key: int) -> tuple[float, list[list[int]]]:
+    """Seconds of ``fn`` (slowest rank) and each rank's (sent, received) storage bytes."""
+    before = _storage_bytes()
+    seconds = timed(fn)
+    after = _storage_bytes()
+    moved = torch.tensor([after[key] - before[key]], dtype=torch.int64)
+    gathered = [torch.zeros_like(moved) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, moved)
+    return seconds, [int(g) for g in gathered]
+
+
+def lab_worker(root: str, reps: int, layouts: tuple[str, ...]) -> dict:
+    """Run under torchrun on every node of a lab: save and load each layout with the three
+    writers on the shared directory, median of ``reps`` rounds after a warm-up round."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    shapes = model_shapes(LAB_MODEL["dim"], LAB_MODEL["vocab"], LAB_MODEL["n_layers"])
+    out: dict = {"model_mb": round(sum(math.prod(s) * 4 for s in shapes.values()) / 2**20, 1)}
+    for layout in layouts:
+        state = build_state(layout, shapes)
+        save_s: dict[str, list[float]] = {v: [] for v in LAB_VARIANTS}
+        sent: dict[str, list[int]] = {}
+        for rep in range(reps + 1):
+            order = LAB_VARIANTS[rep % 3 :] + LAB_VARIANTS[: rep % 3]
+            for variant in order:
+                # a fresh path each round: nothing to remove, no cache of a removed directory
+                path = Path(root) / f"{layout}-{variant}-{rep}"
+                writer, planner = writer_and_planner(variant, path)
+                save = functools.partial(dcp.save, state, storage_writer=writer, planner=planner)
+                seconds, per_rank = _lab_round(save, key=0)
+                if rep:
+                    save_s[variant].append(seconds)
+                    sent[variant] = per_rank
+        load_s: dict[str, list[float]] = {v: [] for v in LAB_VARIANTS}
+        received: dict[str, list[int]] = {}
+        exact = dict.fromkeys(LAB_VARIANTS, True)
+        for rep in range(reps + 1):
+            for variant in LAB_VARIANTS[rep % 3 :] + LAB_VARIANTS[: rep % 3]:
+                target = zeros_like_state(state)
+                reader, planner = reader_and_planner(variant, Path(root) / f"{layout}-{variant}-1")
+                load = functools.partial(dcp.load, target, storage_reader=reader, planner=planner)
+                seconds, per_rank = _lab_round(load, key=1)
+                exact[variant] &= same(target, state)
+                if rep:
+                    load_s[variant].append(seconds)
+                    received[variant] = per_rank
+        flags = torch.tensor([int(exact[v]) for v in LAB_VARIANTS])
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        out[layout] = {
+            variant: {
+                "save_s": round(statistics.median(save_s[variant]), 3),
+                "save_s_all": [round(t, 3) for t in save_s[variant]],
+                "load_s": round(statistics.median(load_s[variant]), 3),
+                "load_s_all": [round(t, 3) for t in load_s[variant]],
+                "storage_sent_mb_per_rank": [round(b / 2**20, 1) for b in sent[variant]],
+                "storage_received_mb_per_rank": [round(b / 2**20, 1) for b in received[variant]],
+                "disk_mb_per_rank": [
+                    round(b / 2**20, 1)
+                    for b in bytes_per_rank(Path(root) / f"{layout}-{variant}-1")
+                ],
+                "loads_equal": bool(flags[i]),
+            }
+            for i, variant in enumerate(LAB_VARIANTS)
+        }
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps(out), flush=True)
+    return out
+
+
+def plot_lab(result: dict, path: Path) -> None:
+    """Save and load seconds of each writer, per link rate, for the first layout measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [str(r) for r in result["link_mbit"]]
+    layout = next(k for k in result["per_rate"][rates[0]] if isinstance(k, str) and k in LAYOUTS)
+    labels = {"lowest_rank": "stock, lowest rank", "dcp_default": "stock default", "ours": "ours"}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.8 / len(labels)
+    for ax, what in zip(axes, ("save_s", "load_s"), strict=True):
+        for i, (variant, label) in enumerate(labels.items()):
+            values = [result["per_rate"][r][layout][variant][what] for r in rates]
+            xs = [j + (i - 1) * width for j in range(len(rates))]
+            ax.bar(xs, values, width, color=f"C{i}", label=label)
+        ax.set_xticks(range(len(rates)), [f"{r} Mbit/s" for r in rates])
+        ax.set_ylabel(f"{what[:4]} seconds (median)")
+        ax.set_title(f"{what[:4]}, {layout} {result['model_mb']} MB, 4 nodes x 1 rank")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def lab_main(args) -> dict:
+    """Build a lab (4 ranks on ``--lab-nodes`` nodes, sshfs shared storage, each node's links
+    capped), run :func:`lab_worker` in it once per link rate, report the ratios."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"--lab: {reason}")
+    nodes = args.lab_nodes
+    rates = [int(r) for r in args.lab_link.split(",")]
+    layouts = tuple(args.lab_layouts.split(","))
+    per_rate: dict[str, dict] = {}
+    with Cluster(
+        nodes=nodes, ranks_per_node=WORLD // nodes, link=f"{rates[0]}mbit", timeout=3000
+    ) as lab:
+        for rate in rates:
+            lab.set_link(f"{rate}mbit")
+            lab.set_storage_link(f"{rate}mbit")
+            root = lab.shared_dir / f"ckpt-{rate}"
+            job = lab.run(
+                [
+                    str(Path(__file__).resolve()),
+                    "--lab-worker",
+                    str(root),
+                    "--lab-reps",
+                    str(args.lab_reps),
+                    "--lab-layouts",
+                    ",".join(layouts),
+                ],
+                echo=sys.stderr if args.lab_echo else None,
+            )
+            measured = job.last_json()
+            if job.returncode != 0 or measured is None:
+                raise SystemExit(
+                    f"--lab: the job at {rate} Mbit/s failed (exit {job.returncode}, timed out "
+                    f"{job.timed_out}):\n{job.output[-4000:]}"
+                )
+            measured["job_s"] = round(job.seconds, 1)
+            measured["link_bytes_mb"] = [
+                {k: round(v / 2**20, 1) for k, v in b.as_dict().items()} for b in job.link_bytes
+            ]
+            per_rate[str(rate)] = measured
+            print(f"lab {rate} Mbit/s: " + json.dumps(measured), flush=True)
+    head = per_rate[str(rates[0])]["replicated" if "replicated" in layouts else layouts[0]]
+    result = {
+        "bench": "checkpoint_lab",
+        "nodes": nodes,
+        "ranks_per_node": WORLD // nodes,
+        "link_mbit": rates,
+        "model_mb": per_rate[str(rates[0])]["model_mb"],
+        "reps": args.lab_reps,
+        "per_rate": per_rate,
+        "lab_save_speedup_vs_lowest_rank": round(
+            head["lowest_rank"]["save_s"] / head["ours"]["save_s"], 2
+        ),
+        "lab_save_ratio_vs_dcp_default": round(
+            head["ours"]["save_s"] / head["dcp_default"]["save_s"], 2
+        ),
+        "lab_load_ratio_vs_dcp_default": round(
+            head["ours"]["load_s"] / head["dcp_default"]["load_s"], 2
+        ),
+        "by_rate": {
+            rate: {
+                layout: {
+                    "save_speedup_vs_lowest_rank": round(
+                        m[layout]["lowest_rank"]["save_s"] / m[layout]["ours"]["save_s"], 2
+                    ),
+                    "save_ratio_vs_dcp_default": round(
+                        m[layout]["ours"]["save_s"] / m[layout]["dcp_default"]["save_s"], 2
+                    ),
+                    "load_ratio_vs_dcp_default": round(
+                        m[layout]["ours"]["load_s"] / m[layout]["dcp_default"]["load_s"], 2
+                    ),
+                }
+                for layout in layouts
+            }
+            for rate, m in per_rate.items()
+        },
+    }
+    if args.plot:
+        plot_lab(result, DOCS / "checkpoint_lab.png")
+    print(json.dumps(result), flush=True)
+    return result
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -549,8 +793,31 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sim-worlds", default=",".join(map(str, SIM_WORLDS)))
     p.add_argument("--sim-models", default="", help="comma-separated subset (default: all)")
     p.add_argument("--plot", default=str(DOCS / "checkpoint_sim.png"), help="'' to skip")
+    p.add_argument(
+        "--lab",
+        action="store_true",
+        help="only this: save and load in the cluster lab (4 ranks, sshfs shared storage, "
+        "per-node link caps); needs root",
+    )
+    p.add_argument("--lab-nodes", type=int, default=4, choices=(2, 4))
+    p.add_argument(
+        "--lab-link", default="200", help="per-node link rates, Mbit/s (comma-separated)"
+    )
+    p.add_argument("--lab-reps", type=int, default=3, help="timed rounds (median), >= 1")
+    p.add_argument("--lab-layouts", default="replicated,hsdp,fsdp")
+    p.add_argument("--lab-echo", action="store_true", help="stream node 0's console")
+    p.add_argument("--lab-worker", default="", help=argparse.SUPPRESS)  # inside the lab
     args = p.parse_args(argv)
     worlds = tuple(int(w) for w in args.sim_worlds.split(","))
+    if args.lab_reps < 1:
+        p.error(f"--lab-reps must be >= 1, got {args.lab_reps}")
+    bad = set(args.lab_layouts.split(",")) - set(LAYOUTS)
+    if bad:
+        p.error(f"--lab-layouts: unknown {sorted(bad)}; choose from {list(LAYOUTS)}")
+    if args.lab_worker:
+        return lab_worker(args.lab_worker, args.lab_reps, tuple(args.lab_layouts.split(",")))
+    if args.lab:
+        return lab_main(args)
 
     if args.link_sweep:
         rates = tuple(float(r) for r in args.link_sweep.split(","))
@@ -587,7 +854,7 @@ def main(argv: list[str] | None = None) -> dict:
                 dim,
                 vocab,
                 3 if args.quick else 5,
-                1 if args.quick else 3,
+                3 if args.quick else 5,
                 args.link_mbps * 1e6,
                 timeout=3000,
             )[0]
@@ -598,7 +865,16 @@ def main(argv: list[str] | None = None) -> dict:
             layout: {
                 v: {
                     k: measured[layout][v][k]
-                    for k in ("max_mean", "save_s", "load_s", "files", "loads_equal")
+                    for k in (
+                        "bytes_per_rank_mb",
+                        "planned_per_rank_mb",
+                        "max_mean",
+                        "max_mean_planned",
+                        "save_s",
+                        "load_s",
+                        "files",
+                        "loads_equal",
+                    )
                 }
                 for v in VARIANTS
             }
@@ -614,6 +890,13 @@ def main(argv: list[str] | None = None) -> dict:
         result["save_ratio_vs_dcp_default"] = round(
             rep["ours"]["save_s"] / rep["dcp_default"]["save_s"], 2
         )
+        # load seconds of ours against the stock default's, each read by its own reader
+        result["load_ratio_vs_dcp_default"] = {
+            layout: round(
+                measured[layout]["ours"]["load_s"] / measured[layout]["dcp_default"]["load_s"], 2
+            )
+            for layout in LAYOUTS
+        }
         result["checksum_cost"] = round(rep["ours"]["save_s"] / rep["ours_nocrc"]["save_s"] - 1, 3)
         raw = measured["raw_write_s"]
         # the most any spreading of writes can gain over one writer on this machine's storage

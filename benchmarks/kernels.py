@@ -260,7 +260,7 @@ def _same_state(a: dict, b: dict) -> bool:
 def _compile_reference(state: dict) -> dict:
     """``torch.compile`` (inductor) of the quantising reference: its first call, timed, is the
     one-time compile cost of this process (Inductor's on-disk cache may shorten later ones)."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(quantize_ef_to_payload_reference)
     start = time.perf_counter()
     _quantize_call(compiled, state)()

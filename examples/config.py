@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from examples.model import Block, ModelConfig
-from fsdp_ext import GranularityPolicy, LoCoConfig
+from fsdp_ext import GranularityPolicy, LoCoConfig, QuantizedAllGather
 
 __all__ = [
     "COMMS",
@@ -35,6 +35,7 @@ __all__ = [
     "comm_config",
     "parse_args",
     "run_record",
+    "weights_config",
 ]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -105,10 +106,26 @@ class TrainConfig:
     )
     intra_node_size: int | str | None = _arg(
         None,
-        "ranks per node for the 4-bit codecs: full precision inside a node, 4-bit across "
-        "nodes ('auto': the launcher's LOCAL_WORLD_SIZE; 2 on 4 ranks emulates 2 nodes)",
+        "ranks per node for the 4-bit codecs (full precision inside a node, 4-bit across "
+        "nodes) and --hpz ('auto': the launcher's LOCAL_WORLD_SIZE; 2 on 4 ranks emulates "
+        "2 nodes)",
         type=_node_size,
     )
+    qwz: bool = _arg(
+        False, "ZeRO++ qwZ: all-gather the weights as block-wise int8 (the shards stay exact)"
+    )
+    qwz_group_size: int = _arg(
+        256, "values per fp32 scale of --qwz's int8 weights (a power of two, 32-4096)", low=32
+    )
+    qwz_forward_only: bool = _arg(
+        False, "--qwz on the forward all-gathers only; backward gathers full precision"
+    )
+    hpz: bool = _arg(
+        False,
+        "ZeRO++ hpZ: each unit keeps its post-forward copy inside the node, so backward "
+        "all-gathers never leave it (node size: --intra-node-size, else the launcher's)",
+    )
+    zeropp: bool = _arg(False, "the ZeRO++ stack: --comm loco --intra-node-size auto --qwz --hpz")
     log_every: int = _arg(25, "steps between progress lines", low=1)
     val_batches: int = _arg(8, "validation batches at the end of the run", low=1)
     ckpt_every: int = _arg(0, "save a checkpoint every N steps (0: never)", low=0)
@@ -137,6 +154,9 @@ class TrainConfig:
         for owner, f in _flag_fields():
             value = getattr(self.model if owner is ModelConfig else self, f.name)
             low, above = f.metadata.get("low"), f.metadata.get("above")
+            choices = f.metadata.get("choices")
+            if choices is not None and value not in choices:
+                raise ConfigError(_flag(f.name), f"must be one of {list(choices)}, got {value!r}")
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
             if low is not None and value < low:
@@ -169,17 +189,48 @@ class TrainConfig:
                 f"1F1B over --pp {self.pp} stages needs at least {self.pp} microbatches per "
                 f"step, got {self.microbatches}",
             )
+        self._check_zeropp()
         k = self.intra_node_size
         if k is not None and k != "auto" and (not isinstance(k, int) or k < 1):
             raise ConfigError("--intra-node-size", f"must be an int >= 1 or 'auto', got {k!r}")
-        if k is not None and COMMS[self.comm] is None:
+        if k is not None and COMMS[self.comm] is None and not self.hpz:
             raise ConfigError(
                 "--intra-node-size",
-                "only the 4-bit codecs reduce by node; --comm default sends full precision "
-                "everywhere: drop --intra-node-size or pass --comm q4 or --comm loco",
+                "only the 4-bit codecs and --hpz work by node; --comm default sends full "
+                "precision everywhere: drop --intra-node-size, or pass --comm q4, --comm loco "
+                "or --hpz",
             )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device", "cuda was asked for but no CUDA device is available")
+
+    def _check_zeropp(self) -> None:
+        """--zeropp turns on its parts; the parts refuse what they cannot run under."""
+        if self.zeropp:
+            if self.comm != "loco":
+                raise ConfigError(
+                    "--zeropp", f"it is --comm loco --qwz --hpz; drop --comm {self.comm}"
+                )
+            self.qwz = self.hpz = True
+            if self.intra_node_size is None:
+                self.intra_node_size = "auto"
+        flags = [f for f in ("zeropp", "qwz", "hpz") if getattr(self, f)]
+        if self.pp > 1 and flags:
+            raise ConfigError(
+                f"--{flags[0]}",
+                "not under --pp (the pipeline builds its own FSDP units); drop --qwz, --hpz "
+                "and --zeropp, or --pp",
+            )
+        if self.hpz and self.ep > 1:
+            raise ConfigError(
+                "--hpz",
+                f"torch cannot reshard expert-parallel experts (--ep {self.ep}) to a node; "
+                "use --ep 1 or drop --hpz",
+            )
+        gs = self.qwz_group_size
+        if gs & (gs - 1) or gs > 4096:
+            raise ConfigError(
+                "--qwz-group-size", f"must be a power of two from 32 to 4096, got {gs}"
+            )
 
 
 def _flag_fields() -> list[tuple[type, Field]]:
@@ -255,10 +306,12 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
 
 
 def node_size(cfg: TrainConfig, world_size: int) -> int | None:
-    """Ranks per node of --intra-node-size; 'auto' reads the launcher's LOCAL_WORLD_SIZE
-    (our own launch is one node; a single process is a node of one)."""
-    if cfg.intra_node_size != "auto":
-        return cfg.intra_node_size
+    """Ranks per node of --intra-node-size (under --hpz 'auto' by default); 'auto' reads the
+    launcher's LOCAL_WORLD_SIZE (our own launch is one node; a single process is a node of
+    one)."""
+    k = cfg.intra_node_size if cfg.intra_node_size is not None or not cfg.hpz else "auto"
+    if k != "auto":
+        return k
     if cfg.nproc_per_node is not None and "RANK" not in os.environ:
         return cfg.nproc_per_node
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -302,6 +355,13 @@ def comm_config(cfg: TrainConfig, world_size: int) -> LoCoConfig | None:
     if config is None or cfg.intra_node_size is None:
         return config
     return replace(config, intra_node_size=node_size(cfg, world_size))
+
+
+def weights_config(cfg: TrainConfig) -> QuantizedAllGather | None:
+    """--qwz's int8 parameter all-gather (None: the stock all-gather)."""
+    if not cfg.qwz:
+        return None
+    return QuantizedAllGather(group_size=cfg.qwz_group_size, backward=not cfg.qwz_forward_only)
 
 
 def run_record(cfg: TrainConfig, world_size: int) -> dict:

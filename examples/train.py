@@ -41,8 +41,10 @@ from examples.config import (
     TrainConfig,
     check_world,
     comm_config,
+    node_size,
     parse_args,
     run_record,
+    weights_config,
 )
 from examples.data import get_batch, load_corpus, unigram_entropy
 from examples.model import Transformer
@@ -54,12 +56,15 @@ from fsdp_ext import (
     SpreadFileSystemWriter,
     SpreadSavePlanner,
     VerifiedFileSystemReader,
+    WeightGatherHandle,
     apply_expert_parallel,
     build_pipeline,
     clip_grad_norm_,
+    node_local_reshard,
     pipeline_step,
     reduce_pipeline_loss,
     register_comm_hook,
+    register_weight_all_gather,
     remove_checkpoint,
     shard_moe_model,
 )
@@ -89,6 +94,7 @@ class Parallel:
     train_step: Callable[[torch.Tensor, torch.Tensor], float]  # forward + backward: global loss
     eval_step: Callable[[torch.Tensor, torch.Tensor], float]  # forward only: global loss
     pp_mesh: DeviceMesh | None = None  # for the gradient norm over the stages
+    weights: WeightGatherHandle | None = None  # --qwz's handle (no state to checkpoint)
 
 
 def parallelize(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Parallel:
@@ -101,19 +107,30 @@ def _mp_policy(cfg: TrainConfig) -> MixedPrecisionPolicy:
 
 
 def shard_model(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Transformer:
-    """Experts over ep, one FSDP unit per expert group, the --wrap policy's units, the root."""
+    """Experts over ep, one FSDP unit per expert group, the --wrap policy's units, the root;
+    under --hpz each unit keeps its post-forward copy inside the node."""
     apply_expert_parallel(model, dims)
     policy = WRAP_POLICIES[cfg.wrap]
-    return shard_moe_model(model, dims, auto_wrap_policy=policy, mp_policy=_mp_policy(cfg))
+    kwargs = {}
+    if cfg.hpz:
+        nodes = node_size(cfg, dims.world_size)
+        kwargs["reshard_after_forward"] = node_local_reshard(dims.dp_mesh, nodes)
+    return shard_moe_model(
+        model, dims, auto_wrap_policy=policy, mp_policy=_mp_policy(cfg), **kwargs
+    )
 
 
-def attach_comm(model: Transformer, cfg: TrainConfig) -> CommHandle | None:
-    """The --comm codec on every FSDP unit (none for `--comm default`)."""
-    config = comm_config(cfg, dist.get_world_size())
-    return None if config is None else register_comm_hook(model, config)
+def attach_comm(model: Transformer, cfg: TrainConfig) -> CommHandle | WeightGatherHandle | None:
+    """The --comm codec on every FSDP unit (none for `--comm default`), and with --qwz the
+    int8 parameter all-gather (its handle alone under `--comm default`)."""
+    config, weights = comm_config(cfg, dist.get_world_size()), weights_config(cfg)
+    if config is None:
+        return None if weights is None else register_weight_all_gather(model, weights)
+    return register_comm_hook(model, config, weights=weights)
 
 
 def sharded(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Parallel:
+    """FSDP over the whole model (experts over --ep), --comm on every unit."""
     shard_model(model, cfg, dims)
     world = dist.get_world_size()
 
@@ -130,7 +147,11 @@ def sharded(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Paralle
     def eval_step(x: torch.Tensor, y: torch.Tensor) -> float:
         return global_mean(lm_loss(model(x), y))
 
-    return Parallel([model], attach_comm(model, cfg), train_step, eval_step)
+    handle = attach_comm(model, cfg)
+    if isinstance(handle, WeightGatherHandle):  # qwZ alone
+        return Parallel([model], None, train_step, eval_step, weights=handle)
+    weights = None if handle is None else handle.weights
+    return Parallel([model], handle, train_step, eval_step, weights=weights)
 
 
 def pipelined(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Parallel:
@@ -330,6 +351,7 @@ def train(cfg: TrainConfig) -> dict:
         "tokens_per_s": tokens_per_step / median_ms * 1e3 if median_ms else None,
         "world_size": world,
         "comm_stats": None if par.comm is None else asdict(par.comm.stats),
+        "weight_stats": None if par.weights is None else asdict(par.weights.stats),
     }
 
 

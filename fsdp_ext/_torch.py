@@ -12,11 +12,22 @@ import contextlib
 import sys
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint import metadata as dcp_metadata
 
 # 2.11-2.14: DCP's stock de-duplication of replicated items over the ranks' save plans.
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+
+# 2.11-2.14: sets a value in a nested state dict by its flattened path (how
+# ``DefaultLoadPlanner.load_bytes`` puts a non-tensor item back).
+from torch.distributed.checkpoint._traverse import set_element as set_state_dict_element
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+# 2.11-2.14: where ``.metadata`` records an item's bytes: (relative_path, offset, length).
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo
 
 # 2.11-2.14: the write items DCP's default planner makes for one state-dict entry.
 from torch.distributed.checkpoint.planner_helpers import _create_write_items as create_write_items
@@ -53,9 +64,12 @@ except ImportError:  # 2.11-2.12: no comm object is set by default
     DefaultAllGather = None
 
 __all__ = [
+    "DCP_METADATA_PRIVATE_GLOBALS",
     "GROUP_TRANSITIONS_AFTER",
     "GROUP_TRANSITIONS_BEFORE",
     "AllGather",
+    "DcpStorageInfo",
+    "DedupHookSavePlanner",
     "DefaultAllGather",
     "DefaultReduceScatter",
     "FSDP1Policy",
@@ -79,16 +93,29 @@ __all__ = [
     "param_groups",
     "reduce_scatter_into",
     "run_fsdp1_policy",
+    "set_state_dict_element",
     "sharded_post_forward_data",
     "thread_in_dcp_save",
     "tree_map",
     "unflatten_mesh",
     "unsharded_param",
+    "write_files",
 ]
 
 # 2.13 renamed the tensor collectives (``*_single``); 2.11-2.12 have only the old names.
-reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# Looked up at each call, so that a benchmark wrapping ``dist``'s collectives to count the
+# bytes on the wire sees the library's calls too.
+
+
+def reduce_scatter_into(*args: Any, **kwargs: Any) -> Any:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(*args, **kwargs)
+
+
+def all_gather_into(*args: Any, **kwargs: Any) -> Any:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(*args, **kwargs)
+
 
 # FSDPParamGroup methods at which unsharded memory changes (2.11-2.14): a memory tracker
 # samples before the first three (memory is freed inside) and after ``unshard``.
@@ -217,3 +244,38 @@ def thread_in_dcp_save(thread_ident: int) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+# 2.11-2.14: globals DCP's ``.metadata`` pickles under private names: the memory-format enum
+# inside ``TensorProperties``, ``_StorageInfo``, and the lookup ``torch.layout`` objects
+# pickle through. The restricted unpickler allows exactly these.
+DCP_METADATA_PRIVATE_GLOBALS: dict[tuple[str, str], object] = {
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): (
+        dcp_metadata._MEM_FORMAT_ENCODING
+    ),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): DcpStorageInfo,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+}
+
+
+class DedupHookSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` whose deduplication of the ranks' plans is a public hook.
+
+    2.11-2.14: the global step calls ``_dedup_save_plans(all_plans)``; subclasses override
+    :meth:`dedup_plans` instead.
+    """
+
+    def dedup_plans(self, all_plans: list) -> list:
+        return dedup_save_plans(all_plans, self.dedup_save_to_lowest_rank)
+
+    def _dedup_save_plans(self, all_plans: list) -> list:
+        return self.dedup_plans(all_plans)
+
+
+def write_files(writer: FileSystemWriter, planner: Any, file_queue: Any) -> Any:
+    """Run the stock write loop of ``writer`` over ``file_queue`` (``(path, file name,
+    items)`` tuples), with its ``thread_count`` threads; a future of the write results.
+
+    2.11-2.14: ``FileSystemWriter._write_data(planner, file_queue)``.
+    """
+    return writer._write_data(planner, file_queue)

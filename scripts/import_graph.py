@@ -502,7 +502,7 @@ def to_dot(graph: Graph) -> str:
 # Row of each group in the drawing, top to bottom: data flows downwards.
 DRAW_ROWS = (
     ("examples", "benchmarks"),
-    ("fsdp_ext (top)", "integrations", "lab", "testing"),
+    ("integrations", "fsdp_ext (top)", "testing", "lab"),
     ("pipeline", "checkpoint"),
     ("moe",),
     ("comm", "wrap"),
@@ -537,7 +537,7 @@ def draw_png(graph: Graph, path: Path) -> None:
             xytext=(x0, y0),
             arrowprops={
                 "arrowstyle": "-|>",
-                "color": "tab:red" if y1 >= y0 else "0.45",
+                "color": "tab:red" if y1 > y0 + 1e-9 else "0.45",
                 "lw": 0.6 + 0.25 * min(count, 8),
                 "shrinkA": 14,
                 "shrinkB": 14,
@@ -559,7 +559,7 @@ def draw_png(graph: Graph, path: Path) -> None:
             bbox={"boxstyle": "round", "fc": "white" if group != "_torch" else "#fde", "ec": "k"},
         )
     ax.set_axis_off()
-    ax.set_title("fsdp-ext imports (arrow: imports; red would point upwards)", fontsize=10)
+    ax.set_title("fsdp-ext: who imports whom (an arrow upwards would be drawn red)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

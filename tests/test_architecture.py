@@ -30,20 +30,6 @@ def _load_checker():
 
 ig = _load_checker()
 
-# Known breaks that other branches remove. Each entry must still be found (a stale entry
-# fails), so the list only shrinks. TODO(lead): drop each line once its branch is merged.
-PENDING_CYCLES = [
-    # edges: the plan data types move out of wrap/plan.py, so search imports them one way
-    ["fsdp_ext.wrap.plan", "fsdp_ext.wrap.search"],
-]
-PENDING_PRIVATE_FILES = [
-    # ckpt: checkpoint/'s private torch names move into fsdp_ext/_torch.py
-    "fsdp_ext/checkpoint/planner.py",
-    "fsdp_ext/checkpoint/reader.py",
-    "fsdp_ext/checkpoint/unpickler.py",
-    "fsdp_ext/checkpoint/writer.py",
-]
-
 
 @pytest.fixture(scope="module")
 def graph():
@@ -51,10 +37,7 @@ def graph():
 
 
 def test_no_import_cycle(graph):
-    found = ig.cycles(graph)
-    stale = [c for c in PENDING_CYCLES if c not in found]
-    assert not stale, f"{stale} no longer form a cycle: remove them from PENDING_CYCLES"
-    assert [c for c in found if c not in PENDING_CYCLES] == []
+    assert ig.cycles(graph) == []
 
 
 def test_layering(graph):
@@ -66,11 +49,7 @@ def test_every_package_reexports_through_all(graph):
 
 
 def test_private_torch_names_only_in_torch_shims():
-    found = ig.private_torch_uses()
-    pending = {u.path for u in found} & set(PENDING_PRIVATE_FILES)
-    stale = sorted(set(PENDING_PRIVATE_FILES) - pending)
-    assert not stale, f"{stale} use no private torch name now: remove from PENDING_PRIVATE_FILES"
-    assert [str(u) for u in found if u.path not in PENDING_PRIVATE_FILES] == []
+    assert [str(u) for u in ig.private_torch_uses()] == []
 
 
 def test_public_names_resolve():

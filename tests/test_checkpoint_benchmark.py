@@ -58,3 +58,29 @@ def test_link_sweep_runs(capsys):
     for row in last["save_s"].values():
         assert set(row) == {"lowest_rank", "dcp_default", "ours", "ours_nocrc"}
         assert all(seconds > 0 for seconds in row.values())
+
+
+@pytest.mark.slow
+def test_lab_benchmark_runs(capsys):
+    """--lab in a real lab (root, namespaces, sshfs): one round, the replicated layout."""
+    from fsdp_ext.lab import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    result = main(["--lab", "--lab-reps", "1", "--lab-layouts", "replicated"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == json.loads(json.dumps(result)) and last["bench"] == "checkpoint_lab"
+    for key in (
+        "lab_save_speedup_vs_lowest_rank",
+        "lab_save_ratio_vs_dcp_default",
+        "lab_load_ratio_vs_dcp_default",
+    ):
+        assert last[key] > 0
+    row = last["per_rate"]["200"]["replicated"]
+    assert all(v["loads_equal"] for v in row.values())
+    # bytes each node sent to the storage, from its interface counters: the lowest-rank
+    # writer's node sends everything, ours spreads it (the embedding is split)
+    sent = {v: row[v]["storage_sent_mb_per_rank"] for v in row}
+    assert max(sent["lowest_rank"]) > 3 * max(sent["ours"])
+    assert max(sent["ours"]) / (sum(sent["ours"]) / 4) < 1.15

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -276,3 +277,59 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     after = verify_checkpoint(path)
     assert after.ok and after.notes == []
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", after.version])
+
+
+# -- who checks what on a load ---------------------------------------------------------------
+
+
+def _load_and_report_checks(path: str, layout: str) -> tuple[list[str], str | None]:
+    """Load ``path`` into ``layout`` at this world size; return the files this rank checked
+    and the load's error, if any (as the rank saw it)."""
+    world = dist.get_world_size()
+    tensors = full_state()
+    target = empty_like(build_state(layout, world, tensors))
+    reader = VerifiedFileSystemReader(path)
+    try:
+        dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner())
+    except BaseException as exc:  # CheckpointException is a BaseException
+        return sorted(reader.checks_here), str(exc)
+    assert mismatches(target, tensors) == []
+    return sorted(reader.checks_here), None
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "replicated"])
+def test_each_file_is_checked_once_by_a_rank_that_reads_it(round_trips, layout):
+    """Checksums are divided, not repeated by every reader; in a load into the layout it was
+    saved from, a rank checks its own files when the balance allows (FSDP: all of them)."""
+    root, _ = round_trips
+    path = root / f"{layout}-w4"
+    files = verify_checkpoint(path).files
+    results = run_distributed(_load_and_report_checks, 4, str(path), layout)
+    checked = [set(names) for names, error in results]
+    assert all(error is None for _, error in results)
+    assert sum(len(c) for c in checked) == len(set().union(*checked))  # each file once
+    if layout == "fsdp":
+        assert set().union(*checked) == set(files)
+        assert all(files[name].rank == rank for rank, c in enumerate(checked) for name in c)
+    else:  # everyone reads everything: the checking is spread over the ranks
+        assert set().union(*checked) == set(files) and all(checked)
+
+
+def test_a_flipped_byte_fails_the_load_on_every_rank(round_trips, tmp_path):
+    """One rank checks the damaged file; DCP gathers its error, so every rank's load fails
+    naming the file, including the ranks that only read slices of it."""
+    root, _ = round_trips
+    path = tmp_path / "replicated"
+    version = os.readlink(root / "replicated-w4")
+    shutil.copytree(root / version, tmp_path / version)
+    path.symlink_to(version)
+    report = verify_checkpoint(path)
+    name = max(report.files, key=lambda n: report.files[n].size)
+    damaged = tmp_path / report.version / name
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    damaged.write_bytes(bytes(data))
+    results = run_distributed(_load_and_report_checks, 4, str(path), "replicated")
+    assert sum(name in checked for checked, _ in results) == 1
+    for _, error in results:
+        assert error is not None and f"{damaged}: crc32" in error, error

@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -23,8 +22,10 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from fsdp_ext._torch import dedup_save_plans
 from fsdp_ext.checkpoint.layers import default_layer_key
 from fsdp_ext.checkpoint.planner import spread_plans
+from fsdp_ext.checkpoint.verify_plan import LOCALITY_SLACK, assign_checks
 
 ELEM = {torch.float32: 4, torch.bfloat16: 2}
 
@@ -273,3 +274,53 @@ def test_coarse_dim0_splits_along_the_next_dim():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="slack"):
         spread_plans([SavePlan([])], slack=-1)
+
+
+# -- who checks which file on a load -------------------------------------------------------
+
+
+@st.composite
+def load_reads(draw):
+    """Files (size, writer) and, per rank, the files it reads: everything, own files, or
+    random subsets."""
+    world = draw(st.integers(1, 12))
+    n_files = draw(st.integers(1, 30))
+    sizes = {f"f{i}": draw(st.integers(1, 10_000)) for i in range(n_files)}
+    writers = {name: draw(st.integers(0, world - 1)) for name in sizes}
+    pattern = draw(st.sampled_from(["all", "own", "random"]))
+    if pattern == "all":
+        reads = [dict(sizes) for _ in range(world)]
+    elif pattern == "own":
+        reads = [{f: s for f, s in sizes.items() if writers[f] == r} for r in range(world)]
+    else:
+        reads = [{f: s for f, s in sizes.items() if draw(st.booleans())} for _ in range(world)]
+    return reads, sizes, writers, pattern
+
+
+@SETTINGS
+@given(load_reads())
+def test_every_file_read_is_checked_once_by_one_of_its_readers(case):
+    reads, sizes, writers, pattern = case
+    checks = assign_checks(reads, sizes, writers)
+    read_by = {f for r in reads for f in r}
+    assert sorted(f for c in checks for f in c) == sorted(read_by)  # once each
+    assert all(f in reads[r] for r, c in enumerate(checks) for f in c)  # by a reader
+    if pattern == "own":  # a load into the layout it was saved from: its own files
+        assert all(writers[f] == r for r, c in enumerate(checks) for f in c)
+    if pattern == "all":  # checking divided: LPT's bound, plus the locality slack
+        load = [sum(sizes[f] for f in c) for c in checks]
+        total, world = sum(sizes.values()), len(reads)
+        assert max(load) <= total / world + (1 + LOCALITY_SLACK) * max(sizes.values())
+    assert assign_checks(reads, sizes, writers) == checks  # deterministic
+
+
+def test_a_reader_checks_its_own_files_when_the_balance_allows():
+    """Everyone reads every file (a replicated load): each file is checked by the rank that
+    wrote it, which needed its bytes whole anyway; a writer of too much gives some away."""
+    sizes = {f"f{i}": 100 for i in range(8)}
+    writers = {f"f{i}": 3 - i % 4 for i in range(8)}
+    checks = assign_checks([dict(sizes)] * 4, sizes, writers)
+    assert all(writers[f] == r for r, c in enumerate(checks) for f in c)
+    lopsided = dict.fromkeys(sizes, 0)  # rank 0 wrote everything
+    checks = assign_checks([dict(sizes)] * 4, sizes, lopsided)
+    assert [len(c) for c in checks] == [2, 2, 2, 2]

@@ -299,6 +299,18 @@ def test_files_are_layer_runs_and_one_per_writer_thread(tmp_path):
     assert torch.equal(load_ours(threaded)["layers.1.w"], state()["layers.1.w"])
 
 
+def test_writer_threads_get_halves_of_the_bytes(tmp_path):
+    """thread_count=2: the rank's one layer run is halved by bytes, so each thread writes
+    about half of the data (file sizes on disk), not one thread all of it."""
+    path = tmp_path / "ckpt"
+    writer = SpreadFileSystemWriter(path, thread_count=2)
+    dcp.save(state(), storage_writer=writer, planner=SpreadSavePlanner())
+    report = verify_checkpoint(path)
+    sizes = [os.stat(path / name).st_size for name in report.files]
+    assert len(sizes) == 2 and min(sizes) / max(sizes) > 0.8, sizes
+    assert all(record.items >= 1 for record in report.files.values())
+
+
 def test_every_file_is_fsynced_before_the_publish(tmp_path, monkeypatch):
     """Durability: data files, .metadata, the manifest and the version directory reach the
     disk before the rename publishes them, and the parent dir after it (so the rename
@@ -323,5 +335,5 @@ def test_every_file_is_fsynced_before_the_publish(tmp_path, monkeypatch):
     on_disk = {p.name for p in path.iterdir()}
     data = {name for name in on_disk if name.endswith(".distcp")}
     assert len(data) == 3 and on_disk == data | {".metadata", ".manifest.json"}
-    assert data | {".manifest.json.tmp", ".metadata.tmp", version} <= set(synced)
+    assert data | {".manifest.json.tmp", ".metadata", version} <= set(synced)
     assert ("fsync", str(tmp_path)) in events[publish:]

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import fsdp_ext
 from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.testing import run_distributed
+from triton_kernels.backend import use_backend
 from triton_kernels.quantize_blockwise import (
     dequantize_blockwise_reference,
     payload_row_bytes,
@@ -66,32 +67,25 @@ def _units(net: Net) -> list[tuple[str, nn.Module, list[str]]]:
 def quantized_copy(
     net: Net, world: int, group_size: int, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
-    """What every rank computes with under qwZ: by hand, unit by unit (see module doc)."""
+    """What every rank computes with under qwZ, by hand: each parameter padded on dim 0 to
+    a multiple of the world, cut into one dim-0 chunk per rank, each chunk quantised on its
+    own groups (no group mixes two parameters or two ranks), dequantised, put back."""
     out = {}
     for prefix, unit, names in _units(net):
         params = dict(unit.named_parameters())
-        rows, layout = [[] for _ in range(world)], []
         for name in names:
             p = params[name].detach().to(dtype)
             chunk = -(-p.shape[0] // world)
             padded = p.new_zeros(world * chunk, *p.shape[1:])
             padded[: p.shape[0]] = p
-            for r in range(world):
-                rows[r].append(padded[r * chunk : (r + 1) * chunk].reshape(-1))
-            layout.append((name, p.shape, chunk))
-        flat = torch.stack([torch.cat(r) for r in rows])
-        payload = torch.empty(
-            world, payload_row_bytes(flat.shape[1], group_size), dtype=torch.uint8
-        )
-        quantize_blockwise_reference(flat, payload, group_size=group_size)
-        back = torch.empty_like(flat)
-        dequantize_blockwise_reference(payload, back, group_size=group_size)
-        offset = 0
-        for name, shape, chunk in layout:
-            width = chunk * shape[1:].numel()
-            pieces = back[:, offset : offset + width].reshape(world * chunk, *shape[1:])
-            out[prefix + name] = pieces[: shape[0]].clone()
-            offset += width
+            rows = padded.reshape(world, -1)
+            payload = torch.empty(
+                world, payload_row_bytes(rows.shape[1], group_size), dtype=torch.uint8
+            )
+            quantize_blockwise_reference(rows, payload, group_size=group_size)
+            back = torch.empty_like(rows)
+            dequantize_blockwise_reference(payload, back, group_size=group_size)
+            out[prefix + name] = back.reshape(padded.shape)[: p.shape[0]].clone()
     return out
 
 
@@ -110,7 +104,12 @@ def _full(tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _qwz_steps_rank(steps: int, group_size: int) -> dict:
+def _qwz_steps_rank(steps: int, group_size: int, backend: str = "auto") -> dict:
+    with use_backend(backend):
+        return _qwz_steps(steps, group_size)
+
+
+def _qwz_steps(steps: int, group_size: int) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
@@ -185,6 +184,18 @@ def test_qwz_steps_equal_a_single_process_run_on_quantized_weights():
     # the weights the optimizer holds are not the quantised ones
     q = quantized_copy_from(ref["params"])
     assert not torch.equal(q["blocks.1.up.weight"], ref["params"]["blocks.1.up.weight"])
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+def test_qwz_runs_the_triton_kernels_on_the_data_path():
+    """The same step with the Triton kernels (interpreted) inside FSDP's all-gather: the
+    weights forward computes with and the updated shards equal the torch path's bit for bit."""
+    triton = run_distributed(_qwz_steps_rank, 2, 1, 64, "triton")
+    torch_path = run_distributed(_qwz_steps_rank, 2, 1, 64, "reference")
+    for t, r in zip(triton, torch_path, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(t["seen"], r["seen"], strict=True))
+        assert t["losses"] == r["losses"]
+        assert all(torch.equal(t["params"][n], r["params"][n]) for n in r["params"])
 
 
 def quantized_copy_from(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

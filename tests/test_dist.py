@@ -45,6 +45,7 @@ def test_rank_exception_is_reraised_with_its_traceback(world_size):
 
 
 def _hang_on_last_rank():
+    dist.barrier()  # both ranks are up, so only the hang can use up the timeout
     if dist.get_rank() == dist.get_world_size() - 1:
         time.sleep(3600)
     return dist.get_rank()
@@ -52,7 +53,7 @@ def _hang_on_last_rank():
 
 def test_hang_times_out_and_names_stuck_rank():
     with pytest.raises(RankTimeout) as info:
-        run_distributed(_hang_on_last_rank, 2, timeout=8)
+        run_distributed(_hang_on_last_rank, 2, timeout=15)
     assert info.value.stuck == [1]
     assert info.value.finished == [0]
     assert "ranks [1] did not finish" in str(info.value)

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.utils._pytree import tree_map
 
 import fsdp_ext
 from benchmarks.wrap_models import DecoderLayer, FineMoE, FineMoEConfig
@@ -142,10 +144,10 @@ class _Collectives:
         return [(r, b) for n, p, r, b in self.calls if n.startswith("all_gather") and p == phase]
 
 
-def _unit_numel(unit, names, world):
-    """Per-rank all-gather input of a unit, from the parameter shapes alone."""
+def _unit_chunks(unit, names, world):
+    """Each parameter's per-rank all-gather input, from the parameter shapes alone."""
     params = dict(unit.named_parameters())
-    return sum(-(-params[n].shape[0] // world) * params[n][0].numel() for n in names)
+    return [-(-params[n].shape[0] // world) * params[n][0].numel() for n in names]
 
 
 def _zeropp_rank() -> dict:
@@ -155,8 +157,8 @@ def _zeropp_rank() -> dict:
     net = Net()
     exact = quantized_copy(net, WORLD, 32)["blocks.0.up.weight"]
     numels = [
-        _unit_numel(net, [n for n, _ in net.named_parameters() if "blocks" not in n], WORLD),
-        *(_unit_numel(b, [n for n, _ in b.named_parameters()], WORLD) for b in net.blocks),
+        _unit_chunks(net, [n for n, _ in net.named_parameters() if "blocks" not in n], WORLD),
+        *(_unit_chunks(b, [n for n, _ in b.named_parameters()], WORLD) for b in net.blocks),
     ]
     fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh, reshard_after_forward="node")
     handle = fsdp_ext.register_comm_hook(
@@ -240,9 +242,9 @@ def test_zeropp_on_two_emulated_nodes():
         assert [ranks_ for ranks_, _ in forward] == [tuple(range(WORLD))] * 9
         assert [ranks_ for ranks_, _ in backward] == [node] * 9
         # bytes: forward payloads int8 + fp32 scales per 32; backward the fp32 node copy
-        root, b0, b1 = r["numels"]
-        per_step_fwd = [payload_row_bytes(n, 32) for n in (root, b0, b1)]
-        per_step_bwd = [WORLD // NODE * n * 4 for n in (root, b1, b0)]
+        root, b0, b1 = r["numels"]  # per parameter: its own groups, its own scales
+        per_step_fwd = [sum(payload_row_bytes(n, 32) for n in u) for u in (root, b0, b1)]
+        per_step_bwd = [WORLD // NODE * sum(u) * 4 for u in (root, b1, b0)]
         assert [b for _, b in forward] == per_step_fwd * 3
         assert [b for _, b in backward] == per_step_bwd * 3
         w = r["weights"]
@@ -274,3 +276,72 @@ def test_int_reshard_peak_estimate_bounds_the_measured_peak():
             assert measured <= estimate <= 1.25 * measured, (raf, estimate, measured)
         assert r["node"][2] == [2] * 4 and r[True][2] == [True] * 4
         assert r["node"][1] > r[True][1]  # the node copies are held through forward
+
+
+# ------------------------------------------------ why qwZ is an AllGather comm
+
+
+class GatherAsIs(torch.Tensor):
+    """The smallest parameter subclass with FSDP2's all-gather extension (the route of
+    torchao's float8 weights): ``fsdp_pre_all_gather`` hands its data over as is."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, dtype=data.dtype, device=data.device, requires_grad=data.requires_grad
+        )
+
+    def __init__(self, data):
+        self._data = data
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return GatherAsIs(inner["_data"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t._data if isinstance(t, GatherAsIs) else t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return tree_map(lambda t: GatherAsIs(t) if isinstance(t, torch.Tensor) else t, out)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self._data,), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        if out is None:
+            return outputs[0], (outputs[0],)
+        return None
+
+
+def _extension_rank() -> dict:
+    mesh = init_device_mesh("cpu", (WORLD,))
+    out = {}
+    for raf in (True, NODE):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        for layer in model:
+            layer.weight = torch.nn.Parameter(GatherAsIs(layer.weight.detach()))
+            torch_fully_shard(layer, mesh=mesh, reshard_after_forward=raf)
+        torch_fully_shard(model, mesh=mesh)
+        try:
+            model(torch.randn(4, 8)).sum().backward()
+            out[raf] = "ok"
+        except NotImplementedError:
+            out[raf] = "NotImplementedError"
+    return out
+
+
+def test_torch_refuses_the_all_gather_extension_with_an_int_reshard():
+    """Canary for the design: a parameter subclass with ``fsdp_pre_all_gather`` (the
+    torchao route) trains with a full reshard, but FSDP2 (2.11-2.14) raises
+    NotImplementedError when an int reshard gathers it again in backward
+    (``FSDPParam.all_gather_inputs`` in ``SHARDED_POST_FORWARD``). qwZ is therefore an
+    FSDP2 ``AllGather`` comm, which hpZ's backward gather goes through unchanged. When
+    this fails, torch supports both: revisit docs/comm.md, "ZeRO++"."""
+    for r in run_distributed(_extension_rank, WORLD):
+        assert r == {True: "ok", NODE: "NotImplementedError"}

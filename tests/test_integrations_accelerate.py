@@ -1,18 +1,21 @@
 """fsdp_ext.integrations.accelerate against the real accelerate, 2 gloo ranks, tiny Qwen2-MoE.
 
 Accelerate's CPU launcher picks DDP (``MULTI_CPU``) whatever the plugin says, so the test
-forces its FSDP2 path after building the ``Accelerator``: ``distributed_type = FSDP`` on
-the ``AcceleratorState`` and the ``PartialState`` (each ``AcceleratorState()`` re-copies the
-latter) and ``state.fsdp_plugin = plugin``, which is what accelerate itself sets on GPUs.
+keeps its FSDP2 path after building the ``Accelerator`` with ``keep_fsdp_on_cpu``:
+``distributed_type = FSDP`` on the ``AcceleratorState`` and the ``PartialState`` (each
+``AcceleratorState()`` re-copies the latter) and ``state.fsdp_plugin = plugin``, which is
+what accelerate itself sets on GPUs.
 """
 
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 pytest.importorskip("accelerate")
 
@@ -41,18 +44,16 @@ def _tokens(rank: int, step: int) -> torch.Tensor:
     return torch.randint(0, 64, (2, 12), generator=g)
 
 
-def _accelerator(policy: str | None):
-    from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
-    from accelerate.utils import DistributedType
+def _accelerator(policy: str | None, **plugin_kwargs):
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+
+    from fsdp_ext.integrations.accelerate import keep_fsdp_on_cpu
 
     set_launch_env(WORLD)
     kwargs = {"auto_wrap_policy": policy} if policy else {}
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **kwargs)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **kwargs, **plugin_kwargs)
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
-    # see the module docstring; PartialState too, since every AcceleratorState() copies it
-    PartialState().distributed_type = DistributedType.FSDP
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
+    keep_fsdp_on_cpu(accelerator, plugin)  # see the module docstring
     return accelerator
 
 
@@ -90,7 +91,8 @@ def _rank_runs() -> dict:
     model = _qwen2_moe()
     out["planned"] = sorted(u.fqn for u in fsdp_ext.plan_units(model, _default()).units)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer = prepare(accelerator, model, optimizer)
+    model, optimizer, handle = prepare(accelerator, model, optimizer)
+    assert handle is None
     held = [p for group in optimizer.param_groups for p in group["params"]]
     out["optimizer_holds_each_param_once"] = sorted(map(id, held)) == sorted(
         map(id, model.parameters())
@@ -106,7 +108,7 @@ def _rank_runs() -> dict:
     budget = fsdp_ext.GranularityPolicy(memory_budget_bytes=150_000)
     planned = [u.fqn for u in fsdp_ext.plan_units(model, budget).units]
     out["budget_plan_text"] = str(fsdp_ext.plan_units(model, budget))
-    model, optimizer = prepare(
+    model, optimizer, _ = prepare(
         accelerator,
         model,
         lambda params: torch.optim.AdamW(params, lr=1e-2),
@@ -156,7 +158,7 @@ def _loco_run(checkpoint_dir: str, resume: bool, with_loco: bool = True) -> dict
 
     accelerator = _accelerator(None)
     loco = fsdp_ext.LoCoConfig(bits=4, group_size=32) if with_loco else None
-    model, optimizer, *handle = prepare(
+    model, optimizer, handle = prepare(
         accelerator,
         _qwen2_moe(),
         lambda params: torch.optim.AdamW(params, lr=1e-2),
@@ -165,13 +167,13 @@ def _loco_run(checkpoint_dir: str, resume: bool, with_loco: bool = True) -> dict
     losses, first, at_checkpoint = [], RESUME_AT if resume else 0, None
     if resume:
         accelerator.load_state(checkpoint_dir)
-        at_checkpoint = handle[0].state_dict() if handle else None
+        at_checkpoint = handle.state_dict() if handle else None
     for step in range(first, RESUME_AT + AFTER_RESUME):
         if step == RESUME_AT and not resume:
             accelerator.save_state(checkpoint_dir)
-            at_checkpoint = handle[0].state_dict() if handle else None
+            at_checkpoint = handle.state_dict() if handle else None
         losses.append(_step(accelerator, model, optimizer, step))
-    sent = handle[0].stats.bytes_sent if handle else 0
+    sent = handle.stats.bytes_sent if handle else 0
     return {"losses": losses, "errors": at_checkpoint, "sent": sent}
 
 
@@ -222,3 +224,114 @@ def test_our_policy_in_the_plugin_is_refused_with_the_fix():
     # accelerate's own policies pass
     for policy in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", None):
         check_plugin(FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=policy))
+
+
+# ------------------------------------------------ default run: the adapter's edges, 2 ranks
+
+
+class _Tiny(nn.Module):
+    """Two blocks and a head: three units under GranularityPolicy(), LoCo-sized rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+        self.head = nn.Linear(32, 32)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def _tiny_step(accelerator, model, optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(10 * step + dist.get_rank())
+    loss = model(torch.randn(4, 32, generator=g)).square().mean()
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _loco_units(state: dict, rank: int) -> dict[str, torch.Tensor]:
+    units = torch.load(io.BytesIO(state[f"rank{rank}"]), weights_only=True)["units"]
+    return {f"{u}/{k}": v for u, parts in units.items() for k, v in parts["reduce_scatter"].items()}
+
+
+def _tiny_edges(checkpoint_dir: str) -> dict:
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState
+
+    from fsdp_ext._torch import group_reshard_after_forward, param_group
+    from fsdp_ext.integrations.accelerate import prepare
+    from fsdp_ext.testing import fsdp_units
+
+    out, rank = {}, dist.get_rank()
+
+    def opt(params):
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    # on CPU accelerate drops the plugin: the message says so, and how to keep it
+    set_launch_env(WORLD)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    with pytest.raises(ValueError) as dropped:
+        prepare(accelerator, _Tiny(), opt)
+    out["cpu_message"] = str(dropped.value)
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+    # a model accelerator.prepare already sharded is refused up front
+    accelerator = _accelerator(None)
+    model = _Tiny()
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError) as twice:
+        prepare(accelerator, model, opt)
+    out["twice_message"] = str(twice.value)
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+    # the plugin's reshard_after_forward reaches every unit; no loco: a None handle last
+    accelerator = _accelerator(None, reshard_after_forward=False)
+    prepared = prepare(accelerator, _Tiny(), opt)
+    out["shape_without_loco"] = len(prepared), prepared[-1] is None
+    units = fsdp_units(prepared[0])
+    out["reshard"] = [group_reshard_after_forward(param_group(m)) for _, m in units]
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+    # LoCo's error buffers through save_state / load_state, each rank its own
+    accelerator = _accelerator(None)
+    model, optimizer, handle = prepare(
+        accelerator, _Tiny(), opt, loco=fsdp_ext.LoCoConfig(bits=4, group_size=32)
+    )
+    for step in range(2):
+        _tiny_step(accelerator, model, optimizer, step)
+    saved = _loco_units(handle.state_dict(), rank)
+    accelerator.save_state(checkpoint_dir)
+    own_file = os.path.join(checkpoint_dir, f"fsdp_ext_loco_rank{rank}.pt")
+    out["own_file_bytes"] = os.path.getsize(own_file)
+    _tiny_step(accelerator, model, optimizer, 2)  # moves the buffers on
+    moved = _loco_units(handle.state_dict(), rank)
+    out["moved"] = any(not torch.equal(moved[k], v) for k, v in saved.items())
+    accelerator.load_state(checkpoint_dir)
+    loaded = _loco_units(handle.state_dict(), rank)
+    out["restored"] = saved.keys() == loaded.keys() and all(
+        torch.equal(loaded[k], v) for k, v in saved.items()
+    )
+    out["errors"] = sum(1 for k in saved if k.endswith("/error"))
+    out["error_sum"] = float(sum(v.float().abs().sum() for k, v in saved.items() if "error" in k))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return out
+
+
+def test_adapter_edges_on_a_tiny_model(tmp_path):
+    """The CPU message, a second prepare refused, one return shape, the plugin's
+    reshard_after_forward honoured, and LoCo's buffers back after load_state."""
+    runs = run_distributed(_tiny_edges, WORLD, str(tmp_path), timeout=300)
+    for run in runs:
+        assert "accelerate dropped the FSDP plugin: on CPU it runs DDP" in run["cpu_message"]
+        assert "keep_fsdp_on_cpu(accelerator, plugin)" in run["cpu_message"]
+        assert "already sharded" in run["twice_message"]
+        assert "in place of accelerator.prepare" in run["twice_message"]
+        assert run["shape_without_loco"] == (3, True)
+        assert run["reshard"] == [False, False, False]  # accelerate's default is True
+        assert run["own_file_bytes"] > 0
+        assert run["moved"] and run["restored"] and run["errors"] == 3
+    # the buffers differ per rank, so a rank loading another's part would be caught
+    assert runs[0]["error_sum"] != runs[1]["error_sum"]

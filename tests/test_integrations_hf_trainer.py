@@ -70,12 +70,9 @@ class _Tokens(torch.utils.data.Dataset):
 
 def _force_fsdp2(accelerator, plugin) -> None:
     """See the module docstring: what accelerate sets on GPUs."""
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType
+    from fsdp_ext.integrations.accelerate import keep_fsdp_on_cpu
 
-    PartialState().distributed_type = DistributedType.FSDP
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
+    keep_fsdp_on_cpu(accelerator, plugin)
 
 
 def _trainer_class(stock: bool = False):
@@ -385,3 +382,27 @@ def test_recipe_without_fsdp2_is_refused(tmp_path):
             FSDPExtTrainer(model=_qwen2_moe(), args=args, auto_wrap_policy=_budget())
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)  # no state for later tests
+
+
+def _cpu_launch_message(output_dir: str) -> str:
+    from accelerate.state import AcceleratorState
+
+    from fsdp_ext.integrations.hf_trainer import FSDPExtTrainer
+
+    set_launch_env(WORLD)
+    try:
+        FSDPExtTrainer(model=_qwen2_moe(), args=_args(output_dir), train_dataset=_Tokens())
+    except ValueError as e:
+        return str(e)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return "no error"
+
+
+def test_recipe_on_a_cpu_launch_says_accelerate_dropped_fsdp(tmp_path):
+    """Under a 2-rank launch on CPU accelerate runs DDP and drops the FSDP plugin: the
+    message says that, not "needs a distributed launch", and how to keep FSDP2."""
+    for message in run_distributed(_cpu_launch_message, WORLD, str(tmp_path), timeout=300):
+        assert "accelerate dropped the FSDP plugin: on CPU it runs DDP" in message, message
+        assert "create_accelerator_and_postprocess" in message
+        assert "distributed launch" not in message

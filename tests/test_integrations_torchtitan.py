@@ -603,3 +603,40 @@ def test_with_comm_state_refuses_what_it_cannot_checkpoint():
         tt_fsdp.with_comm_state(object(), handle)
     tt_fsdp.with_comm_state(checkpointer, handle)
     assert checkpointer.states == {"loco": handle}
+
+
+def _rank_spmd_types() -> dict:
+    """0.3.0's default backend, the way its parallelize functions use it: the whole SPMD
+    mesh and dp_mesh_dims (resolve_fsdp_mesh)."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    parallel_dims.device_type = "cpu"
+    set_spmd_backend("spmd_types")
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=WORLD, cp=1, tp=1, pp=1, ep=1, world_size=WORLD,
+        spmd_backend="spmd_types",
+    )  # fmt: skip
+    dims.build_mesh()
+    mesh, mesh_dims = resolve_fsdp_mesh(dims)
+    kwargs = {"param_dtype": torch.float32, "reduce_dtype": torch.float32, "pp_enabled": False}
+    out = {}
+    for wrap, fn in (("torchtitan", apply_fsdp_to_decoder), ("ours", tt_fsdp.apply_fsdp)):
+        model = _model("llama3")
+        model.parallelize(dims)
+        try:
+            fn(model, mesh, **kwargs, dp_mesh_dims=mesh_dims)
+            out[wrap] = "sharded"
+        except ValueError as e:
+            out[wrap] = str(e)
+    set_spmd_backend("partial_dtensor")
+    return out
+
+
+def test_spmd_types_backend_is_refused_up_front_where_torchtitans_wrap_fails():
+    for run in run_distributed(_rank_spmd_types, WORLD):
+        assert "must be DTensors on the full SPMD mesh" in run["torchtitan"], run
+        assert "choose spmd_backend='partial_dtensor'" in run["ours"], run

@@ -6,13 +6,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from fsdp_ext.lab import Cluster
 from fsdp_ext.lab.cleanup import lab_runs, namespace_pids
 from fsdp_ext.lab.names import RunNames
-from tests.lab_helpers import PROGRAMS, leftovers, require_lab, sshfs_mounts_of
+from tests.lab_helpers import PROGRAMS, alive, leftovers, require_lab, sshfs_mounts_of
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,11 +27,19 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def test_teardown_after_a_rank_is_killed_leaves_nothing():
+def test_teardown_after_a_timeout_and_a_killed_rank_leaves_nothing():
     require_lab()
     with Cluster(2, 2, "100mbit") as lab:
         run_id, shared = lab.run_id, lab.shared_dir
         namespaces = list(lab.namespaces)
+        started = time.monotonic()
+        slow = lab.run([str(PROGRAMS / "sleeper.py"), str(shared), "120"], timeout=4)
+        assert slow.timed_out and slow.returncode == 124
+        assert time.monotonic() - started < 30  # stopped at the deadline, not after the sleep
+        # the timed-out job's ranks (those that had started) are gone; the lab is not
+        assert alive([int(p.read_text()) for p in shared.glob("rank*.pid")]) == []
+        for p in shared.glob("rank*.pid"):
+            p.unlink()
         program = [str(PROGRAMS / "sleeper.py"), str(shared), "120", "3"]
         result = lab.run(program, timeout=90)
         # rank 3 (node 1) SIGKILLed itself; node 1's torchrun failed, the lab stopped node 0
@@ -40,6 +51,26 @@ def test_teardown_after_a_rank_is_killed_leaves_nothing():
         assert service_pids  # sshd and sshfs were still up inside the lab
         assert sshfs_mounts_of(run_id)
     assert leftovers(run_id, pids=rank_pids + service_pids) == []
+
+
+def test_ctrl_c_during_a_job_leaves_nothing():
+    """SIGINT reaches only the lab (the job runs in sessions of its own), as Ctrl-C would."""
+    require_lab()
+
+    def interrupt_once_up(shared: Path) -> None:
+        _wait_for(lambda: len(list(shared.glob("rank*.pid"))) == 2, 120, "both ranks")
+        signal.raise_signal(signal.SIGINT)  # handled in the main thread, inside lab.run
+
+    with pytest.raises(KeyboardInterrupt), Cluster(2, 1, "100mbit") as lab:
+        run_id, shared = lab.run_id, lab.shared_dir
+        watcher = threading.Thread(target=interrupt_once_up, args=(shared,), daemon=True)
+        watcher.start()
+        try:
+            lab.run([str(PROGRAMS / "sleeper.py"), str(shared), "300"], timeout=200)
+        finally:
+            pids = [int(p.read_text()) for p in shared.glob("rank*.pid")]
+    assert len(pids) == 2
+    assert leftovers(run_id, pids=pids) == []
 
 
 def _netns_add(name: str) -> None:
@@ -77,8 +108,10 @@ def test_sigkill_of_the_parent_is_cleaned_by_the_next_lab_and_only_its_prefix(tm
         start_new_session=True,
     )
     prefix = f"fsdplab-{cli.pid}-"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
     live_decoy = f"{RunNames(os.getpid(), 'abcdef').run_id}-decoy"  # a live owner: this test
-    foreign = f"notlab-{os.getpid()}-decoy"  # not the lab's prefix at all
+    foreign = f"otherlab-{dead.pid}-abcdef-node0"  # a dead owner, but not the lab's prefix
     try:
         _wait_for(lambda: len(list(shared.glob("rank*.pid"))) == 2, 120, "both ranks")
         run_ids = [r for r in lab_runs() if r.startswith(prefix)]

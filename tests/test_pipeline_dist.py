@@ -206,3 +206,24 @@ def test_uneven_batch_is_refused_on_every_rank():
     (unchecked, the last stage fails on mismatched shapes and the other rank loses its peer)."""
     for message in run_distributed(_uneven_batch, 2, 3):
         assert message.startswith("inputs has a batch of 3 rows, which n_microbatches=2 does not")
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+def test_stage_placement_follows_each_schedule(pp):
+    """Every stage on exactly one rank; looped schedules deal stages round robin; a V
+    (ZBVZeroBubble) goes down the ranks and back, so consecutive stages sit on the same or
+    neighbouring ranks, and the last stage (the loss) sits with the first on rank 0."""
+    from fsdp_ext.pipeline.build import SCHEDULES, stage_indices
+
+    for name, (_, placement) in SCHEDULES.items():
+        per_rank = 1 if placement == "single" else 2
+        held = {r: stage_indices(name, r, pp, per_rank) for r in range(pp)}
+        rank_of = {s: r for r, stages in held.items() for s in stages}
+        assert sorted(rank_of) == list(range(pp * per_rank)), name
+        assert sum(map(len, held.values())) == pp * per_rank, name
+        assert all(stages == sorted(stages) for stages in held.values()), name
+        if placement == "v":
+            assert all(abs(rank_of[s + 1] - rank_of[s]) <= 1 for s in range(2 * pp - 1)), held
+            assert rank_of[0] == rank_of[2 * pp - 1] == 0, held
+        else:
+            assert all(rank_of[s + 1] == (rank_of[s] + 1) % pp for s in range(len(rank_of) - 1))

@@ -127,3 +127,35 @@ def test_bad_arguments():
         split_stages(model, 2, verbose=False)
     with pytest.raises(ValueError, match="ModuleList"):
         split_stages(nn.Linear(2, 2), 1, verbose=False)
+
+
+class _RootScaled(nn.Module):
+    """Four blocks of 100 parameters, and 300 held by the model itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(300))
+        self.blocks = nn.ModuleList(nn.Linear(10, 10, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:  # a stage without the root parameters skips them
+            x = x * self.scale[:10]
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_root_parameters_go_with_the_first_stage_and_count_there():
+    model = _RootScaled()
+    plan = plan_stages(model, 2)
+    stages = split_stages(model, 2, verbose=False)
+    held = [sum(p.numel() for p in s.parameters()) for s in stages]
+    # every parameter in exactly one stage, the root's in the first
+    assert sum(held) == sum(p.numel() for p in model.parameters())
+    assert "scale" in dict(stages[0].named_parameters())
+    # the plan costs what each stage holds, and its split is the optimum of those costs
+    assert plan.costs == tuple(float(h) for h in held)
+    assert max(held) == _brute_force_max([100] * 4, 2, 300, 0) == 400
+    assert plan.bounds == ((0, 1), (1, 4))
+    x = torch.randn(3, 10)
+    torch.testing.assert_close(stages[1](stages[0](x)), model(x), rtol=0, atol=0)

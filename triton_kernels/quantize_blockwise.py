@@ -82,11 +82,7 @@ def _check_rows(name: str, rows: torch.Tensor) -> None:
 
 def _check_payload(payload: torch.Tensor, num_rows: int, n: int, group_size: int) -> None:
     want = (num_rows, payload_row_bytes(n, group_size))
-    if (
-        payload.dtype != torch.uint8
-        or tuple(payload.shape) != want
-        or (num_rows > 0 and payload.stride() != (want[1], 1))
-    ):
+    if payload.dtype != torch.uint8 or tuple(payload.shape) != want or not payload.is_contiguous():
         raise ValueError(
             f"payload must be a contiguous uint8 tensor of shape {want}, "
             f"got {payload.dtype} {tuple(payload.shape)}"

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
     SavePlan,
@@ -27,7 +26,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key
+from fsdp_ext._torch import DedupHookSavePlanner
+from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
 
 # A group that fits under (1 + slack) x the fair share is placed whole, not split.
 DEFAULT_SLACK = 0.02
@@ -46,7 +46,7 @@ def item_nbytes(item: WriteItem) -> int:
         return 0
     chunk = item.tensor_data.chunk
     sizes = chunk.sizes if chunk is not None else item.tensor_data.size
-    return math.prod(sizes) * torch._utils._element_size(item.tensor_data.properties.dtype)
+    return math.prod(sizes) * item.tensor_data.properties.dtype.itemsize
 
 
 # A split cuts along dim 0 unless one dim-0 slice is more than this fraction of the fair
@@ -134,10 +134,10 @@ def spread_plans(
     groups: dict[tuple, _Group] = {}
     for key, hs in holders.items():
         item = first[key]
+        layer = layer_of(layer_key, key[0])  # checked for every key, sharded ones too
         if len(hs) == 1:
             load[hs[0]] += item_nbytes(item)
             continue
-        layer = layer_key(key[0]) if layer_key is not None else None
         gid = (tuple(hs), layer) if layer is not None else (tuple(hs), None, key)
         group = groups.get(gid)
         if group is None:
@@ -217,7 +217,7 @@ def _water_level(sorted_loads: list[int], nbytes: int) -> float:
     return math.inf  # unreachable: the last step has nxt = inf
 
 
-class SpreadSavePlanner(DefaultSavePlanner):
+class SpreadSavePlanner(DedupHookSavePlanner):
     """A ``DefaultSavePlanner`` whose global step spreads replicated writes (LPT + split).
 
     Use it through the stock calls: ``dcp.save(state, storage_writer=...,
@@ -254,7 +254,7 @@ class SpreadSavePlanner(DefaultSavePlanner):
         self._local_items = list(plan.items)
         return plan
 
-    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+    def dedup_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
         return spread_plans(
             all_plans,
             layer_key=self.layer_key,

@@ -5,8 +5,10 @@ Stock DCP loading trusts the files: a flipped byte in a ``.distcp`` file loads s
 ``torch.load(weights_only=False)``. Here:
 
 - ``.metadata`` is checked against the manifest, then read by a restricted unpickler;
-- each data file is read once, whole, checked (size, CRC-32) and served from memory, so
-  what was checked is what is loaded;
+- every rank checks the size of each data file it opens, and each file's CRC-32 is checked
+  once, by one of the ranks that read it (``verify_plan.py``: hashing divided, not repeated
+  by every reader; a rank prefers its own files). That rank hashes the open file, then
+  DCP's reads go through the same open file. A failed check fails the load on every rank;
 - non-tensor items are opened with ``weights_only=True``. Pass ``planner=SafeLoadPlanner()``
   to ``dcp.load``; with any other planner this reader still vets each item the same way
   before handing it on.
@@ -22,6 +24,7 @@ import dataclasses
 import io
 import os
 import warnings
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,6 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from fsdp_ext._torch import set_state_dict_element
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
     MARKER,
@@ -42,9 +46,11 @@ from fsdp_ext.checkpoint.manifest import (
     UnsafeCheckpointError,
     check_record,
     checksum_bytes,
+    crc32_hex,
     read_manifest,
 )
 from fsdp_ext.checkpoint.unpickler import load_metadata
+from fsdp_ext.checkpoint.verify_plan import assign_checks
 
 
 def load_object_safely(data: bytes, what: str):
@@ -65,27 +71,42 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = load_object_safely(value.getvalue(), f"item {read_item.dest_index.fqn}")
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            path = self.mappings[read_item.dest_index.fqn]
+            set_state_dict_element(self.original_state_dict, path, obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
 class _VerifiedFileSystem(FileSystem):
-    """Serves each data file from memory after checking it against the manifest."""
+    """Opens each data file after checking it: its size always; its CRC-32 too when this
+    rank is the one that checks it (a pass over the open file, then the reads DCP makes go
+    through that same open file)."""
 
     def __init__(self, reader: VerifiedFileSystemReader):
         self.reader = reader
 
     @contextmanager
     def create_stream(self, path, mode: str):
-        manifest = self.reader.manifest
-        if "r" not in mode or manifest is None:
-            with super().create_stream(self.reader.resolve(path), mode) as stream:
+        reader, path = self.reader, self.reader.resolve(path)
+        if "r" not in mode or reader.manifest is None:
+            with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        yield io.BytesIO(self.reader.verified_bytes(self.reader.resolve(path)))
+        record = reader.manifest.files[path.name]
+        try:
+            stream = open(path, "rb")  # noqa: SIM115 (closed below)
+        except FileNotFoundError as exc:
+            raise CheckpointIntegrityError(
+                f"{path}: missing ({record.size} bytes expected)"
+            ) from exc
+        with stream:
+            if path.name in reader.checks_here:
+                size, checksum = reader.checksum_open_file(stream)
+                check_record(str(path), record, size, checksum)
+                stream.seek(0)
+            else:
+                check_record(str(path), record, os.fstat(stream.fileno()).st_size, None)
+            yield stream
 
 
 class VerifiedFileSystemReader(FileSystemReader):
@@ -115,10 +136,13 @@ class VerifiedFileSystemReader(FileSystemReader):
         self.manifest: Manifest | None = None
         self._manifest_loaded = False
         self._root: Path | None = None
+        self.checks_here: set[str] = set()  # files whose checksum this rank checks
+        self._block = bytearray(4 << 20)  # reused for checksums: no allocation per file
 
     def reset(self, checkpoint_id=None) -> None:
         super().reset(checkpoint_id)
         self.manifest, self._manifest_loaded, self._root = None, False, None
+        self.checks_here = set()
 
     @property
     def root(self) -> Path:
@@ -195,12 +219,16 @@ class VerifiedFileSystemReader(FileSystemReader):
                 )
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return dataclasses.replace(plan, storage_data=self.root.name)
+        reads: dict[str, int] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            reads[info.relative_path] = reads.get(info.relative_path, 0) + info.length
+        return dataclasses.replace(plan, storage_data=(self.root.name, reads))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         seen: dict[str, list[int]] = {}
         for rank, plan in enumerate(plans):
-            seen.setdefault(plan.storage_data, []).append(rank)
+            seen.setdefault(plan.storage_data[0], []).append(rank)
         if len(seen) > 1:
             views = "; ".join(f"ranks {ranks} read {name}" for name, ranks in seen.items())
             raise CheckpointIntegrityError(
@@ -208,20 +236,32 @@ class VerifiedFileSystemReader(FileSystemReader):
                 "published over it during the load, or a node of a network filesystem still "
                 "sees the previous link (sshfs keeps links up to 20 s); load again"
             )
-        return plans
+        manifest = self._load_manifest()
+        if manifest is None:
+            return [dataclasses.replace(p, storage_data=set()) for p in plans]
+        checks = assign_checks(
+            [p.storage_data[1] for p in plans],
+            {name: rec.size for name, rec in manifest.files.items()},
+            {name: rec.rank for name, rec in manifest.files.items()},
+        )
+        return [dataclasses.replace(p, storage_data=c) for p, c in zip(plans, checks, strict=True)]
 
-    def verified_bytes(self, path: Path) -> bytes:
-        record = self.manifest.files[path.name]
-        if not path.is_file():
-            raise CheckpointIntegrityError(f"{path}: missing ({record.size} bytes expected)")
-        data = path.read_bytes()
-        check_record(str(path), record, len(data), self._checksum(data))
-        return data
+    def checksum_open_file(self, stream) -> tuple[int, str | None]:
+        """Size and CRC-32 of an open file, read through a small reused block."""
+        if self.manifest.checksum == NO_CHECKSUM:
+            return os.fstat(stream.fileno()).st_size, None
+        view = memoryview(self._block)
+        crc, size = 0, 0
+        while n := stream.readinto(view):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+        return size, crc32_hex(crc)
 
     def _checksum(self, data: bytes) -> str | None:
         return None if self.manifest.checksum == NO_CHECKSUM else checksum_bytes(data)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self.checks_here = set(plan.storage_data or ())
         return super().read_data(plan, _VettedPlanner(planner, self))
 
 

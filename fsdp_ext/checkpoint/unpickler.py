@@ -15,7 +15,6 @@ import pathlib
 import pickle
 
 import torch
-from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -27,9 +26,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from fsdp_ext._torch import DCP_METADATA_PRIVATE_GLOBALS, DcpStorageInfo
 from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, UnsafeCheckpointError
 
-StorageInfo = filesystem._StorageInfo
+StorageInfo = DcpStorageInfo
 
 _DCP = "torch.distributed.checkpoint"
 ALLOWED_GLOBALS: dict[tuple[str, str], object] = {}
@@ -44,13 +44,10 @@ def _allow() -> None:
         "BytesStorageMetadata",
         "ChunkStorageMetadata",
         "TensorProperties",
-        "_MEM_FORMAT_ENCODING",
     ):
         ALLOWED_GLOBALS[(f"{_DCP}.metadata", name)] = getattr(dcp_metadata, name)
-    ALLOWED_GLOBALS[(f"{_DCP}.filesystem", "_StorageInfo")] = StorageInfo
+    ALLOWED_GLOBALS.update(DCP_METADATA_PRIVATE_GLOBALS)
     ALLOWED_GLOBALS[("torch", "Size")] = torch.Size
-    # a lookup of a torch.layout by its name (how torch.layout pickles)
-    ALLOWED_GLOBALS[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     for name in dir(torch):
         value = getattr(torch, name, None)
         if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
@@ -92,7 +89,14 @@ def load_metadata(data: bytes, source: str):
         raise CheckpointIntegrityError(
             f"{source}: not a readable DCP metadata file ({type(exc).__name__}: {exc})"
         ) from exc
-    check_structure(metadata, source)
+    try:
+        check_structure(metadata, source)
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # an object built without its fields, a size that is no int...
+        raise UnsafeCheckpointError(
+            f"{source}: holds objects DCP never writes ({type(exc).__name__}: {exc}); refusing it"
+        ) from exc
     return metadata
 
 

@@ -20,9 +20,11 @@ Every filesystem operation goes through ``self.fs`` (:class:`CheckpointFS`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
+import math
 import os
 import pickle
 import queue
@@ -36,13 +38,13 @@ from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
     FileSystemWriter,
-    _item_size,
 )
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from fsdp_ext._torch import write_files
 from fsdp_ext.checkpoint.fs import MISSING, CheckpointFS, is_out_of_space
 from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
 from fsdp_ext.checkpoint.lock import LockOwner, acquire, release
@@ -87,6 +89,7 @@ class _Save:
     save_id: str
     owner: LockOwner
     previous: str | None  # the version the path pointed to when the save began
+    expected: dict  # every file each rank will write (also in the plan record)
 
 
 def rank_done_name(rank: int) -> str:
@@ -204,7 +207,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
                 fs.remove_tree(staging)
             release(fs, target, owner)
             raise
-        self._save = _Save(target, staging, save_id, owner, previous)
+        self._save = _Save(target, staging, save_id, owner, previous, expected)
         return out
 
     def _assign_files(self, rank: int, plan: SavePlan, staging: str) -> _RankFiles:
@@ -262,7 +265,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         # the kernel flushes one file while the next is being written
         sync, self.sync_files = self.sync_files, False
         try:
-            results = self._write_data(planner, file_queue).value()
+            results = write_files(self, planner, file_queue).value()
             for file_name, _keys in assignment.files:
                 if sync:
                     self.fs.fsync(staging / file_name)
@@ -346,8 +349,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
                     records[wr.storage_data.name] = wr.storage_data
                 else:
                     storage_data[wr.index] = wr.storage_data
-        expected = json.loads(fs.read_bytes(staging / PLAN_NAME))["files"]
-        missing = sorted(set(expected) - set(records))
+        missing = sorted(set(save.expected) - set(records))
         if missing:
             raise RuntimeError(
                 f"ranks did not report files {missing}; not publishing {save.target}"
@@ -355,15 +357,16 @@ class SpreadFileSystemWriter(FileSystemWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
-        # stock format: plain pickle, so the stock FileSystemReader loads it
-        tmp = staging / f"{METADATA_NAME}.tmp"
-        with fs.create_stream(tmp, "wb") as stream:
+        # stock format: plain pickle, so the stock FileSystemReader loads it. Written under
+        # its own name: the version is invisible until published, and it counts as complete
+        # only once the manifest (renamed into place below) exists.
+        meta_path = staging / METADATA_NAME
+        with fs.create_stream(meta_path, "wb") as stream:
             pickle.dump(metadata, stream)
             if self.sync_files:
                 stream.flush()
-                fs.fsync(tmp)
-        fs.replace(tmp, staging / METADATA_NAME)
-        size, checksum = fs.records[str(tmp)]
+                fs.fsync(meta_path)
+        size, checksum = fs.records[str(meta_path)]
         manifest = Manifest(
             files=records,
             metadata=FileRecord(METADATA_NAME, rank=-1, size=size, checksum=checksum or ""),
@@ -378,7 +381,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         fs.replace(tmp, staging / MANIFEST_NAME)
         fs.unlink(staging / PLAN_NAME)
         for rank in range(len(results)):
-            if fs.kind(staging / rank_done_name(rank)) != MISSING:
+            with contextlib.suppress(FileNotFoundError):  # diagnostic, not fsynced
                 fs.unlink(staging / rank_done_name(rank))
         if self.sync_files:
             fs.fsync(staging)
@@ -394,7 +397,10 @@ class SpreadFileSystemWriter(FileSystemWriter):
 
 
 def _nbytes(item) -> int:
-    return 0 if item.type == WriteItemType.BYTE_IO else _item_size(item)
+    """Bytes a write item puts in its file (a tensor item's whole local tensor)."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
 
 
 def _natural(name: str) -> tuple:

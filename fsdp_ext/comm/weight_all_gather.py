@@ -2,11 +2,13 @@
 
 FSDP2 hands its all-gather comm the flat input of one unit (this rank's padded shard of
 every parameter, concatenated, already cast to the param dtype) and the ``[W * n]`` output
-it will copy the unsharded parameters from. This comm encodes the input into one payload
-row with the config's codec (:class:`~fsdp_ext.comm.blockwise_int8_codec.BlockwiseInt8Codec`
-by default: groups never straddle two ranks' shards), all-gathers the payloads, and decodes
-every rank's row, its own included, into the output, so every rank computes with the same
-weights. The sharded parameters are never
+it will copy the unsharded parameters from. This comm encodes each parameter's piece of the
+input with the config's codec
+(:class:`~fsdp_ext.comm.blockwise_int8_codec.BlockwiseInt8Codec` by default) into its own
+stretch of one payload row, so a quantisation group never mixes two parameters (a norm's
+weights near 1 next to a projection's near 0.02 would lose the projection's) nor two ranks'
+shards; it all-gathers the payloads and decodes every rank's row, its own included, into the
+output, so every rank computes with the same weights. The sharded parameters are never
 touched: the optimizer keeps updating them in full precision.
 
 Which gathers are quantised:
@@ -27,10 +29,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdp_ext._torch import AllGather, FSDPParamGroup, gathering_for_backward
+from fsdp_ext._torch import AllGather, FSDPParamGroup, all_gather_into, gathering_for_backward
 from fsdp_ext.comm.codec import Codec
 from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.weight_config import QuantizedAllGather
+
+__all__ = ["QuantizedWeightAllGather", "WeightGatherStats"]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -64,10 +68,13 @@ class WeightGatherStats:
         return self.bytes_sent / self.bytes_uncompressed if self.bytes_uncompressed else 0.0
 
 
-def _all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
-    # looked up at each call, so a caller that wraps the collective to count bytes sees it
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, input, group=group)
+def _spans(sizes) -> list[tuple[int, int]]:
+    """(start, size) of consecutive pieces of the given sizes."""
+    out, start = [], 0
+    for size in sizes:
+        out.append((start, size))
+        start += size
+    return out
 
 
 class QuantizedWeightAllGather(AllGather):
@@ -81,12 +88,22 @@ class QuantizedWeightAllGather(AllGather):
         self.codec: Codec = make_codec(config.codec, config)  # feedback-free: checked there
         self.fqn = fqn
         self._group = group
+        self._segment_cache: dict[int, tuple[int, ...]] = {}
         self.stats = WeightGatherStats()
 
     def allocate(
         self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+    def _segments(self, n: int) -> tuple[int, ...]:
+        """Each parameter's share of a flat input of ``n`` elements (FSDP's padded shards,
+        in parameter order), so that no quantisation group mixes two parameters; the whole
+        input as one segment if the sizes do not add up to ``n``."""
+        if n not in self._segment_cache:
+            sizes = tuple(p.padded_sharded_param_size.numel() for p in self._group.fsdp_params)
+            self._segment_cache[n] = sizes if sum(sizes) == n else (n,)
+        return self._segment_cache[n]
 
     def _kind(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> str:
         """``"quantized"``, ``"full_precision"`` or ``"intra_node"`` for this gather."""
@@ -109,24 +126,30 @@ class QuantizedWeightAllGather(AllGather):
         kind = self._kind(input_tensor, group)
         plain = (world - 1) * n * input_tensor.element_size()
         if kind == "intra_node":
-            _all_gather(output_tensor, input_tensor, group)
+            all_gather_into(output_tensor, input_tensor, group=group)
             self.stats.intra_node_bytes += plain
             self.stats.intra_node_gathers += 1
             return None
         if kind == "full_precision":
-            _all_gather(output_tensor, input_tensor, group)
+            all_gather_into(output_tensor, input_tensor, group=group)
             self.stats.full_precision_bytes += plain
             self.stats.full_precision_gathers += 1
             return None
-        payload = torch.empty(
-            1, self.codec.payload_bytes(n), dtype=torch.uint8, device=input_tensor.device
-        )
-        # input_tensor is this rank's slot of output_tensor: encode it before the decoded
-        # rows overwrite it
-        self.codec.encode(input_tensor.view(1, n), payload)
+        segments = self._segments(n)
+        widths = [self.codec.payload_bytes(numel) for numel in segments]
+        payload = torch.empty(1, sum(widths), dtype=torch.uint8, device=input_tensor.device)
+        # input_tensor is this rank's slot of output_tensor: encode all of it before the
+        # decoded rows overwrite it
+        for (start, numel), (at, width) in zip(_spans(segments), _spans(widths), strict=True):
+            rows = input_tensor[start : start + numel].view(1, numel)
+            self.codec.encode(rows, payload[:, at : at + width])
         gathered = torch.empty(world, payload.shape[1], dtype=torch.uint8, device=payload.device)
-        _all_gather(gathered.view(-1), payload.view(-1), group)
-        self.codec.decode(gathered, output_tensor.view(world, n))
+        all_gather_into(gathered.view(-1), payload.view(-1), group=group)
+        out = output_tensor.view(world, n)
+        for (start, numel), (at, width) in zip(_spans(segments), _spans(widths), strict=True):
+            self.codec.decode(
+                gathered[:, at : at + width].contiguous(), out[:, start : start + numel]
+            )
         self.stats.bytes_sent += (world - 1) * payload.shape[1]
         self.stats.bytes_uncompressed += plain
         self.stats.quantized_gathers += 1

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from fsdp_ext.comm.registry import CODECS, make_codec
 
+__all__ = ["QuantizedAllGather"]
+
 MIN_GROUP_SIZE, MAX_GROUP_SIZE = 32, 4096
 
 

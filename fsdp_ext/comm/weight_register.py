@@ -9,6 +9,8 @@ from fsdp_ext._torch import DefaultAllGather, fsdp_state_id, param_groups
 from fsdp_ext.comm.weight_all_gather import QuantizedWeightAllGather, WeightGatherStats
 from fsdp_ext.comm.weight_config import QuantizedAllGather
 
+__all__ = ["WeightGatherHandle", "register_weight_all_gather"]
+
 
 class WeightGatherHandle:
     """Returned by :func:`register_weight_all_gather`: byte counts, and ``remove()``.

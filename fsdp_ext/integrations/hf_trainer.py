@@ -6,31 +6,37 @@ user cannot call :func:`fsdp_ext.integrations.accelerate.prepare` in its place. 
 the ``Trainer`` creates the optimizer right before that ``prepare``, from ``self.model``;
 :class:`FSDPExtTrainer` shards the model there (``create_optimizer``, a documented override
 point), so the optimizer is built over the sharded parameters and ``prepare`` takes the
-model as it is. LoCo's error buffers differ per rank: every rank writes its own file next
-to the optimizer state in each checkpoint and reads it back on ``resume_from_checkpoint``.
+model as it is. LoCo's error buffers are kept as with accelerate: every rank writes its own
+file next to the optimizer state in each checkpoint and reads it back on
+``resume_from_checkpoint`` (:mod:`fsdp_ext.integrations._common`).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer
 
 from fsdp_ext._torch import compiled_inner
 from fsdp_ext.comm import CommHandle, LoCoConfig, register_comm_hook
-from fsdp_ext.integrations.accelerate import (
+from fsdp_ext.integrations._common import (
+    CPU_FSDP_DROPPED,
+    LOCO_STATE_FILE,
     check_plugin,
+    load_comm_state,
     optimizer_param_names,
+    refuse_sharded,
     restore_optimizer_params,
+    save_comm_state,
     shard,
 )
 
-LOCO_STATE_NAME = "fsdp_ext_loco_rank{rank}.pt"
+__all__ = ["LOCO_STATE_NAME", "FSDPExtTrainer"]
+
+LOCO_STATE_NAME = LOCO_STATE_FILE  # the file each rank writes into a checkpoint
 
 _WRAP_KEYS = ("auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params")
 
@@ -60,17 +66,9 @@ class FSDPExtTrainer(Trainer):
         super().__init__(*args, **kwargs)
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         if not self.is_fsdp_enabled or getattr(plugin, "fsdp_version", 1) != 2:
-            raise ValueError(
-                "FSDPExtTrainer needs FSDP2: TrainingArguments(fsdp=True, fsdp_config="
-                "{'version': 2}) on a distributed launch (got "
-                f"fsdp={self.args.fsdp!r}, distributed_type={self.accelerator.distributed_type})"
-            )
+            raise ValueError(self._why_no_fsdp2())
         check_plugin(plugin)
-        if isinstance(self.model, FSDPModule):
-            raise ValueError(
-                "model is already sharded: pass the unsharded model, FSDPExtTrainer shards it "
-                "with auto_wrap_policy"
-            )
+        refuse_sharded(self.model, "pass the unsharded model, FSDPExtTrainer shards it")
         ignored = [
             key
             for key in _WRAP_KEYS
@@ -82,6 +80,29 @@ class FSDPExtTrainer(Trainer):
                 f"auto_wrap_policy={auto_wrap_policy!r} (None means GranularityPolicy())",
                 stacklevel=2,
             )
+
+    def _why_no_fsdp2(self) -> str:
+        kind = self.accelerator.distributed_type
+        kind = str(getattr(kind, "value", kind))
+        version = (self.args.fsdp_config or {}).get("version")
+        asked = bool(self.args.fsdp) and str(version) == "2"
+        if asked and kind == "MULTI_CPU":
+            return (
+                f"FSDPExtTrainer: {CPU_FSDP_DROPPED}; for the Trainer, call it in an override "
+                "of create_accelerator_and_postprocess after super(), with "
+                "FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args), and set "
+                "self.is_fsdp_enabled = True"
+            )
+        if asked and kind == "NO":
+            return (
+                "FSDPExtTrainer needs a distributed launch (torchrun --nproc-per-node N): "
+                "accelerate sees one process (distributed_type=NO)"
+            )
+        return (
+            "FSDPExtTrainer needs FSDP2: TrainingArguments(fsdp=True, fsdp_config="
+            f"{{'version': 2}}) (got fsdp={self.args.fsdp!r}, fsdp_config version "
+            f"{version!r}, distributed_type={kind})"
+        )
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """Shard ``self.model`` first (once), so the optimizer holds the sharded parameters."""
@@ -106,21 +127,10 @@ class FSDPExtTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if self.comm_handle is None:
-            return
-        os.makedirs(output_dir, exist_ok=True)
-        torch.save(self.comm_handle.state_dict(), _loco_state_path(output_dir))
+        if self.comm_handle is not None:
+            save_comm_state(self.comm_handle, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None or self.comm_handle is None:
-            return
-        path = _loco_state_path(checkpoint)
-        # a checkpoint without this rank's file (LoCo newly on, another world size) gives
-        # one warning and fresh buffers; comm_handle.strict = True makes it raise instead
-        state = torch.load(path, weights_only=True) if os.path.isfile(path) else {}
-        self.comm_handle.load_state_dict(state)
-
-
-def _loco_state_path(directory: str) -> str:
-    return os.path.join(directory, LOCO_STATE_NAME.format(rank=dist.get_rank()))
+        if checkpoint is not None and self.comm_handle is not None:
+            load_comm_state(self.comm_handle, checkpoint)

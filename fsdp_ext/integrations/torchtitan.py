@@ -13,7 +13,12 @@ expert placement, gradient division off and EP prefetching are torchtitan's.
 ``with_comm_state(checkpointer, handle)`` puts LoCo's error buffers into torchtitan's
 ``CheckpointManager``: the ``CommHandle`` keys its bytes by rank (``rank{r}``), as
 torchtitan's dataloader keys its state by ``dp_rank_{r}``, so every rank saves and loads
-its own part through DCP.
+its own part through DCP (the adapters' one way, :mod:`fsdp_ext.integrations._common`).
+
+torchtitan's ``parallelism.spmd_backend`` must be ``"partial_dtensor"``: under 0.3.0's
+default, ``"spmd_types"`` (and under ``"full_dtensor"``), torchtitan hands FSDP its whole
+SPMD mesh with ``dp_mesh_dims``, and ``fully_shard`` refuses the plain parameters of a
+data-parallel model, torchtitan's own ``apply_fsdp_to_decoder`` included.
 """
 
 from __future__ import annotations
@@ -32,7 +37,12 @@ from fsdp_ext._torch import ShardPlacementResult, fsdp_mesh_info, fsdp_state_id
 from fsdp_ext.comm import CommHandle, LoCoConfig, register_comm_hook
 from fsdp_ext.wrap import GranularityPolicy, WrapPlan, check_wrap, fully_shard
 
+__all__ = ["SPMD_BACKENDS", "apply_fsdp", "check_spmd_backend", "plan_fsdp", "with_comm_state"]
+
 RESHARD_AFTER_FORWARD_POLICIES = ("always", "never", "default")
+# torchtitan 0.3.0's parallelism.spmd_backend values, and the one FSDP runs under
+SPMD_BACKENDS = ("partial_dtensor", "full_dtensor", "spmd_types")
+SUPPORTED_SPMD_BACKEND = "partial_dtensor"
 # CheckpointManager's own keys (torchtitan.components.checkpoint) and the Trainer's.
 RESERVED_STATE_KEYS = ("model", "optimizer", "dataloader", "lr_scheduler", "train_state")
 
@@ -151,12 +161,14 @@ def _shard_fixed_units(
     """Check the arguments, shard torchtitan's fixed units, and return the policy and the
     ``fully_shard`` kwargs for the rest."""
     from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
+    from torchtitan.distributed.utils import get_spmd_backend
 
     _check_arguments(
         model, param_dtype, reduce_dtype, pp_enabled, reshard_after_forward_policy, ep_degree
     )
     if ep_degree > 1 and edp_mesh is None:
         raise ValueError(f"ep_degree={ep_degree} > 1 needs edp_mesh (the experts' FSDP mesh)")
+    check_spmd_backend(get_spmd_backend())
     reshard_after_forward = get_fsdp_reshard_after_forward_policy(
         reshard_after_forward_policy, pp_enabled
     )
@@ -180,6 +192,24 @@ def _shard_fixed_units(
     if placement is not None:
         kwargs["shard_placement_fn"] = placement
     return (GranularityPolicy() if auto_wrap_policy is None else auto_wrap_policy), kwargs
+
+
+def check_spmd_backend(spmd_backend: str) -> None:
+    """Refuse a torchtitan ``spmd_backend`` FSDP2 cannot shard under, naming the one to use."""
+    if spmd_backend == SUPPORTED_SPMD_BACKEND:
+        return
+    if spmd_backend not in SPMD_BACKENDS:
+        raise ValueError(f"spmd_backend must be one of {SPMD_BACKENDS}, got {spmd_backend!r}")
+    raise ValueError(
+        f"torchtitan's parallelism.spmd_backend is {spmd_backend!r}"
+        + (" (0.3.0's default)" if spmd_backend == "spmd_types" else "")
+        + ": under it torchtitan hands FSDP its whole SPMD mesh with dp_mesh_dims, and "
+        "fully_shard then wants every parameter as a DTensor on that mesh (it refuses the "
+        "plain parameters of a data-parallel model, under torchtitan's own "
+        "apply_fsdp_to_decoder too). fsdp-ext's drop-in shards under 'partial_dtensor': "
+        "choose spmd_backend='partial_dtensor' "
+        "(--parallelism.spmd_backend partial_dtensor)"
+    )
 
 
 def _check_arguments(

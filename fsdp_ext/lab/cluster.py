@@ -100,7 +100,6 @@ class Cluster:
         self.python = python
         self.names = RunNames.new()
         self.topology = Topology(self.names, nodes, storage)
-        self._own_shared_dir = shared_dir is None
         self.shared_dir = (
             self.names.workdir / "shared" if shared_dir is None else Path(shared_dir).resolve()
         )
@@ -232,8 +231,10 @@ class Cluster:
     ) -> LabResult:
         """Run ``program`` (SCRIPT ARGS...) under torchrun on every node; wait for the job.
 
-        ``echo`` receives node 0's console as it comes (e.g. ``sys.stdout``). The job is
-        stopped at ``timeout`` seconds (default: the lab's), then ``timed_out`` is set.
+        ``echo`` receives node 0's console as it comes (e.g. ``sys.stdout``), rank 0's
+        lines without torchrun's prefix. ``env`` replaces this process's environment for
+        the job. The job is stopped at ``timeout`` seconds (default: the lab's), and then
+        ``timed_out`` is set.
         """
         if not self._built or self._closed:
             raise RuntimeError("Cluster.run needs an open lab: use it inside `with Cluster(...)`")

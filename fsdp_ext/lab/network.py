@@ -8,6 +8,7 @@ Storage gets its own link per node (a separate storage network, as on most clust
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from fsdp_ext.lab.names import ETC_NETNS, RunNames
@@ -82,12 +83,19 @@ class Topology:
         ends = [(ns, STORAGE_DEVICE) for ns in self.node_namespaces]
         return ends + [(self.storage_namespace, f"node{i}") for i in range(self.nodes)]
 
-    def hosts_file(self) -> str:
-        """/etc/hosts inside every namespace: the nodes and the storage by name."""
-        lines = ["127.0.0.1 localhost", "::1 localhost"]
-        lines += [f"{node_address(i)} node{i}" for i in range(self.nodes)]
+    def hosts_file(self, namespace: str) -> str:
+        """/etc/hosts inside ``namespace``: the nodes by name, and the machine's hostname as
+        this namespace's own address (the namespaces share the host's UTS name, and tools
+        such as torchrun --standalone look it up)."""
+        nodes = self.node_namespaces
+        own = "127.0.1.1"
+        if namespace in nodes and self.nodes > 1:
+            own = node_address(nodes.index(namespace))
+        names = [("127.0.0.1", "localhost"), (own, socket.gethostname())]
+        names += [(node_address(i), f"node{i}") for i in range(self.nodes)]
+        lines = ["::1 localhost"] + [f"{address} {name}" for address, name in names]
         # the rendezvous store sees peers as IPv4-mapped IPv6 addresses and looks them up
-        lines += [f"::ffff:{node_address(i)} node{i}" for i in range(self.nodes)]
+        lines += [f"::ffff:{address} {name}" for address, name in names]
         return "\n".join(lines) + "\n"
 
 
@@ -134,7 +142,7 @@ def build_network(topology: Topology, link_bits: int, storage_bits: int) -> None
         run_tool(["ip", "netns", "add", ns])
         etc = ETC_NETNS / ns
         etc.mkdir(parents=True, exist_ok=True)
-        (etc / "hosts").write_text(topology.hosts_file())
+        (etc / "hosts").write_text(topology.hosts_file(ns))
         _ip(ns, "link", "set", "lo", "up")
     nodes = topology.node_namespaces
     switch = topology.switch_namespace

@@ -6,6 +6,8 @@ The blocks (the children of the model's largest ``ModuleList``, ``ModuleDict`` o
 embeddings) go with the first stage and modules registered after them (final norm,
 output head) with the last. Removed top-level modules become ``None``, so the model's
 forward must skip a ``None`` module (``h = self.norm(h) if self.norm is not None else h``).
+Parameters held by the model itself (or by the container's other ancestors) go with the
+first stage and are ``None`` elsewhere, so the forward must skip a ``None`` parameter too.
 Removed blocks are dropped from the container while the kept ones keep their keys, so
 ``stage.state_dict()`` is a slice of ``model.state_dict()``: a checkpoint written at one
 pp degree loads at any other, by fqn.
@@ -211,13 +213,23 @@ def plan_stages(model: nn.Module, num_stages: int, *, cost: str | Cost = "params
     )
 
 
-def _root_params(model: nn.Module, container_fqn: str) -> list[nn.Parameter]:
-    """Parameters held directly by the modules on the path to the container."""
-    params, module = [p for _, p in model.named_parameters(recurse=False)], model
+def _path_modules(model: nn.Module, container_fqn: str) -> list[nn.Module]:
+    """The model and the container's other ancestors (copied into every stage)."""
+    modules, module = [model], model
     for part in container_fqn.split(".")[:-1] if container_fqn else []:
         module = module.get_submodule(part)
-        params += [p for _, p in module.named_parameters(recurse=False)]
-    return params
+        modules.append(module)
+    return modules
+
+
+def _root_params(model: nn.Module, container_fqn: str) -> list[nn.Parameter]:
+    """Parameters held directly by the modules on the path to the container: they go with
+    the first stage, like the modules registered before the blocks."""
+    return [
+        p
+        for module in _path_modules(model, container_fqn)
+        for _, p in module.named_parameters(recurse=False)
+    ]
 
 
 def _check_no_shared_params(model: nn.Module) -> None:
@@ -257,6 +269,10 @@ def build_stage(model: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
         memo[id(b)] = b
     memo[id(container)] = container  # replaced below
     stage_module = copy.deepcopy(model, memo)
+    if stage != 0:  # root parameters went with the first stage; the forward skips a None
+        for module in _path_modules(stage_module, plan.container):
+            for name, _ in list(module.named_parameters(recurse=False)):
+                module.register_parameter(name, None)
     kept = OrderedDict((k, m) for k, m in container.named_children() if k in keep_blocks)
     if not plan.container:
         return nn.Sequential(kept)

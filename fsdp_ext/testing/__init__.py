@@ -1,5 +1,5 @@
 """Test utilities shared by the test suite and the benchmarks (as torch keeps
-``torch.testing._internal.common_fsdp``): run a function on real multi-process gloo ranks,
+its FSDP test helpers under ``torch.testing``): run a function on real multi-process gloo ranks,
 count what FSDP2's collectives send, and DCP's stock planning steps for simulated plans.
 
 Not imported by the library itself.

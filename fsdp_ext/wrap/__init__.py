@@ -4,8 +4,9 @@ from fsdp_ext.wrap.apply import check_wrap, fully_shard
 from fsdp_ext.wrap.cost import CostModel, calibrate_cost_model
 from fsdp_ext.wrap.measure import UnshardedBytesTracker
 from fsdp_ext.wrap.node_reshard import node_local_reshard, resolve_reshard_after_forward
-from fsdp_ext.wrap.plan import Unit, WrapPlan, plan_units
+from fsdp_ext.wrap.plan import plan_units
 from fsdp_ext.wrap.policy import GranularityPolicy
+from fsdp_ext.wrap.units import Unit, WrapPlan
 
 __all__ = [
     "CostModel",

@@ -20,7 +20,7 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 
 from fsdp_ext._torch import run_fsdp1_policy
 from fsdp_ext.wrap.node_reshard import resolve_reshard_after_forward
-from fsdp_ext.wrap.plan import WrapPlan, plan_units
+from fsdp_ext.wrap.plan import plan_units
 from fsdp_ext.wrap.tree import (
     EXPERTS_ALWAYS_RUN_ATTR,
     FORCE_LEAF_TYPES,
@@ -29,6 +29,7 @@ from fsdp_ext.wrap.tree import (
     is_container,
     is_routed_experts,
 )
+from fsdp_ext.wrap.units import WrapPlan
 
 # Torch versions before ``set_reduce_scatter_unused_params`` get the autograd fallback.
 NATIVE_UNUSED_PARAM_REDUCE_SCATTER = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
@@ -165,8 +166,8 @@ def fully_shard(
     ``reshard_after_forward`` (the plan may choose it per unit under a memory budget;
     ``"node"`` keeps a node-local secondary shard, ZeRO++'s hpZ: :mod:`.node_reshard`),
     ``shard_placement_fn``, ``mp_policy``, ``offload_policy``, ``ignored_params`` and
-    ``dp_mesh_dims`` (torch >= 2.13). One left at None is not passed, so torch's own
-    default applies.
+    ``dp_mesh_dims`` (in the torch versions that have it: 2.13 does). One left at None is
+    not passed, so torch's own default applies.
 
     Units holding an MoE block reduce-scatter every parameter, with zeros for experts
     that got no tokens on a rank: FSDP2 otherwise skips gradient-less parameters, and

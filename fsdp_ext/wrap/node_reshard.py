@@ -18,6 +18,14 @@ from collections.abc import Sequence
 
 from torch.distributed.device_mesh import DeviceMesh
 
+__all__ = [
+    "launcher_node_size",
+    "node_local_reshard",
+    "node_reshard_for_ranks",
+    "resolve_node_size",
+    "resolve_reshard_after_forward",
+]
+
 NODE = "node"
 
 

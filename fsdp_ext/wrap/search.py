@@ -13,8 +13,9 @@ granularity thresholds from coarse to fine):
 * then the smallest top-level units folded into the root while the peak still fits.
 
 Each candidate's peak comes from :func:`fsdp_ext.wrap.peak.estimate_peak` and its cost from
-:class:`fsdp_ext.wrap.cost.CostModel`; the lowest cost wins, then the lowest peak. Finer
-base units are searched until two levels past the first that fits.
+:class:`fsdp_ext.wrap.cost.CostModel`; the lowest cost wins (costs within a relative
+``COST_RTOL`` tie), then the lowest peak. Finer base units are searched until two levels
+past the first that fits.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_ext.wrap.cost import CostModel
 from fsdp_ext.wrap.peak import estimate_peak
-from fsdp_ext.wrap.plan import (
+from fsdp_ext.wrap.policy import GranularityPolicy, granularity_units
+from fsdp_ext.wrap.tree import ModuleInfo
+from fsdp_ext.wrap.units import (
     Atom,
     Group,
     Layout,
@@ -42,10 +45,12 @@ from fsdp_ext.wrap.plan import (
     unit_groups,
     unit_reshard_after_forward,
 )
-from fsdp_ext.wrap.policy import GranularityPolicy, granularity_units
-from fsdp_ext.wrap.tree import ModuleInfo
 
 _GROUP_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# A plan's modelled cost is a sum of float terms taken in an order that depends on the
+# plan, so plans of equal cost differ in the last bits: within this relative tolerance
+# they tie, and the lower peak wins (float noise must not pick a plan with a higher peak).
+COST_RTOL = 1e-9
 
 
 @dataclass
@@ -190,7 +195,7 @@ def plan_for_budget(
                 continue
             level_fits = True
             cost, peak, kept, folded, kept_raf = candidate
-            if best is None or (cost, peak) < (best.cost, best.peak):
+            if best is None or _better(cost, peak, best.cost, best.peak):
                 best = _Candidate(
                     cost,
                     peak,
@@ -227,6 +232,13 @@ def plan_for_budget(
     )
     plan.baseline = baseline
     return plan
+
+
+def _better(cost: float, peak: int, best_cost: float, best_peak: int) -> bool:
+    """Cheaper beyond ``COST_RTOL``, or as cheap within it and lower in peak."""
+    if math.isclose(cost, best_cost, rel_tol=COST_RTOL):
+        return peak < best_peak
+    return cost < best_cost
 
 
 def _fit_and_fold(
@@ -311,7 +323,7 @@ def _fit_and_fold(
         for i in kept_idx[-last:]:
             trial[i] = False
         trial_peak = peak_of(keep, trial)
-        if trial_peak <= budget and (cost_of(trial), trial_peak) < best[:2]:
+        if trial_peak <= budget and _better(cost_of(trial), trial_peak, *best[:2]):
             best = (cost_of(trial), trial_peak, trial)
     cost, peak, settings = best
     kept_raf = [

@@ -11,10 +11,17 @@ import threading
 import time
 
 CHUNK = 1 << 16
+# Deep socket buffers (and a high priority, set by the test) keep the link, not a busy CPU,
+# the bottleneck: a receiver that waits 200 ms for a core still finds its data queued.
+BUFFER = 8 << 20
 
 
 def serve(port: int, connections: int) -> None:
-    server = socket.create_server(("0.0.0.0", port), backlog=connections)
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER)  # inherited on accept
+    server.bind(("0.0.0.0", port))
+    server.listen(connections)
     print("listening", flush=True)
     received = [0] * connections
     first, last = [], []
@@ -39,7 +46,9 @@ def serve(port: int, connections: int) -> None:
 
 def send(host: str, port: int, total: int) -> None:
     payload = b"\0" * CHUNK
-    with socket.create_connection((host, port)) as conn:
+    with socket.socket() as conn:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER)
+        conn.connect((host, port))
         sent = 0
         while sent < total:
             conn.sendall(payload[: min(CHUNK, total - sent)])
