@@ -18,14 +18,16 @@ Three measurements, each on the example model (examples/train.py, CPython stdlib
    measured: each rank wraps ``all_to_all_single`` and the stock reduce-scatter and counts
    the bytes of the tensors handed to them that are bound for another rank.
 
-``--step-time`` measures time instead (loopback gloo, no capped link): the example trains
-``--step-time-steps`` steps per run with the stock fp32 reduce-scatter, q4 and LoCo, the modes
-interleaved over ``--step-time-rounds`` rounds, on each world size, with the codec kernels on
-the given backends (``cpu``, the default on CPU tensors, and ``reference``, the torch spec the
-library ran before the fast CPU path). It reports each mode's median step ms and
-``loco_step_overhead_vs_q4_max``, the largest ``loco / q4 - 1`` over the world sizes on the
-first backend; and, to isolate the hook from the model, one ``LoCoReduceScatter`` call on a
-``--hook-shard``-element shard per rank (2 ranks, median ms of stock / q4 / LoCo).
+``--step-time`` measures time instead (loopback gloo, no capped link): on each world size, one
+job builds the example model three times (same seed), with the stock fp32 reduce-scatter, q4
+and LoCo, and trains them side by side for ``--step-time-steps`` steps, the modes rotated step
+by step so that a loaded machine slows each alike; the codec kernels run on the given
+backends (``cpu``, the default on CPU tensors, and ``reference``, the torch spec the library
+ran before the fast CPU path). It reports each mode's median step ms, wall and process CPU
+(the slowest rank's), and ``loco_step_overhead_vs_q4_max``, the largest ``loco / q4 - 1`` of
+wall step times over the world sizes on the first backend; and, to isolate the hook from the
+model, one ``LoCoReduceScatter`` call on a ``--hook-shard``-element shard per rank (2 ranks,
+median ms of stock / q4 / LoCo).
 
 The last line printed is one JSON object.
 """
@@ -53,8 +55,16 @@ from benchmarks.comm_fidelity import (  # noqa: E402
     ShadowReduceScatter,
     mean_and_stderr,
 )
+from examples.data import get_batch, load_corpus  # noqa: E402
+from examples.model import Transformer  # noqa: E402
 from examples.train import TrainConfig, train  # noqa: E402
-from fsdp_ext import LoCoConfig, LoCoReduceScatter, register_comm_hook  # noqa: E402
+from fsdp_ext import (  # noqa: E402
+    LoCoConfig,
+    LoCoReduceScatter,
+    ParallelDims,
+    clip_grad_norm_,
+    register_comm_hook,
+)
 from fsdp_ext.testing import run_distributed  # noqa: E402
 from triton_kernels.backend import use_backend  # noqa: E402
 
@@ -161,34 +171,82 @@ def run(
     return runs
 
 
-def _timed_mode(cfg: TrainConfig, config: LoCoConfig | None, backend: str) -> dict:
+def _interleaved_rank(cfg: TrainConfig, configs: dict, backend: str) -> dict:
+    """One rank: the example model once per mode (same seed), trained side by side, the modes
+    rotated step by step, so a loaded machine slows every mode alike. Per mode: median wall
+    and process-CPU ms of a step (forward, backward with its reduce-scatters, clip, AdamW)."""
+    world = dist.get_world_size()
+    corpus = load_corpus()
+    runs = {}
+    for mode, config in configs.items():
+        train_module.attach_comm = _attach(config)
+        torch.manual_seed(cfg.seed)
+        dims = ParallelDims(world, ep=cfg.ep, pp=cfg.pp)
+        dims.build_mesh("cpu")
+        par = train_module.parallelize(Transformer(cfg.model), cfg, dims)
+        params = [p for part in par.parts for p in part.parameters()]
+        runs[mode] = (par, params, torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95)))
+    local = cfg.batch_size // world
+    rank = dist.get_rank()
+    wall = {mode: [] for mode in configs}
+    cpu = {mode: [] for mode in configs}
+    modes = list(configs)
     with use_backend(backend):
-        return _run_mode(cfg, config)
+        for step in range(cfg.steps):
+            x, y = get_batch(
+                corpus.train,
+                seed=cfg.seed,
+                step=step,
+                batch_size=cfg.batch_size,
+                seq_len=cfg.seq_len,
+            )
+            x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+            for mode in modes[step % len(modes) :] + modes[: step % len(modes)]:
+                par, params, optimizer = runs[mode]
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                par.train_step(x, y)
+                clip_grad_norm_(params, cfg.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if step >= 3:  # the first steps allocate error buffers and workspaces
+                    wall[mode].append((time.perf_counter() - t0) * 1e3)
+                    cpu[mode].append((time.process_time() - c0) * 1e3)
+    return {
+        mode: {
+            "step_ms": round(statistics.median(wall[mode]), 1),
+            "step_cpu_ms": round(statistics.median(cpu[mode]), 1),
+        }
+        for mode in configs
+    }
 
 
-def step_times(base: TrainConfig, worlds: list[int], rounds: int, backends: list[str]) -> dict:
-    """Median step ms of stock / q4 / LoCo per backend and world size, modes interleaved."""
+def step_times(base: TrainConfig, worlds: list[int], backends: list[str]) -> dict:
+    """Step ms of stock / q4 / LoCo per backend and world size, trained side by side."""
     configs = {"default": None, **codecs()}
     out = {}
     for backend in backends:
         for world in worlds:
-            per_mode = {mode: [] for mode in configs}
-            for rnd in range(rounds):
-                for mode in list(configs)[:: 1 if rnd % 2 == 0 else -1]:
-                    result = run_distributed(
-                        _timed_mode, world, base, configs[mode], backend, timeout=3600
-                    )[0]
-                    per_mode[mode].append(round(result["step_ms"], 1))
-            median = {mode: statistics.median(ms) for mode, ms in per_mode.items()}
+            ranks = run_distributed(_interleaved_rank, world, base, configs, backend, timeout=3600)
+            # a step is as slow as its slowest rank
+            per_mode = {
+                mode: {k: max(r[mode][k] for r in ranks) for k in ("step_ms", "step_cpu_ms")}
+                for mode in configs
+            }
             out.setdefault(backend, {})[str(world)] = {
-                "step_ms": median,
-                "step_ms_per_round": per_mode,
-                "loco_vs_q4": round(median["loco"] / median["q4"], 4),
+                **per_mode,
+                "loco_vs_q4": round(per_mode["loco"]["step_ms"] / per_mode["q4"]["step_ms"], 4),
+                "loco_vs_q4_cpu_time": round(
+                    per_mode["loco"]["step_cpu_ms"] / per_mode["q4"]["step_cpu_ms"], 4
+                ),
             }
             print(
                 f"step time, {backend} codec, world {world}: "
-                + "  ".join(f"{m} {ms:.1f} ms" for m, ms in median.items())
-                + f"  loco/q4 {median['loco'] / median['q4']:.3f}",
+                + "  ".join(
+                    f"{m} {v['step_ms']:.1f} ms ({v['step_cpu_ms']:.1f} CPU)"
+                    for m, v in per_mode.items()
+                )
+                + f"  loco/q4 {out[backend][str(world)]['loco_vs_q4']:.3f}",
                 flush=True,
             )
     return out
@@ -434,8 +492,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--step-time", action="store_true", help="only step times of stock / q4 / LoCo")
     p.add_argument("--step-time-worlds", default="2,4", help="comma-separated (2,4)")
-    p.add_argument("--step-time-steps", type=int, default=30, help="steps per run (30)")
-    p.add_argument("--step-time-rounds", type=int, default=3, help="runs per mode (3)")
+    p.add_argument("--step-time-steps", type=int, default=40, help="steps per mode (40)")
     p.add_argument(
         "--step-time-backends",
         default="cpu",
@@ -552,14 +609,13 @@ def main_step_time(a: argparse.Namespace) -> dict:
     base = TrainConfig(
         steps=a.step_time_steps, verbose=False, log_every=10**9, out="unused", val_batches=1
     )
-    steps = step_times(base, worlds, a.step_time_rounds, backends)
+    steps = step_times(base, worlds, backends)
     first = steps[backends[0]]
     result = {
         "bench": "comm_step_time",
         "machine": MACHINE,
         "link": "loopback (no cap)",
-        "steps_per_run": a.step_time_steps,
-        "rounds": a.step_time_rounds,
+        "steps": a.step_time_steps,
         "hook_shard": a.hook_shard,
         "hook_ms": hooks,
         "step_time": steps,

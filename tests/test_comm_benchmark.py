@@ -157,15 +157,14 @@ def test_regime_only_reports_the_low_lr_regime(capsys):
     assert regime["seeds"] == 1 and len(regime["q4_gap_per_seed"]) == 1
 
 
-@pytest.mark.slow  # six short training runs
+@pytest.mark.slow  # two short jobs of three models each
 def test_step_time_smoke():
     """The step-time mode on a tiny model: every mode, both codec backends."""
-    steps = step_times(replace(TINY), [2], rounds=1, backends=["cpu", "reference"])
+    steps = step_times(replace(TINY, steps=5), [2], backends=["cpu", "reference"])
     for backend in ("cpu", "reference"):
         row = steps[backend]["2"]
-        assert set(row["step_ms"]) == set(MODES)
-        assert all(ms > 0 for ms in row["step_ms"].values())
-        assert row["loco_vs_q4"] == round(row["step_ms"]["loco"] / row["step_ms"]["q4"], 4)
+        assert all(row[m]["step_ms"] > 0 and row[m]["step_cpu_ms"] > 0 for m in MODES)
+        assert row["loco_vs_q4"] == round(row["loco"]["step_ms"] / row["q4"]["step_ms"], 4)
 
 
 def test_hook_time_smoke():
