@@ -31,8 +31,8 @@ PRIVATE_SCAN = ("fsdp_ext", "triton_kernels", "benchmarks", "examples", "scripts
 TORCH_SHIMS = "fsdp_ext/_torch.py"
 
 LIBRARY = "fsdp_ext"
-# Shared pieces every room may import: the torch shims and the mesh description.
-COMMON = ("fsdp_ext._torch", "fsdp_ext.parallel_dims")
+# Shared pieces every room may import: the torch shims, the node size and the mesh description.
+COMMON = ("fsdp_ext._torch", "fsdp_ext.node_size", "fsdp_ext.parallel_dims")
 # Capability rooms: each imports another only through that room's ``__init__``.
 ROOMS = ("wrap", "comm", "moe", "checkpoint", "pipeline", "integrations", "lab", "testing")
 # Rooms nothing else inside the library may import (they compose the library, or test it).
@@ -506,7 +506,7 @@ DRAW_ROWS = (
     ("pipeline", "checkpoint"),
     ("moe",),
     ("comm", "wrap"),
-    ("parallel_dims", "_torch"),
+    ("parallel_dims", "node_size", "_torch"),
     ("triton_kernels",),
 )
 

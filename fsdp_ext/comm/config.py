@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from fsdp_ext.comm.registry import CODECS
+from fsdp_ext.node_size import resolve_node_size
 
 ERROR_DTYPES = (torch.int8, torch.bfloat16, torch.float32)
 
@@ -63,12 +63,6 @@ class LoCoConfig:
 
     def node_size(self) -> int | None:
         """Ranks per node: ``intra_node_size`` resolved (``"auto"`` reads ``LOCAL_WORLD_SIZE``)."""
-        if self.intra_node_size != "auto":
-            return self.intra_node_size
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        if local is None or not local.isdigit() or int(local) < 1:
-            raise ValueError(
-                "intra_node_size='auto' needs the launcher's LOCAL_WORLD_SIZE (torchrun sets it), "
-                f"got {local!r}; pass an int instead"
-            )
-        return int(local)
+        if self.intra_node_size is None:
+            return None
+        return resolve_node_size(self.intra_node_size)

@@ -13,41 +13,19 @@ Global rank ``g`` sits on node ``g // node_size`` (the launcher's numbering);
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_ext.node_size import resolve_node_size
+
 __all__ = [
-    "launcher_node_size",
     "node_local_reshard",
     "node_reshard_for_ranks",
-    "resolve_node_size",
     "resolve_reshard_after_forward",
 ]
 
 NODE = "node"
-
-
-def launcher_node_size() -> int:
-    """Ranks per node as the launcher set them (torchrun's ``LOCAL_WORLD_SIZE``)."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local is None or not local.isdigit() or int(local) < 1:
-        raise ValueError(
-            "a node size of 'auto' needs the launcher's LOCAL_WORLD_SIZE (torchrun sets it), "
-            f"got {local!r}; pass intra_node_size=<ranks per node> instead"
-        )
-    return int(local)
-
-
-def resolve_node_size(intra_node_size: int | str) -> int:
-    """An int node size, or ``"auto"`` resolved from the launcher."""
-    if intra_node_size == "auto":
-        return launcher_node_size()
-    k = intra_node_size
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"intra_node_size must be 'auto' or an int >= 1, got {k!r}")
-    return k
 
 
 def node_reshard_for_ranks(
