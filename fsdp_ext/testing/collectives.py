@@ -29,8 +29,8 @@ def ring_bytes(tensor: torch.Tensor, world: int) -> int:
     return tensor.numel() * tensor.element_size() * (world - 1) // world
 
 
-class CountingReduceScatter(ReduceScatter):
-    """The stock reduce-scatter, counting ``calls`` and ``wire_bytes``."""
+class _Counting:
+    """What both counting collectives share: the counters and FSDP's plain buffer."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -41,6 +41,10 @@ class CountingReduceScatter(ReduceScatter):
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class CountingReduceScatter(_Counting, ReduceScatter):
+    """The stock reduce-scatter, counting ``calls`` and ``wire_bytes``."""
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.calls += 1
@@ -50,18 +54,8 @@ class CountingReduceScatter(ReduceScatter):
         )
 
 
-class CountingAllGather(AllGather):
+class CountingAllGather(_Counting, AllGather):
     """The stock all-gather, counting ``calls`` and ``wire_bytes``."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.wire_bytes = 0
-
-    def reset(self) -> None:
-        self.calls = self.wire_bytes = 0
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.calls += 1
