@@ -19,10 +19,12 @@ both wrote the same bits. ``cpu_codec_speedup_vs_reference`` is the ratio of med
 times of the sender, ``quantize_ef`` with LoCo's defaults (4-bit, group 128, int8 error,
 beta 0.8): the reference's bottleneck; the receiver's ratio is reported next to it, and so
 is the process CPU time per call (user + system), which waiting on a loaded machine does
-not inflate. The fast path is plain torch, so it compiles nothing
-(``cpu_codec_compile_s`` is 0); ``--torch-compile`` also measures the alternative,
-``torch.compile`` of the reference: its one-time compile cost, its speed, and whether it is
-bit-exact.
+not inflate. The fast path's sender is C compiled on this machine
+(``triton_kernels.cpu_native``; ``cpu_codec_compile_s`` is its build time from a cold cache,
+``cpu_codec_path`` says whether it ran); the plain-torch path that runs without a C compiler
+(``FSDP_EXT_NATIVE_CPU=0``) is timed in the same alternation (``torch_path_ms``,
+``torch_path_speedup``). ``--torch-compile`` also measures the alternative, ``torch.compile``
+of the reference: its one-time compile cost, its speed, and whether it is bit-exact.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +47,8 @@ import torch  # noqa: E402
 
 from triton_kernels.backend import implementation  # noqa: E402
 from triton_kernels.codec_common import payload_chunk_bytes  # noqa: E402
+from triton_kernels.cpu_native import ENV as NATIVE_ENV  # noqa: E402
+from triton_kernels.cpu_native import build_library, find_compiler, native_sender  # noqa: E402
 from triton_kernels.dequantize_reduce import (  # noqa: E402
     dequantize_reduce_from_payload,
     dequantize_reduce_from_payload_cpu,
@@ -193,10 +198,14 @@ def cpu_codec_comparison(numel: int, reps: int, torch_compile: bool) -> dict:
     alternation (after its one-time compile, which is timed on its own).
     """
     inputs = _codec_inputs(numel)
-    states = {impl: _cpu_state(inputs) for impl in ("reference", "cpu", "compiled")}
+    impls = ("reference", "cpu", "torch_path", "compiled")
+    states = {impl: _cpu_state(inputs) for impl in impls}
     quantize = {
         "reference": _quantize_call(quantize_ef_to_payload_reference, states["reference"]),
         "cpu": _quantize_call(quantize_ef_to_payload_cpu, states["cpu"]),
+        "torch_path": _plain_torch(
+            _quantize_call(quantize_ef_to_payload_cpu, states["torch_path"])
+        ),
     }
     report = {"numel": numel, "threads": 1, "reps": reps}
     with one_thread():
@@ -232,6 +241,11 @@ def cpu_codec_comparison(numel: int, reps: int, torch_compile: bool) -> dict:
                 "speedup_cpu_time": _sig(ref_cpu / cpu_cpu),
                 "cpu_gb_per_s_of_input": _sig(4 * numel / cpu_wall / 1e9),
             }
+            if "torch_path" in timed:
+                wall = timed["torch_path"][0]
+                report[name].update(
+                    torch_path_ms=_sig(wall * 1e3), torch_path_speedup=_sig(ref_wall / wall)
+                )
             if "compiled" in timed:
                 wall, cpu = timed["compiled"]
                 report["torch_compile"].update(
@@ -241,8 +255,10 @@ def cpu_codec_comparison(numel: int, reps: int, torch_compile: bool) -> dict:
                 )
     # every path ran the same number of calls from the same state: same bytes, same errors
     ref = states["reference"]
-    report["bit_exact"] = _same_state(ref, states["cpu"]) and torch.equal(
-        out["reference"].view(torch.int32), out["cpu"].view(torch.int32)
+    report["bit_exact"] = (
+        _same_state(ref, states["cpu"])
+        and _same_state(ref, states["torch_path"])
+        and torch.equal(out["reference"].view(torch.int32), out["cpu"].view(torch.int32))
     )
     if torch_compile:
         report["torch_compile"]["bit_exact"] = _same_state(ref, states["compiled"])
@@ -333,9 +349,45 @@ def main(argv: list[str] | None = None) -> dict:
         result["cpu_codec"] = comparison
         # the sender (quantize_ef_reference, LoCo defaults) is the reference's bottleneck
         result["cpu_codec_speedup_vs_reference"] = comparison["quantize_ef"]["speedup"]
-        result["cpu_codec_compile_s"] = 0.0  # plain torch: nothing to compile
+        native = native_sender() is not None
+        result["cpu_codec_path"] = "native C" if native else "plain torch"
+        result["cpu_codec_compile_s"] = native_build_seconds() if native else None
     print(json.dumps(result))
     return result
+
+
+@contextmanager
+def _without_native():
+    saved = os.environ.get(NATIVE_ENV)
+    os.environ[NATIVE_ENV] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[NATIVE_ENV]
+        else:
+            os.environ[NATIVE_ENV] = saved
+
+
+def _plain_torch(call):
+    """``call`` on the plain-torch CPU path, the one that runs without a C compiler."""
+
+    def run():
+        with _without_native():
+            return call()
+
+    return run
+
+
+def native_build_seconds() -> float | None:
+    """Seconds to build the native sender from a cold cache (None: no C compiler)."""
+    compiler = find_compiler()
+    if compiler is None:
+        return None
+    with tempfile.TemporaryDirectory() as cold:
+        start = time.perf_counter()
+        build_library(compiler, Path(cold))
+        return _sig(time.perf_counter() - start)
 
 
 def src_probe(device: torch.device) -> torch.Tensor:

@@ -3,6 +3,10 @@ group sizes, block sizes, outliers, zeros, tiny values, NaN/Inf, both bit widths
 dtype, with and without error feedback, the decode-reduce too, foreign payload bytes), checked
 against an independent fp64 formula of the quantiser, and the library's default on CPU."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +21,8 @@ from fsdp_ext.testing import run_distributed
 from tests.codec_cases import error_state, gradients
 from triton_kernels import backend
 from triton_kernels.codec_common import payload_chunk_bytes
+from triton_kernels.cpu_native import ENV as NATIVE_ENV
+from triton_kernels.cpu_native import native_sender
 from triton_kernels.dequantize_reduce import (
     dequantize_reduce_cpu,
     dequantize_reduce_from_payload_cpu,
@@ -61,6 +67,16 @@ def block_elements(request):
     codec_common.CPU_BLOCK_ELEMENTS = saved
 
 
+@pytest.fixture(params=["native", "torch"])
+def sender(request, monkeypatch):
+    """The CPU sender under test: C compiled on this machine, or the plain-torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr(quantize_ef, "native_sender", lambda: None)
+    elif native_sender() is None:
+        pytest.skip("no C compiler here (or FSDP_EXT_NATIVE_CPU=0): the torch path is tested")
+    return request.param
+
+
 # block sizes in elements: one group of 64 or more per block, a few groups, the default
 BLOCKS = st.sampled_from([64, 256, 1024, codec_common.CPU_BLOCK_ELEMENTS])
 
@@ -73,7 +89,7 @@ BLOCKS = st.sampled_from([64, 256, 1024, codec_common.CPU_BLOCK_ELEMENTS])
     st.sampled_from([0.0, 0.8, 0.95]),
     BLOCKS,
 )
-def test_quantize_ef_cpu_is_bit_exact(block_elements, grad, error_dtype, bits, beta, block):
+def test_quantize_ef_cpu_is_bit_exact(sender, block_elements, grad, error_dtype, bits, beta, block):
     block_elements(block)
     x, group_size, seed = grad
     e_ref, s_ref = error_state(error_dtype, x.numel(), group_size, seed)
@@ -101,7 +117,7 @@ def test_quantize_ef_cpu_is_bit_exact(block_elements, grad, error_dtype, bits, b
     BLOCKS,
 )
 def test_payload_paths_cpu_are_bit_exact(
-    block_elements, grad, rows, cut, row_gap, error_dtype, bits, out_dtype, block
+    sender, block_elements, grad, rows, cut, row_gap, error_dtype, bits, out_dtype, block
 ):
     """Rows of any length (padded to whole groups inside), with a row stride wider than the
     row, codes and scales in one buffer, and the reduction written into a given output."""
@@ -180,7 +196,7 @@ def test_dequantize_reduce_cpu_is_bit_exact(block_elements, payload, out_dtype, 
     BLOCKS,
 )
 def test_quantize_ef_cpu_follows_the_fp64_formula(
-    block_elements, grad, bits, error_dtype, beta, block
+    sender, block_elements, grad, bits, error_dtype, beta, block
 ):
     """An independent formula, in fp64 from the fp32 inputs: ``s = absmax(h) / qmax`` with
     ``h = x + e``; ``q = clamp(floor(h / s + 0.5), -qmax - 1, qmax)``; the nibble or byte is
@@ -263,3 +279,29 @@ def _which_paths_run():
 def test_library_runs_the_cpu_path_by_default():
     for ran in run_distributed(_which_paths_run, 2):
         assert ran == ["cpu", "cpu"]
+
+
+def test_a_failed_native_build_warns_once_and_the_torch_path_runs(tmp_path):
+    """A C compiler that fails (here ``CC=false``): one warning naming the cause and the
+    switch, then the plain-torch sender, still bit-exact."""
+    code = (
+        "import warnings, torch\n"
+        "from triton_kernels.cpu_native import native_sender\n"
+        "from triton_kernels.quantize_ef import quantize_ef_cpu, quantize_ef_reference\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    assert native_sender() is None and native_sender() is None\n"
+        "print(len(caught), caught[0].message)\n"
+        "x = torch.randn(1024, generator=torch.Generator().manual_seed(0))\n"
+        "a, b = quantize_ef_cpu(x, group_size=128), quantize_ef_reference(x, group_size=128)\n"
+        "assert all(torch.equal(p, q) for p, q in zip(a, b))\n"
+    )
+    env = {**os.environ, "CC": "false", "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop(NATIVE_ENV, None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("1 the native CPU codec did not build")
+    assert "FSDP_EXT_NATIVE_CPU=0" in done.stdout
+    assert not list(tmp_path.rglob("*.so*"))  # nothing half-built left in the cache
