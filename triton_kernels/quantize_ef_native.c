@@ -12,6 +12,7 @@
 
 #define ERROR_QMAX 127.0f
 
+/* the codes of quantize_ef._ERROR_KINDS, which the caller passes */
 enum { ERROR_NONE = 0, ERROR_INT8 = 1, ERROR_BF16 = 2, ERROR_FP32 = 3 };
 
 static inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
