@@ -3,7 +3,12 @@
 FSDP2 exposes its comm extension points (``ReduceScatter``, ``AllGather``), its per-unit
 state and DeviceMesh flattening only under private names. Reading them here means a torch
 upgrade touches this file alone. Each shim says which torch versions it covers; the suite
-runs on 2.13 and 2.14, and 2.11 is the oldest supported release.
+runs on 2.11 (the oldest supported release), 2.13, 2.14 and 2.15.
+
+FSDP2's per-unit objects (``FSDPState``, ``FSDPParamGroup``, ``FSDPParam``) are internal too,
+even where their attributes look public (``group.fsdp_params``, ``group.mp_policy``): the
+library reads them only through the small accessors below, and
+``scripts/import_graph.py --check`` flags such a read anywhere else.
 """
 
 from __future__ import annotations
@@ -36,9 +41,8 @@ from torch.distributed.device_mesh import DeviceMesh
 # 2.11-2.14: the comm interfaces a custom reduce-scatter / all-gather implements.
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-# 2.11-2.14: what ``shard_placement_fn`` may return to put a parameter on another mesh, and
-# what a param group is doing (forward, backward, idle).
-from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult, TrainingState
+# 2.11-2.15: what a param group is doing (forward, backward, idle).
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 # 2.11-2.14: builds the mesh info a ``ShardPlacementResult`` carries.
 from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info as fsdp_mesh_info
@@ -52,6 +56,21 @@ from torch.distributed.pipelining import PipelineStage
 
 # 2.11-2.14: pytree mapping (no public equivalent).
 from torch.utils._pytree import tree_map
+
+try:  # 2.13-2.15: what ``shard_placement_fn`` may return to put a parameter on another mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+except ImportError:  # 2.11: ``shard_placement_fn`` returns a ``Shard`` only, on the unit's mesh
+
+    class ShardPlacementResult:  # type: ignore[no-redef]
+        """Stands in for the name on torch 2.11, which has no per-parameter meshes."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise NotImplementedError(
+                f"a parameter on its own mesh (ShardPlacementResult) needs torch >= 2.13; "
+                f"this is torch {torch.__version__}: shard experts with their own fully_shard "
+                "call on their mesh instead"
+            )
+
 
 try:  # 2.13-2.14: the stock reduce-scatter object, put back by ``CommHandle.remove()``
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
@@ -84,20 +103,33 @@ __all__ = [
     "dedup_save_plans",
     "flatten_mesh",
     "fsdp_mesh_info",
+    "fsdp_params",
     "fsdp_state_id",
+    "gather_dtype",
     "gathered_bytes",
     "gathering_for_backward",
+    "group_device",
+    "group_modules",
     "group_reshard_after_forward",
     "has_all_gather_in_flight",
+    "is_hsdp_group",
+    "is_sharded_post_forward",
+    "is_unsharded",
+    "padded_shard_numel",
     "param_group",
     "param_groups",
+    "param_mp_policy",
     "reduce_scatter_into",
     "run_fsdp1_policy",
     "set_state_dict_element",
+    "shard_process_group",
+    "sharded_param",
     "sharded_post_forward_data",
     "thread_in_dcp_save",
+    "trainable_fsdp_params",
     "tree_map",
     "unflatten_mesh",
+    "unsharded_accumulated_grad",
     "unsharded_param",
     "write_files",
 ]
@@ -141,6 +173,87 @@ def param_groups(module: nn.Module) -> list[FSDPParamGroup]:
 def param_group(module: nn.Module) -> FSDPParamGroup | None:
     """The unit's single param group (None when it manages no parameter)."""
     return module._get_fsdp_state()._fsdp_param_group
+
+
+# ---- FSDPParamGroup / FSDPParam reads: attributes that look public but are FSDP internals.
+
+
+def fsdp_params(group: FSDPParamGroup) -> list[Any]:
+    """The group's ``FSDPParam`` objects, in FSDP's parameter order (2.11-2.15)."""
+    return list(group.fsdp_params)
+
+
+def sharded_param(fsdp_param: Any) -> nn.Parameter:
+    """The sharded parameter (a DTensor) the module holds between steps (2.11-2.15)."""
+    return fsdp_param.sharded_param
+
+
+def trainable_fsdp_params(group: FSDPParamGroup) -> list[Any]:
+    """The group's parameters FSDP reduces gradients for (it skips frozen ones)."""
+    return [p for p in group.fsdp_params if p.sharded_param.requires_grad]
+
+
+def padded_shard_numel(fsdp_param: Any) -> int:
+    """Elements of the parameter's shard padded on dim 0, as it sits in FSDP's flat
+    all-gather input and reduce-scatter output (2.11-2.15)."""
+    return fsdp_param.padded_sharded_param_size.numel()
+
+
+def param_mp_policy(group: FSDPParamGroup, fsdp_param: Any) -> Any:
+    """The ``MixedPrecisionPolicy`` FSDP applies to one parameter of ``group``.
+
+    2.15 resolves the policy per parameter (``FSDPParam.mp_policy``; the group keeps none);
+    2.11-2.14 keep one per group (``FSDPParamGroup.mp_policy``).
+    """
+    policy = getattr(fsdp_param, "mp_policy", None)
+    return policy if policy is not None else group.mp_policy
+
+
+def gather_dtype(group: FSDPParamGroup, fsdp_param: Any) -> torch.dtype:
+    """The dtype FSDP gathers the parameter in: set at FSDP's lazy init (2.11-2.15
+    ``FSDPParam.param_dtype``), before it the parameter's mixed-precision policy, else its
+    own dtype."""
+    return (
+        getattr(fsdp_param, "param_dtype", None)
+        or param_mp_policy(group, fsdp_param).param_dtype
+        or fsdp_param.sharded_param.dtype
+    )
+
+
+def unsharded_accumulated_grad(fsdp_param: Any) -> torch.Tensor | None:
+    """The unsharded gradient FSDP accumulates without reducing (no-sync steps), 2.11-2.15."""
+    return fsdp_param.unsharded_accumulated_grad
+
+
+def group_device(group: FSDPParamGroup) -> torch.device:
+    """The device the group gathers and reduces on (2.11-2.15)."""
+    return group.device
+
+
+def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:
+    """The modules one ``fully_shard`` call put in this group (2.11-2.15)."""
+    return tuple(group.modules)
+
+
+def shard_process_group(group: FSDPParamGroup) -> dist.ProcessGroup | None:
+    """The group's reduce-scatter / all-gather process group; None for a replicate-only
+    (DDP-style) unit, which has no shard dim (2.11-2.15: ``mesh_info.shard_process_group``)."""
+    return getattr(group.mesh_info, "shard_process_group", None)
+
+
+def is_hsdp_group(group: FSDPParamGroup) -> bool:
+    """Whether the group is sharded on a 2-D (replicate, shard) mesh (2.11-2.15)."""
+    return getattr(group.mesh_info, "replicate_mesh_dim", None) is not None
+
+
+def is_unsharded(group: FSDPParamGroup) -> bool:
+    """Whether the group's parameters are gathered now (2.11-2.15)."""
+    return bool(group.is_unsharded)
+
+
+def is_sharded_post_forward(group: FSDPParamGroup) -> bool:
+    """Whether the group holds its node-local post-forward shards now (2.11-2.15)."""
+    return bool(group.is_sharded_post_forward)
 
 
 def auto_reshard_after_forward(module: nn.Module) -> bool:

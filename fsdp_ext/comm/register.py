@@ -9,7 +9,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_ext._torch import DefaultReduceScatter, fsdp_state_id, param_groups
+from fsdp_ext._torch import (
+    DefaultReduceScatter,
+    fsdp_state_id,
+    group_device,
+    is_hsdp_group,
+    param_groups,
+    shard_process_group,
+    trainable_fsdp_params,
+)
 from fsdp_ext.comm.all_reduce_hook import LoCoAllReduceHook
 from fsdp_ext.comm.codec import Codec
 from fsdp_ext.comm.config import LoCoConfig
@@ -250,15 +258,12 @@ def register_comm_hook(
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     plans = []
     for fqn, module, group in units_found:
-        if group is None or not any(p.sharded_param.requires_grad for p in group.fsdp_params):
+        if group is None or not trainable_fsdp_params(group):
             continue
-        mesh_info = group.mesh_info
-        if not hasattr(mesh_info, "shard_process_group"):
+        shard_group = shard_process_group(group)
+        if shard_group is None:
             continue  # replicate-only (DDP) units have no reduce-scatter
-        if (
-            replicate_group is not None
-            and getattr(mesh_info, "replicate_mesh_dim", None) is not None
-        ):
+        if replicate_group is not None and is_hsdp_group(group):
             raise ValueError(
                 f"unit {fqn} is sharded on a 2-D (HSDP) mesh; with replicate_group, shard on "
                 "the dp_shard mesh only"
@@ -270,8 +275,7 @@ def register_comm_hook(
                 "torch.float32, torch.bfloat16 and torch.float16 (set MixedPrecisionPolicy."
                 "reduce_dtype)"
             )
-        check_codec_device(codec, group.device, fqn)
-        shard_group = mesh_info.shard_process_group
+        check_codec_device(codec, group_device(group), fqn)
         plans.append((fqn, module, group, shard_group))
     node_groups: dict[tuple[int, ...], NodeGroups] = {}
     if config.intra_node_size is not None:

@@ -13,7 +13,16 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_ext._torch import param_group, unsharded_param
+from fsdp_ext._torch import (
+    group_device,
+    group_modules,
+    padded_shard_numel,
+    param_group,
+    param_mp_policy,
+    sharded_param,
+    trainable_fsdp_params,
+    unsharded_param,
+)
 from fsdp_ext.comm.layout import ParamLayout, Present
 
 SUPPORTED_REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -21,10 +30,11 @@ SUPPORTED_REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def reduce_dtype_of(group) -> torch.dtype:
     """The dtype FSDP reduces this unit's gradients in (its mixed-precision policy)."""
-    mp = group.mp_policy
-    trainable = [p for p in group.fsdp_params if p.sharded_param.requires_grad]
-    orig = trainable[0].sharded_param.dtype if trainable else torch.float32
-    return mp.reduce_dtype or mp.param_dtype or orig
+    trainable = trainable_fsdp_params(group)
+    if not trainable:
+        return torch.float32
+    mp = param_mp_policy(group, trainable[0])  # FSDP requires one reduce dtype per group
+    return mp.reduce_dtype or mp.param_dtype or sharded_param(trainable[0]).dtype
 
 
 class UnitBinding:
@@ -36,18 +46,18 @@ class UnitBinding:
     def __init__(self, group, names: dict[int, str], fqn: str):
         self.group = group
         self.fqn = fqn
-        self._fsdp_params = [p for p in group.fsdp_params if p.sharded_param.requires_grad]
+        self._fsdp_params = trainable_fsdp_params(group)
         self.layout = ParamLayout(
-            [names.get(id(p.sharded_param), f"param{i}") for i, p in enumerate(self._fsdp_params)],
-            [p.padded_sharded_param_size.numel() for p in self._fsdp_params],
+            [names.get(id(sharded_param(p)), f"param{i}") for i, p in enumerate(self._fsdp_params)],
+            [padded_shard_numel(p) for p in self._fsdp_params],
         )
-        self.device = group.device
+        self.device = group_device(group)
         self._seen = [False] * len(self._fsdp_params)
         self._stale = False
         self._hooked: dict[int, nn.Parameter] = {}
         self._handles: list = []
         self._complete = False
-        for module in group.modules:
+        for module in group_modules(group):
             self._handles.append(module.register_forward_pre_hook(self._attach_hook))
         self.attach()
 

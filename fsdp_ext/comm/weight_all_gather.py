@@ -29,7 +29,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdp_ext._torch import AllGather, FSDPParamGroup, all_gather_into, gathering_for_backward
+from fsdp_ext._torch import (
+    AllGather,
+    FSDPParamGroup,
+    all_gather_into,
+    fsdp_params,
+    gathering_for_backward,
+    padded_shard_numel,
+    shard_process_group,
+)
 from fsdp_ext.comm.codec import Codec
 from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.weight_config import QuantizedAllGather
@@ -101,13 +109,13 @@ class QuantizedWeightAllGather(AllGather):
         in parameter order), so that no quantisation group mixes two parameters; the whole
         input as one segment if the sizes do not add up to ``n``."""
         if n not in self._segment_cache:
-            sizes = tuple(p.padded_sharded_param_size.numel() for p in self._group.fsdp_params)
+            sizes = tuple(padded_shard_numel(p) for p in fsdp_params(self._group))
             self._segment_cache[n] = sizes if sum(sizes) == n else (n,)
         return self._segment_cache[n]
 
     def _kind(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> str:
         """``"quantized"``, ``"full_precision"`` or ``"intra_node"`` for this gather."""
-        if group is not self._group.mesh_info.shard_process_group:
+        if group is not shard_process_group(self._group):
             return "intra_node"  # hpZ: the post-forward group, inside a node
         if input_tensor.dtype not in FLOAT_DTYPES:
             return "full_precision"

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_ext._torch import DefaultAllGather, fsdp_state_id, param_groups
+from fsdp_ext._torch import (
+    DefaultAllGather,
+    fsdp_state_id,
+    group_device,
+    param_groups,
+    shard_process_group,
+)
 from fsdp_ext.comm.weight_all_gather import QuantizedWeightAllGather, WeightGatherStats
 from fsdp_ext.comm.weight_config import QuantizedAllGather
 
@@ -78,14 +84,15 @@ def register_weight_all_gather(
                 "FSDP2 takes one all-gather comm per unit, so give each mesh its own "
                 "fully_shard call to use QuantizedAllGather"
             )
-        if not groups or not hasattr(groups[0].mesh_info, "shard_process_group"):
+        if not groups or shard_process_group(groups[0]) is None:
             continue  # no parameter, or replicate-only (nothing is gathered)
         group = groups[0]
         comm = QuantizedWeightAllGather(config, group, fqn or "<root>")
+        device = group_device(group)
         try:
-            comm.codec.check_device(group.device)
+            comm.codec.check_device(device)
         except ValueError as exc:
-            raise ValueError(f"unit {fqn or '<root>'} gathers on {group.device}: {exc}") from exc
+            raise ValueError(f"unit {fqn or '<root>'} gathers on {device}: {exc}") from exc
         comms[state] = (module, comm)
     if not comms:
         raise ValueError(

@@ -30,10 +30,14 @@ from fsdp_ext._torch import (
     GROUP_TRANSITIONS_AFTER,
     GROUP_TRANSITIONS_BEFORE,
     FSDPParamGroup,
+    fsdp_params,
     gathered_bytes,
     has_all_gather_in_flight,
+    is_sharded_post_forward,
+    is_unsharded,
     param_groups,
     sharded_post_forward_data,
+    unsharded_accumulated_grad,
     unsharded_param,
 )
 
@@ -47,7 +51,7 @@ def _nbytes(tensor: torch.Tensor | None) -> int:
 
 
 def _group_param_bytes(group: FSDPParamGroup) -> int:
-    return sum(gathered_bytes(p) for p in group.fsdp_params)
+    return sum(gathered_bytes(p) for p in fsdp_params(group))
 
 
 def live_unsharded_split(groups: list[FSDPParamGroup]) -> tuple[int, int]:
@@ -55,15 +59,15 @@ def live_unsharded_split(groups: list[FSDPParamGroup]) -> tuple[int, int]:
     post-forward shards, then unsharded and accumulated gradients."""
     params = grads = 0
     for group in groups:
-        if group.is_unsharded or has_all_gather_in_flight(group):
+        if is_unsharded(group) or has_all_gather_in_flight(group):
             params += _group_param_bytes(group)
-        elif group.is_sharded_post_forward:
-            params += sum(_nbytes(sharded_post_forward_data(p)) for p in group.fsdp_params)
-        for param in group.fsdp_params:
+        elif is_sharded_post_forward(group):
+            params += sum(_nbytes(sharded_post_forward_data(p)) for p in fsdp_params(group))
+        for param in fsdp_params(group):
             unsharded = unsharded_param(param)
             if unsharded is not None:
                 grads += _nbytes(unsharded.grad)
-            grads += _nbytes(param.unsharded_accumulated_grad)
+            grads += _nbytes(unsharded_accumulated_grad(param))
     return params, grads
 
 

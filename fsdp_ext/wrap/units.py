@@ -22,11 +22,14 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_ext._torch import (
     auto_reshard_after_forward,
+    fsdp_params,
     fsdp_state_id,
+    gather_dtype,
     gathered_bytes,
     group_reshard_after_forward,
     param_group,
     param_groups,
+    sharded_param,
 )
 from fsdp_ext.wrap.cost import CostModel
 from fsdp_ext.wrap.peak import UnitSpan, estimate_peak
@@ -168,14 +171,8 @@ def fsdp_unsharded_bytes(root: nn.Module) -> dict[int, int]:
         if not isinstance(module, FSDPModule):
             continue
         for group in param_groups(module):
-            for p in group.fsdp_params:
-                # param_dtype is set at FSDP's lazy init; before it, the unit's policy.
-                dtype = (
-                    getattr(p, "param_dtype", None)
-                    or group.mp_policy.param_dtype
-                    or p.sharded_param.dtype
-                )
-                sizes[id(p.sharded_param)] = gathered_bytes(p, dtype)
+            for p in fsdp_params(group):
+                sizes[id(sharded_param(p))] = gathered_bytes(p, gather_dtype(group, p))
     return sizes
 
 
