@@ -4,7 +4,8 @@
     python scripts/import_graph.py --dot out.dot   # every module, Graphviz DOT
     python scripts/import_graph.py --png docs/import_graph.png   # the rooms, drawn
     python scripts/import_graph.py --check         # exit 1 on a cycle, a layering break
-                                                   # or a private torch name outside _torch.py
+                                                   # a private torch name or a read of FSDP's
+                                                   # internal objects outside _torch.py
 
 Every ``import`` counts, function-local ones included, and importing ``a.b.c`` also
 imports the packages ``a.b`` and ``a`` (their ``__init__`` runs first), as Python does.
@@ -56,6 +57,44 @@ KNOWN_TORCH_PRIVATE = frozenset(
         "_unflatten",
     }
 )
+# Attributes of FSDP2's internal objects (FSDPState, FSDPParamGroup, FSDPParam and their mesh
+# info) that look public but move between releases (2.15 dropped ``FSDPParamGroup.mp_policy``):
+# read only in the shims. Names public elsewhere in torch (``param_dtype`` of a
+# MixedPrecisionPolicy, an optimizer's ``param_groups``) are left out: reads of those on an
+# FSDP object are caught by where the object came from (``FSDP_OBJECT_SOURCES``).
+FSDP_INTERNAL_ATTRS = frozenset(
+    {
+        "fsdp_params",
+        "mp_policy",
+        "comm_ctx",
+        "param_group",
+        "sharded_param",
+        "padded_sharded_param_size",
+        "sharded_size",
+        "unsharded_accumulated_grad",
+        "unsharded_grad_data",
+        "all_gather_outputs",
+        "mesh_info",
+        "post_forward_mesh_info",
+        "shard_process_group",
+        "replicate_mesh_dim",
+        "shard_mesh_size",
+        "is_unsharded",
+        "is_sharded_post_forward",
+        "orig_dtype",
+    }
+)
+# Shim functions that hand out FSDP's internal objects: any attribute read on what they return
+# (a name bound to it, a loop over it, an element of it) is a read of FSDP internals. So is a
+# read on a parameter annotated with one of ``FSDP_OBJECT_TYPES``.
+FSDP_OBJECT_SOURCES = frozenset(
+    {"param_group", "param_groups", "fsdp_params", "trainable_fsdp_params"}
+)
+# Internal attributes whose values are FSDP objects too (not a public ProcessGroup or policy).
+FSDP_OBJECT_ATTRS = frozenset(
+    {"fsdp_params", "param_group", "mesh_info", "post_forward_mesh_info", "comm_ctx"}
+)
+FSDP_OBJECT_TYPES = frozenset({"FSDPParamGroup", "FSDPParam", "FSDPState"})
 # Private names of other libraries that an adapter overrides on purpose (not torch's).
 FOREIGN_PRIVATE_OK = {
     "fsdp_ext/integrations/hf_trainer.py": {
@@ -445,6 +484,124 @@ def private_torch_uses(root: Path = ROOT, dirs: Iterable[str] = PRIVATE_SCAN) ->
     return sorted(set(found), key=lambda u: (u.path, u.line, u.text))
 
 
+def _names_in(annotation: ast.AST) -> set[str]:
+    """Every name an annotation mentions (``list[FSDPParamGroup] | None``, quoted or not)."""
+    names = set()
+    for node in ast.walk(annotation):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names |= set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", node.value))
+    return names
+
+
+def _fsdp_object_names(func: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """Names in ``func`` bound to FSDP internal objects: assigned from a shim that returns
+    them, a loop or comprehension over one, or a parameter annotated with an FSDP type."""
+    tainted: set[str] = set()
+    for arg in [*func.args.posonlyargs, *func.args.args, *func.args.kwonlyargs]:
+        if arg.annotation is not None and _names_in(arg.annotation) & FSDP_OBJECT_TYPES:
+            tainted.add(arg.arg)
+
+    def is_fsdp(expr: ast.AST) -> bool:
+        while isinstance(expr, ast.Subscript | ast.Starred):
+            expr = expr.value
+        if isinstance(expr, ast.Name):
+            return expr.id in tainted
+        if isinstance(expr, ast.Attribute):  # group.fsdp_params, already one read
+            return expr.attr in FSDP_OBJECT_ATTRS
+        if isinstance(expr, ast.Call):
+            fn = expr.func
+            name = fn.id if isinstance(fn, ast.Name) else getattr(fn, "attr", None)
+            if name in FSDP_OBJECT_SOURCES:
+                return True
+            if name in ("list", "tuple", "enumerate", "reversed", "sorted", "iter") and expr.args:
+                return is_fsdp(expr.args[0])
+        return False
+
+    def bind(target: ast.AST) -> None:
+        for node in ast.walk(target):
+            if isinstance(node, ast.Name):
+                tainted.add(node.id)
+
+    changed = True
+    while changed:  # to a fixed point: a name bound from a name bound from a shim
+        before = len(tainted)
+        for node in ast.walk(func):
+            if isinstance(node, ast.Assign) and is_fsdp(node.value):
+                for target in node.targets:
+                    bind(target)
+            elif isinstance(node, ast.AnnAssign | ast.NamedExpr) and node.value is not None:
+                if is_fsdp(node.value):
+                    bind(node.target)
+            elif isinstance(node, ast.For | ast.AsyncFor | ast.comprehension) and is_fsdp(
+                node.iter
+            ):
+                bind(node.target)
+        changed = len(tainted) != before
+    tainted.discard("self")
+    return tainted
+
+
+def _fsdp_internal_reads(tree: ast.Module) -> Iterator[tuple[int, str]]:
+    """(line, description) of every read of an FSDP internal object's attribute."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            if node.attr in FSDP_INTERNAL_ATTRS:
+                yield node.lineno, f"read of FSDP internal attribute .{node.attr}"
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in FSDP_INTERNAL_ATTRS
+        ):
+            yield node.lineno, f"read of FSDP internal attribute .{node.args[1].value}"
+    for scope in ast.walk(tree):
+        if not isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        names = _fsdp_object_names(scope)
+        if not names:
+            continue
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                owner = node.value
+                while isinstance(owner, ast.Subscript):
+                    owner = owner.value
+                if isinstance(owner, ast.Name) and owner.id in names:
+                    yield node.lineno, f"attribute .{node.attr} read on FSDP object {owner.id}"
+            elif (  # getattr(group, "anything"): the same read, spelled differently
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and node.args
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id in names
+            ):
+                yield (
+                    node.lineno,
+                    f"attribute read via {node.func.id} on FSDP object {node.args[0].id}",
+                )
+
+
+def fsdp_internal_reads(root: Path = ROOT, dirs: Iterable[str] = PRIVATE_SCAN) -> list[PrivateUse]:
+    """Reads of FSDP2's internal objects outside ``fsdp_ext/_torch.py``: a known internal
+    attribute (``.fsdp_params``, ``.mp_policy``, ``.mesh_info``, ...) on anything, and any
+    attribute of an object a shim handed out (``param_groups(m)[0].device``)."""
+    found = []
+    for d in dirs:
+        for path in sorted((root / d).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel == TORCH_SHIMS or ".venv" in path.parts:
+                continue
+            for line, text in _fsdp_internal_reads(ast.parse(path.read_text())):
+                found.append(PrivateUse(rel, line, text))
+    return sorted(set(found), key=lambda u: (u.path, u.line, u.text))
+
+
 # ------------------------------------------------------------------------------ output
 
 
@@ -581,6 +738,7 @@ def main(argv: list[str] | None = None) -> int:
     problems += layering_violations(graph)
     problems += surface_problems(graph)
     problems += [f"private torch name: {u}" for u in private_torch_uses()]
+    problems += [f"FSDP internals: {u}" for u in fsdp_internal_reads()]
     for problem in problems:
         print(problem)
     print(f"{len(graph.modules)} modules, {len(problems)} problems")

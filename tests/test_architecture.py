@@ -4,7 +4,8 @@ No import cycle (function-local imports included); data flows examples/benchmark
 fsdp_ext -> triton_kernels; a room imports another only through its ``__init__``; nothing
 in the library imports ``integrations``, ``lab`` or ``testing``; benchmarks and examples
 use public names only; every package re-exports one way (``__all__``); and private torch
-names appear only in ``fsdp_ext/_torch.py``. The checker itself is shown to catch each kind
+names, and reads of FSDP2's internal objects (``group.fsdp_params``, ``group.mp_policy``), appear
+only in ``fsdp_ext/_torch.py``. The checker itself is shown to catch each kind
 of break on a small tree written here.
 """
 
@@ -50,6 +51,10 @@ def test_every_package_reexports_through_all(graph):
 
 def test_private_torch_names_only_in_torch_shims():
     assert [str(u) for u in ig.private_torch_uses()] == []
+
+
+def test_fsdp_internals_read_only_in_torch_shims():
+    assert [str(u) for u in ig.fsdp_internal_reads()] == []
 
 
 def test_public_names_resolve():
@@ -115,6 +120,7 @@ def _problems(root: Path) -> list[str]:
     out = [" <-> ".join(c) for c in ig.cycles(graph)]
     out += ig.layering_violations(graph) + ig.surface_problems(graph)
     out += [str(u) for u in ig.private_torch_uses(root)]
+    out += [str(u) for u in ig.fsdp_internal_reads(root)]
     return out
 
 
@@ -184,6 +190,52 @@ def test_checker_passes_a_clean_tree(tmp_path):
 def test_checker_catches(tmp_path, files, expected):
     problems = _problems(_tree(tmp_path, files))
     assert any(expected in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (  # the read that broke on torch 2.15 (FSDPParamGroup lost mp_policy)
+            "def f(group):\n    return group.mp_policy.reduce_dtype\n",
+            "fsdp_ext/comm/x.py:2: read of FSDP internal attribute .mp_policy",
+        ),
+        (  # through getattr
+            "def f(group):\n    return getattr(group, 'fsdp_params', [])\n",
+            "fsdp_ext/comm/x.py:2: read of FSDP internal attribute .fsdp_params",
+        ),
+        (  # a generic name on an object a shim handed out, via a loop and a subscript
+            "from fsdp_ext._torch import param_groups\n"
+            "def f(m):\n    for g in param_groups(m):\n        print(g.device)\n"
+            "    gs = param_groups(m)\n    return gs[0].modules\n",
+            "fsdp_ext/comm/x.py:6: attribute .modules read on FSDP object gs",
+        ),
+        (  # on a parameter annotated with an FSDP type, and on what it iterates
+            "def f(group: 'FSDPParamGroup | None'):\n    return group.device\n",
+            "fsdp_ext/comm/x.py:2: attribute .device read on FSDP object group",
+        ),
+        (
+            "def f(group):\n    return [p.param_dtype for p in group.fsdp_params]\n",
+            "fsdp_ext/comm/x.py:2: attribute .param_dtype read on FSDP object p",
+        ),
+    ],
+)
+def test_checker_catches_fsdp_internal_reads(tmp_path, code, expected):
+    problems = _problems(_tree(tmp_path, {"fsdp_ext/comm/x.py": code}))
+    assert expected in problems, problems
+    # the same read inside the shims is where it belongs
+    clean = _tree(tmp_path / "ok", {"fsdp_ext/_torch.py": code})
+    assert not [p for p in _problems(clean) if "FSDP" in p], _problems(clean)
+
+
+def test_checker_leaves_public_reads_alone(tmp_path):
+    code = """
+        from fsdp_ext._torch import group_device, param_groups
+        def f(m, mp_policy, optimizer):
+            groups = param_groups(m)
+            device = group_device(groups[0])
+            return device.type, mp_policy.param_dtype, optimizer.param_groups, m.modules()
+        """
+    assert _problems(_tree(tmp_path, {"fsdp_ext/comm/x.py": code})) == []
 
 
 def test_checker_ignores_docstrings_comments_and_own_names(tmp_path):

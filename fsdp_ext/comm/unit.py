@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_ext._torch import (
+    FSDPParamGroup,
     group_device,
     group_modules,
     padded_shard_numel,
@@ -28,7 +29,7 @@ from fsdp_ext.comm.layout import ParamLayout, Present
 SUPPORTED_REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def reduce_dtype_of(group) -> torch.dtype:
+def reduce_dtype_of(group: FSDPParamGroup) -> torch.dtype:
     """The dtype FSDP reduces this unit's gradients in (its mixed-precision policy)."""
     trainable = trainable_fsdp_params(group)
     if not trainable:
@@ -43,7 +44,7 @@ class UnitBinding:
     Frozen parameters are never reduced by FSDP, so they are not part of the layout.
     """
 
-    def __init__(self, group, names: dict[int, str], fqn: str):
+    def __init__(self, group: FSDPParamGroup, names: dict[int, str], fqn: str):
         self.group = group
         self.fqn = fqn
         self._fsdp_params = trainable_fsdp_params(group)
