@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -120,6 +121,7 @@ __all__ = [
     "param_groups",
     "param_mp_policy",
     "reduce_scatter_into",
+    "reporting_cuda_devices",
     "run_fsdp1_policy",
     "set_state_dict_element",
     "shard_process_group",
@@ -221,7 +223,15 @@ def gather_dtype(group: FSDPParamGroup, fsdp_param: Any) -> torch.dtype:
 
 
 def unsharded_accumulated_grad(fsdp_param: Any) -> torch.Tensor | None:
-    """The unsharded gradient FSDP accumulates without reducing (no-sync steps), 2.11-2.15."""
+    """The unsharded gradient FSDP accumulates apart from the parameter's ``.grad`` (no-sync
+    steps in a reduce dtype), or None where there is none besides ``.grad``.
+
+    2.11-2.14: an attribute holding its own buffer. 2.15: a property that returns the
+    unsharded parameter's ``.grad`` (the autograd leaf accumulates), the same tensor a
+    memory count already has: counting it again would double every unsharded gradient.
+    """
+    if isinstance(getattr(type(fsdp_param), "unsharded_accumulated_grad", None), property):
+        return None
     return fsdp_param.unsharded_accumulated_grad
 
 
@@ -296,6 +306,26 @@ def gathering_for_backward(group: FSDPParamGroup) -> bool:
 def has_all_gather_in_flight(group: FSDPParamGroup) -> bool:
     """Whether the group's all-gather was issued and its result not yet consumed."""
     return group._all_gather_result is not None
+
+
+@contextlib.contextmanager
+def reporting_cuda_devices(count: int = 1) -> Iterator[None]:
+    """Make this process's torch report ``count`` CUDA devices, as on a GPU machine.
+
+    Tests use it to show on a CPU machine what a GPU machine changes: 2.11-2.15 pick the
+    default ``fully_shard`` mesh's device with ``torch._C._get_accelerator()``, which a
+    CUDA build on a GPU machine answers with ``cuda`` even in gloo ranks. Setting the mesh
+    up on that device then fails here (no CUDA) as it does there on a second rank
+    ("invalid device ordinal" with one GPU).
+    """
+    saved = (torch.cuda.is_available, torch.cuda.device_count, torch._C._get_accelerator)
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: count
+    torch._C._get_accelerator = lambda: torch.device("cuda")
+    try:
+        yield
+    finally:
+        torch.cuda.is_available, torch.cuda.device_count, torch._C._get_accelerator = saved
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:

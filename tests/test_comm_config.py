@@ -11,6 +11,7 @@ from torch.distributed.tensor import Shard
 from fsdp_ext import LoCoConfig, register_comm_hook
 from fsdp_ext.comm.absmax_codec import AbsmaxCodec
 from fsdp_ext.testing import run_distributed
+from tests.meshes import cpu_mesh
 
 
 @pytest.mark.parametrize(
@@ -67,13 +68,15 @@ def _refusals():
         register_comm_hook(nn.Linear(4, 4))
     errors["unsharded"] = str(e.value)
     with pytest.raises(TypeError, match="config"):
-        register_comm_hook(fully_shard(nn.Linear(4, 4)), {"bits": 4})
+        register_comm_hook(fully_shard(nn.Linear(4, 4), mesh=cpu_mesh()), {"bits": 4})
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     hsdp = fully_shard(nn.Linear(4, 4), mesh=mesh)
     with pytest.raises(ValueError, match="dp_shard mesh only"):
         register_comm_hook(hsdp, replicate_group=mesh["dp_replicate"].get_group())
     with pytest.raises(ValueError, match="intra_node_size"):
-        register_comm_hook(fully_shard(nn.Linear(4, 4)), LoCoConfig(intra_node_size=3))
+        register_comm_hook(
+            fully_shard(nn.Linear(4, 4), mesh=cpu_mesh()), LoCoConfig(intra_node_size=3)
+        )
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_common import (
             FSDPMeshInfo,
@@ -90,6 +93,7 @@ def _refusals():
         shard_placement_fn=lambda p: (
             ShardPlacementResult(Shard(0), other) if p is model[1].weight else None
         ),
+        mesh=cpu_mesh(),
     )
     with pytest.raises(ValueError, match="several param groups"):
         register_comm_hook(model)

@@ -9,6 +9,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from fsdp_ext import LoCoConfig, LoCoReduceScatter
 from fsdp_ext.comm.reduce_scatter import reduce_op_scale
 from fsdp_ext.testing import run_distributed
+from tests.meshes import cpu_mesh
 
 _stock_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
@@ -72,8 +73,8 @@ def _fsdp_case(case):
     reduce_dtype = torch.bfloat16 if case == "bf16" else torch.float32
     mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for layer in (model[0], model[2]):
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mp_policy=mp, mesh=cpu_mesh())
+    fully_shard(model, mp_policy=mp, mesh=cpu_mesh())
     comms = []
     for layer in (model[0], model[2]):
         comm = RecordingLoCo(LoCoConfig(group_size=32))

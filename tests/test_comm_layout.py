@@ -16,6 +16,7 @@ from fsdp_ext.comm.absmax_codec import AbsmaxCodec
 from fsdp_ext.comm.error_feedback import ErrorFeedback
 from fsdp_ext.comm.layout import ParamLayout
 from fsdp_ext.testing import run_distributed
+from tests.meshes import cpu_mesh
 
 WORLD, GROUP, BETA, DIM = 2, 32, 0.8, 32
 
@@ -97,7 +98,7 @@ def _unused_branch():
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = TwoBranches()
-    fully_shard(model)
+    fully_shard(model, mesh=cpu_mesh())
     handle = register_comm_hook(
         model, LoCoConfig(group_size=GROUP, err_beta=BETA, error_dtype=torch.float32)
     )
@@ -161,8 +162,8 @@ def _units_and_checkpoints(path):
     torch.manual_seed(1)
     model = Block()
     model.body.bias.requires_grad_(False)
-    fully_shard([model.norm, model.head])
-    fully_shard(model)
+    fully_shard([model.norm, model.head], mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
     handle = register_comm_hook(model, LoCoConfig(group_size=GROUP))
     x, y = _batch(0, rank)
     nn.functional.mse_loss(model(x), y).backward()
@@ -177,9 +178,9 @@ def _units_and_checkpoints(path):
     # one comm object on two units is refused with a clear error
     torch.manual_seed(1)
     other = Block()
-    fully_shard(other.body)
-    fully_shard(other.head)
-    fully_shard(other)
+    fully_shard(other.body, mesh=cpu_mesh())
+    fully_shard(other.head, mesh=cpu_mesh())
+    fully_shard(other, mesh=cpu_mesh())
     comm = LoCoReduceScatter(LoCoConfig(group_size=GROUP))
     comm.install(other.body)
     with pytest.raises(ValueError, match="already serves unit") as exc:

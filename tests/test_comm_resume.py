@@ -11,6 +11,7 @@ from torch.distributed.fsdp import fully_shard
 
 from fsdp_ext import LoCoConfig, register_comm_hook
 from fsdp_ext.testing import run_distributed
+from tests.meshes import cpu_mesh
 
 CONFIG = LoCoConfig(group_size=32, error_dtype=torch.int8)
 
@@ -18,9 +19,9 @@ CONFIG = LoCoConfig(group_size=32, error_dtype=torch.int8)
 def _model_and_handle(config, strict=False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
-    fully_shard(model[0])
-    fully_shard(model[2])
-    fully_shard(model)
+    fully_shard(model[0], mesh=cpu_mesh())
+    fully_shard(model[2], mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
     return model, register_comm_hook(model, config, strict=strict)
 
 

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 import fsdp_ext.comm.all_reduce_hook as all_reduce_hook
 from fsdp_ext import LoCoConfig, register_comm_hook
 from fsdp_ext.testing import run_distributed
+from tests.meshes import cpu_mesh
 
 
 def _net():
@@ -78,7 +79,7 @@ def _meta_init_and_fp16():
     with torch.device("meta"):
         model = _net()
     for layer in (model[0], model[2], model):
-        fully_shard(layer)
+        fully_shard(layer, mesh=cpu_mesh())
     handle = register_comm_hook(model, LoCoConfig(group_size=32))
     handle.state_dict()  # a load before to_empty allocates the buffers (where the reduction runs)
     out["devices"] = sorted(
@@ -95,20 +96,20 @@ def _meta_init_and_fp16():
     model = _net()
     mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
     for layer in (model[0], model[2], model):
-        fully_shard(layer, mp_policy=mp)
+        fully_shard(layer, mp_policy=mp, mesh=cpu_mesh())
     register_comm_hook(model, LoCoConfig(group_size=32))
     _loss(model, rank, torch.float16).backward()
     out["fp16_grads"] = [p.grad.full_tensor() for p in model.parameters()]
     # a reduce dtype the codec cannot take is refused at registration, not mid-backward
     model = _net().double()
-    fully_shard(model)
+    fully_shard(model, mesh=cpu_mesh())
     with pytest.raises(ValueError, match="reduce_dtype") as exc:
         register_comm_hook(model, LoCoConfig(group_size=32))
     out["float64"] = str(exc.value)
     # "auto" on one node (the harness sets LOCAL_WORLD_SIZE to the world): full precision
     model = _net()
     for layer in (model[0], model[2], model):
-        fully_shard(layer)
+        fully_shard(layer, mesh=cpu_mesh())
     handle = register_comm_hook(model, LoCoConfig(group_size=32, intra_node_size="auto"))
     _loss(model, rank).backward()
     out["auto_grads"] = [p.grad.full_tensor() for p in model.parameters()]

@@ -7,6 +7,7 @@ which keeps tensors independent of shared memory that dies with the child.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
@@ -18,6 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("FSDP_EXT_TEST_TIMEOUT", "300"))
+# Set to N: every rank's torch reports N CUDA devices, as on a GPU machine, so that a rank
+# that lets torch choose a device (``fully_shard`` without a mesh) fails on a CPU machine too.
+FAKE_CUDA_ENV = "FSDP_EXT_FAKE_CUDA_DEVICES"
 _ERROR_GRACE_S = 3.0
 
 _ctx = mp.get_context("forkserver")
@@ -73,7 +77,7 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _rank_main(fn, rank, world_size, store_path, results, args, kwargs):
+def _rank_main(fn, rank, world_size, store_path, results, args, kwargs, fake_cuda=0):
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -84,12 +88,15 @@ def _rank_main(fn, rank, world_size, store_path, results, args, kwargs):
     import torch
     import torch.distributed as dist
 
+    from fsdp_ext._torch import reporting_cuda_devices
+
     # Ranks share two cores; intra-op threads would only fight each other.
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        out = fn(*args, **kwargs)
+        with reporting_cuda_devices(fake_cuda) if fake_cuda else contextlib.nullcontext():
+            out = fn(*args, **kwargs)
         payload = (rank, "ok", _dumps(out))
     except BaseException as exc:  # everything, KeyboardInterrupt too, goes to the parent
         payload = (rank, "error", (type(exc).__name__, str(exc), traceback.format_exc()))
@@ -115,12 +122,14 @@ def run_distributed(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    fake_cuda = int(os.environ.get(FAKE_CUDA_ENV) or 0)  # read here: the forkserver's is old
     with tempfile.TemporaryDirectory(prefix="fsdp_ext_dist_") as tmp:
         results = _ctx.Queue()
+        store = os.path.join(tmp, "store")
         procs = [
             _ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, os.path.join(tmp, "store"), results, args, kwargs),
+                args=(fn, rank, world_size, store, results, args, kwargs, fake_cuda),
                 daemon=True,
             )
             for rank in range(world_size)
