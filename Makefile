@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 NPROC ?= 2
 
-.PHONY: venv demo test test-slow torchtitan bench lint format lab
+.PHONY: venv demo test test-floor test-newest test-slow torchtitan bench lint format lab
 
 venv:
 	@scripts/bootstrap.sh
@@ -20,6 +20,22 @@ test: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
+
+# The default suite on the oldest torch we support and on the newest release, each in its own
+# venv (scripts/bootstrap-torch.sh; the index's CUDA wheel, about 5 GB). Point FLOOR_VENV or
+# NEWEST_VENV at a venv that already has that torch to reuse it. Lint is make test's job.
+TORCH_FLOOR := 2.11.0
+TORCH_NEWEST := 2.15.0
+FLOOR_VENV ?= .venv-floor
+NEWEST_VENV ?= .venv-newest
+
+test-floor:
+	@scripts/bootstrap-torch.sh $(TORCH_FLOOR) $(FLOOR_VENV) "numpy<2.4"
+	PYTHONPATH=$(CURDIR) $(FLOOR_VENV)/bin/python -m pytest -q
+
+test-newest:
+	@scripts/bootstrap-torch.sh $(TORCH_NEWEST) $(NEWEST_VENV)
+	PYTHONPATH=$(CURDIR) $(NEWEST_VENV)/bin/python -m pytest -q
 
 # torchtitan 0.3.0 with its full dependency set would downgrade huggingface_hub (2.x -> 1.33)
 # under transformers 5.23, so it goes in without dependencies, plus the pure-python packages
