@@ -14,6 +14,7 @@ library reads them only through the small accessors below, and
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import state_dict_loader as dcp_loader
 
 # 2.11-2.14: DCP's stock de-duplication of replicated items over the ranks' save plans.
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
@@ -84,6 +86,7 @@ except ImportError:  # 2.11-2.12: no comm object is set by default
     DefaultAllGather = None
 
 __all__ = [
+    "DCP_LOAD_HIDES_METADATA_ERRORS",
     "DCP_METADATA_PRIVATE_GLOBALS",
     "GROUP_TRANSITIONS_AFTER",
     "GROUP_TRANSITIONS_BEFORE",
@@ -94,6 +97,7 @@ __all__ = [
     "DefaultReduceScatter",
     "FSDP1Policy",
     "FSDPParamGroup",
+    "MetadataReadError",
     "PipelineStageBase",
     "ReduceScatter",
     "ShardPlacementResult",
@@ -120,6 +124,7 @@ __all__ = [
     "param_group",
     "param_groups",
     "param_mp_policy",
+    "pass_metadata_error_to_dcp_load",
     "reduce_scatter_into",
     "reporting_cuda_devices",
     "run_fsdp1_policy",
@@ -387,6 +392,36 @@ def thread_in_dcp_save(thread_ident: int) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+# 2.11: ``dcp.load`` reads ``.metadata`` under ``except Exception`` and then fails with a bare
+# "metadata is None", losing the reader's error; 2.13-2.15 keep it (``global_metadata_exc``).
+DCP_LOAD_HIDES_METADATA_ERRORS = "global_metadata_exc" not in inspect.getsource(dcp_loader)
+_DCP_LOAD_FRAME = ("state_dict_loader.py", "local_step")
+
+
+class MetadataReadError(BaseException):
+    """A storage reader's ``.metadata`` error on its way out of 2.11's ``dcp.load``.
+
+    Not an ``Exception``, so that release's ``except Exception`` lets it through; DCP then
+    reports it, as 2.13 does its own, as the rank's failure in ``CheckpointException``.
+    """
+
+
+def pass_metadata_error_to_dcp_load(exc: Exception) -> None:
+    """Raise ``exc`` as a :class:`MetadataReadError` where ``dcp.load`` would swallow it
+    (2.11, called from its local step); return otherwise, for the caller to re-raise."""
+    if not DCP_LOAD_HIDES_METADATA_ERRORS:
+        return
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == _DCP_LOAD_FRAME[1] and code.co_filename.endswith(_DCP_LOAD_FRAME[0]):
+            # worded as 2.13-2.15's own error, so users see one message on every release
+            raise MetadataReadError(
+                f"metadata is None; global metadata read failed: {exc}"
+            ) from exc
+        frame = frame.f_back
 
 
 # 2.11-2.14: globals DCP's ``.metadata`` pickles under private names: the memory-format enum

@@ -30,7 +30,9 @@ def _keywords(fn) -> dict[str, inspect.Parameter]:
 def test_signature_covers_torch_fully_shard():
     ours, torch_kw = _keywords(fsdp_ext.fully_shard), _keywords(torch_fully_shard)
     assert set(torch_kw) <= set(ours), f"missing {sorted(set(torch_kw) - set(ours))}"
-    assert set(ours) - set(torch_kw) == {"auto_wrap_policy"}
+    # ours, plus keywords of newer releases that the installed torch lacks (2.11: dp_mesh_dims)
+    newer = {"dp_mesh_dims"}
+    assert {"auto_wrap_policy"} <= set(ours) - set(torch_kw) <= {"auto_wrap_policy", *newer}
     kinds = {p.kind for p in inspect.signature(fsdp_ext.fully_shard).parameters.values()}
     assert inspect.Parameter.VAR_KEYWORD not in kinds  # nothing hidden behind **kwargs
     assert all(p.default is None for p in ours.values())  # torch's default unless given

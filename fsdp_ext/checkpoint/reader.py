@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from fsdp_ext._torch import set_state_dict_element
+from fsdp_ext._torch import pass_metadata_error_to_dcp_load, set_state_dict_element
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
     MARKER,
@@ -233,6 +233,13 @@ class VerifiedFileSystemReader(FileSystemReader):
     def read_metadata(self) -> Metadata:
         # No **kwargs on purpose: dcp.load then does not retry with per-rank metadata files
         # (a format we do not write) and repeat the error.
+        try:
+            return self._read_verified_metadata()
+        except (CheckpointIntegrityError, UnsafeCheckpointError) as exc:
+            pass_metadata_error_to_dcp_load(exc)  # torch 2.11 would swallow it
+            raise
+
+    def _read_verified_metadata(self) -> Metadata:
         manifest = self._load_manifest()
         path = self.root / METADATA_NAME
         if not path.is_file():
