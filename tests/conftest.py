@@ -1,6 +1,21 @@
 import os
+from pathlib import Path
 
 import pytest
+
+REPO = str(Path(__file__).resolve().parent.parent)
+
+
+def _checkout_on_pythonpath() -> None:
+    """Subprocesses (the CLIs, examples/train.py, benchmarks, torchrun ranks, lab nodes)
+    import this checkout, whether or not it is installed (on a GPU image it is not): pytest
+    puts the repository on its own ``sys.path`` only."""
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if REPO not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([REPO, *parts])
+
+
+_checkout_on_pythonpath()
 
 # The Triton interpreter must be chosen before triton is first imported; kernels then run
 # on CPU tensors so tests can compare them with their torch references.
