@@ -15,6 +15,15 @@ from triton_kernels.dequantize_reduce import (
     dequantize_reduce_from_payload_triton,
 )
 from triton_kernels.permute_indices import permute_indices_reference, permute_indices_triton
+from triton_kernels.quantize_blockwise import TILE_ELEMENTS as BLOCKWISE_TILE
+from triton_kernels.quantize_blockwise import TRITON_GROUP_SIZES as BLOCKWISE_GROUP_SIZES
+from triton_kernels.quantize_blockwise import (
+    dequantize_blockwise_reference,
+    dequantize_blockwise_triton,
+    payload_row_bytes,
+    quantize_blockwise_reference,
+    quantize_blockwise_triton,
+)
 from triton_kernels.quantize_ef import (
     quantize_ef_reference,
     quantize_ef_to_payload_reference,
@@ -115,3 +124,42 @@ def test_permute_indices_cuda_equals_reference(dtype):
     assert torch.equal(
         permute_indices_reference(counts), permute_indices_triton(counts.cuda()).cpu()
     )
+
+
+WEIGHT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _weights(rows, n, group_size, dtype, seed):
+    """Rows crossing tiles with a partial last group; a NaN group, an Inf group, a zero
+    group and an outlier, as qwZ gathers them."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (
+        torch.randn(rows, n, generator=gen)
+        * torch.logspace(-2, 2, n)[torch.randperm(n, generator=gen)]
+    )
+    x[0, 3] = float("nan")
+    x[1, group_size + 1] = float("-inf")
+    x[2, 2 * group_size : 3 * group_size] = 0
+    x[0, -2] = 5e3
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("group_size", "dtype", "out_dtype"),
+    list(itertools.product(BLOCKWISE_GROUP_SIZES, WEIGHT_DTYPES, WEIGHT_DTYPES)),
+)
+def test_blockwise_cuda_equals_reference(group_size, dtype, out_dtype):
+    """qwZ's weight kernels on CUDA against the references run on the CPU (a reference run
+    on CUDA would divide by 127 through a reciprocal and differ in the last bit)."""
+    rows, n = 3, 2 * BLOCKWISE_TILE + group_size + 5
+    x = _weights(rows, n, group_size, dtype, group_size)
+    p_ref = torch.full((rows, payload_row_bytes(n, group_size)), 0xAB, dtype=torch.uint8)
+    p_gpu = p_ref.cuda()
+    quantize_blockwise_reference(x, p_ref, group_size=group_size)
+    quantize_blockwise_triton(x.cuda(), p_gpu, group_size=group_size)
+    assert _same(p_ref, p_gpu)  # codes, padding codes and scales, NaN bits included
+    out_ref = torch.full((rows, n), 7.0, dtype=out_dtype)
+    out_gpu = out_ref.cuda()
+    dequantize_blockwise_reference(p_ref, out_ref, group_size=group_size)
+    dequantize_blockwise_triton(p_ref.cuda(), out_gpu, group_size=group_size)
+    assert _same(out_ref, out_gpu)
