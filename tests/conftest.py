@@ -17,9 +17,18 @@ def _checkout_on_pythonpath() -> None:
 
 _checkout_on_pythonpath()
 
-# The Triton interpreter must be chosen before triton is first imported; kernels then run
-# on CPU tensors so tests can compare them with their torch references.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+
+def _choose_triton_mode() -> None:
+    """The Triton interpreter must be chosen before triton is first imported (``import
+    torch`` does not import it). Without CUDA, kernels run interpreted on CPU tensors so
+    tests can compare them with their torch references; with CUDA, they run for real
+    (test_kernels_cuda.py, the CUDA on-path tests) and interpreter tests skip."""
+    import torch
+
+    os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+
+_choose_triton_mode()
 
 
 def _fake_cuda_in_gloo_ranks() -> None:
@@ -69,6 +78,13 @@ def _interpreter_loop_problem() -> str | None:
 def triton_interpreter() -> None:
     """Skip a test that needs the interpreter, naming the environment's real problem (e.g. a
     GPU image whose Triton 3.6 and NumPy 2.5 do not go together), instead of erroring."""
+    from triton_kernels.backend import interpreter_active
+
+    if not interpreter_active():
+        pytest.skip(
+            "needs the Triton interpreter (TRITON_INTERPRET=1, set by conftest without "
+            "CUDA); on a CUDA machine the kernels run for real in test_kernels_cuda.py"
+        )
     problem = _interpreter_loop_problem()
     if problem is not None:
         pytest.skip(problem)

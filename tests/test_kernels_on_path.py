@@ -2,6 +2,9 @@
 torch reference path: LoCoReduceScatter (flat and hierarchical), the HSDP all-reduce hook,
 and the expert-parallel dispatch, all bit for bit. Also counts the passes over
 gradient-sized memory that one LoCo reduce-scatter makes outside the kernels and collectives.
+
+With CUDA present, the flat LoCoReduceScatter also runs the real kernels on CUDA tensors
+(both ranks on device 0, gloo moving the payload), against the reference path run on CPU.
 """
 
 import dataclasses
@@ -21,10 +24,7 @@ from fsdp_ext import LoCoConfig, LoCoReduceScatter, register_comm_hook
 from fsdp_ext.testing import run_distributed
 from triton_kernels.backend import use_backend
 
-pytestmark = [
-    pytest.mark.usefixtures("triton_interpreter"),
-    pytest.mark.filterwarnings("ignore:invalid value encountered"),
-]
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered")]
 BACKENDS = ("reference", "triton")
 # (bits, error dtype, gradient dtype, shard): padded and unpadded shards, every error kind
 FLAT_CASES = [
@@ -76,22 +76,22 @@ class GradientSizedOps(TorchDispatchMode):
         return out
 
 
-def _reduce_scatter_steps(config, inputs, steps=3):
+def _reduce_scatter_steps(config, inputs, steps=3, device="cpu"):
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = LoCoReduceScatter(config)
     shard = inputs.shape[1] // world
     outs = []
     for step in range(steps):
-        out = torch.empty(shard, dtype=inputs.dtype)
+        out = torch.empty(shard, dtype=inputs.dtype, device=device)
         comm(
             output_tensor=out,
-            input_tensor=(inputs[rank] * (step + 1)).to(inputs.dtype),
+            input_tensor=(inputs[rank].to(device) * (step + 1)).to(inputs.dtype),
             group=dist.group.WORLD,
             op=dist.ReduceOp.AVG,
         )
-        outs.append(out)
+        outs.append(out.cpu())
     state = comm.feedback.state_dict() if comm.feedback is not None else {}
-    return outs, {k: v.clone() for k, v in state.items()}, comm.stats.bytes_sent
+    return outs, {k: v.cpu().clone() for k, v in state.items()}, comm.stats.bytes_sent
 
 
 def _inputs(world, shard, dtype, seed):
@@ -208,14 +208,42 @@ def _assert_single_pass(ops, kernels, collective):
     ], kernels
 
 
+def _cuda_two_ranks():
+    """Each flat case through the reference on CPU and the real kernels on CUDA."""
+    results = {}
+    for i, (bits, error_dtype, dtype, shard) in enumerate(FLAT_CASES):
+        config = LoCoConfig(bits=bits, error_dtype=error_dtype)
+        inputs = _inputs(2, shard, dtype, seed=i)
+        with use_backend("reference"):
+            results[i, "reference"] = _reduce_scatter_steps(config, inputs)
+        with use_backend("triton"):
+            results[i, "cuda"] = _reduce_scatter_steps(config, inputs, device="cuda:0")
+    return results
+
+
 @pytest.fixture(scope="module")
-def two_ranks():
+def two_ranks(triton_interpreter):
     return run_distributed(_two_ranks, 2)
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
+def four_ranks(triton_interpreter):
     return run_distributed(_four_ranks, 4)
+
+
+@pytest.fixture(scope="module")
+def cuda_two_ranks():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: the real kernels on the data path")
+    return run_distributed(_cuda_two_ranks, 2)
+
+
+def test_loco_reduce_scatter_cuda_kernels_equal_cpu_reference(cuda_two_ranks):
+    for result in cuda_two_ranks:
+        for i in range(len(FLAT_CASES)):
+            ref, gpu = result[i, "reference"], result[i, "cuda"]
+            assert _equal(ref, gpu), FLAT_CASES[i]
+            assert ref[0][0].abs().max() > 0
 
 
 def test_loco_reduce_scatter_triton_equals_reference(two_ranks):
