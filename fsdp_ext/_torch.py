@@ -25,39 +25,39 @@ from torch import nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint import state_dict_loader as dcp_loader
 
-# 2.11-2.14: DCP's stock de-duplication of replicated items over the ranks' save plans.
+# 2.11-2.15: DCP's stock de-duplication of replicated items over the ranks' save plans.
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 
-# 2.11-2.14: sets a value in a nested state dict by its flattened path (how
+# 2.11-2.15: sets a value in a nested state dict by its flattened path (how
 # ``DefaultLoadPlanner.load_bytes`` puts a non-tensor item back).
 from torch.distributed.checkpoint._traverse import set_element as set_state_dict_element
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-# 2.11-2.14: where ``.metadata`` records an item's bytes: (relative_path, offset, length).
+# 2.11-2.15: where ``.metadata`` records an item's bytes: (relative_path, offset, length).
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo
 
-# 2.11-2.14: the write items DCP's default planner makes for one state-dict entry.
+# 2.11-2.15: the write items DCP's default planner makes for one state-dict entry.
 from torch.distributed.checkpoint.planner_helpers import _create_write_items as create_write_items
 from torch.distributed.device_mesh import DeviceMesh
 
-# 2.11-2.14: the comm interfaces a custom reduce-scatter / all-gather implements.
+# 2.11-2.15: the comm interfaces a custom reduce-scatter / all-gather implements.
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 # 2.11-2.15: what a param group is doing (forward, backward, idle).
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-# 2.11-2.14: builds the mesh info a ``ShardPlacementResult`` carries.
+# 2.11-2.15: builds the mesh info a ``ShardPlacementResult`` carries.
 from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info as fsdp_mesh_info
 
-# 2.11-2.14: the per-unit state FSDP2 keeps (parameters, mixed precision, reshard setting).
+# 2.11-2.15: the per-unit state FSDP2 keeps (parameters, mixed precision, reshard setting).
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-# 2.11-2.14: the base class of FSDP1's policy objects (ModuleWrapPolicy, CustomPolicy).
+# 2.11-2.15: the base class of FSDP1's policy objects (ModuleWrapPolicy, CustomPolicy).
 from torch.distributed.fsdp.wrap import _Policy as FSDP1Policy
 from torch.distributed.pipelining import PipelineStage
 
-# 2.11-2.14: pytree mapping (no public equivalent).
+# 2.11-2.15: pytree mapping (no public equivalent).
 from torch.utils._pytree import tree_map
 
 try:  # 2.13-2.15: what ``shard_placement_fn`` may return to put a parameter on another mesh
@@ -75,14 +75,14 @@ except ImportError:  # 2.11: ``shard_placement_fn`` returns a ``Shard`` only, on
             )
 
 
-try:  # 2.13-2.14: the stock reduce-scatter object, put back by ``CommHandle.remove()``
+try:  # 2.11-2.15: the stock reduce-scatter object, put back by ``CommHandle.remove()``
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-except ImportError:  # 2.11-2.12: no comm object is set by default
+except ImportError:  # older releases: no comm object is set by default
     DefaultReduceScatter = None
 
-try:  # 2.13-2.14: the stock all-gather object, put back by ``WeightGatherHandle.remove()``
+try:  # 2.11-2.15: the stock all-gather object, put back by ``WeightGatherHandle.remove()``
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
-except ImportError:  # 2.11-2.12: no comm object is set by default
+except ImportError:  # older releases: no comm object is set by default
     DefaultAllGather = None
 
 __all__ = [
@@ -156,7 +156,7 @@ def all_gather_into(*args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-# FSDPParamGroup methods at which unsharded memory changes (2.11-2.14): a memory tracker
+# FSDPParamGroup methods at which unsharded memory changes (2.11-2.15): a memory tracker
 # samples before the first three (memory is freed inside) and after ``unshard``.
 GROUP_TRANSITIONS_BEFORE = ("_to_sharded", "_to_sharded_post_forward", "post_backward")
 GROUP_TRANSITIONS_AFTER = ("unshard",)
@@ -168,7 +168,7 @@ def fsdp_state_id(module: nn.Module) -> int:
 
 
 def param_groups(module: nn.Module) -> list[FSDPParamGroup]:
-    """Every param group of a unit (2.13-2.14 allow several, one per mesh; 2.11-2.12 one)."""
+    """Every param group of a unit (2.13-2.15 allow several, one per mesh; 2.11-2.12 one)."""
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
@@ -303,7 +303,7 @@ def sharded_post_forward_data(fsdp_param: Any) -> Any:
 
 
 def gathering_for_backward(group: FSDPParamGroup) -> bool:
-    """Whether the group's all-gather now is a backward one (its own or a prefetch), 2.11-2.14:
+    """Whether the group's all-gather now is a backward one (its own or a prefetch), 2.11-2.15:
     FSDP sets ``PRE_BACKWARD`` before unsharding in backward, also on a prefetched group."""
     return group._training_state == TrainingState.PRE_BACKWARD
 
@@ -334,7 +334,7 @@ def reporting_cuda_devices(count: int = 1) -> Iterator[None]:
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
-    """A multi-dim mesh flattened to one named dim (2.11-2.14: ``DeviceMesh._flatten``)."""
+    """A multi-dim mesh flattened to one named dim (2.11-2.15: ``DeviceMesh._flatten``)."""
     return mesh._flatten(name)
 
 
@@ -349,20 +349,20 @@ def unflatten_mesh(
 
 def run_fsdp1_policy(policy: FSDP1Policy, root: nn.Module) -> dict[nn.Module, Any]:
     """The modules an FSDP1 policy object wraps below and at ``root``, each with its kwargs
-    (``True`` or a dict of overrides; 2.11-2.14: ``_Policy._run_policy``)."""
+    (``True`` or a dict of overrides; 2.11-2.15: ``_Policy._run_policy``)."""
     return policy._run_policy(root, set(), {})
 
 
 def compiled_inner(module: nn.Module) -> nn.Module:
     """The module ``torch.compile`` wrapped, or ``module`` itself when it is not compiled
-    (2.11-2.14: ``OptimizedModule._orig_mod``)."""
+    (2.11-2.15: ``OptimizedModule._orig_mod``)."""
     return getattr(module, "_orig_mod", module)
 
 
 class PipelineStageBase(PipelineStage):
     """``PipelineStage`` with a seam around its shape-inference backward.
 
-    2.12-2.14 infer gradient shapes on the first step with an autograd pass over the stage
+    2.12-2.15 infer gradient shapes on the first step with an autograd pass over the stage
     (``_backward_metadata_inference``); a subclass wraps it in
     :meth:`metadata_inference_context`. 2.11 has no such pass, and the seam is never used.
     """
@@ -375,7 +375,7 @@ class PipelineStageBase(PipelineStage):
             return super()._backward_metadata_inference(*args, **kwargs)
 
 
-# 2.11-2.14: the function every ``dcp.save`` / ``dcp.async_save`` runs its save in.
+# 2.11-2.15: the function every ``dcp.save`` / ``dcp.async_save`` runs its save in.
 _DCP_SAVE_FRAME = ("state_dict_saver.py", "_save_state_dict")
 
 
@@ -424,7 +424,7 @@ def pass_metadata_error_to_dcp_load(exc: Exception) -> None:
         frame = frame.f_back
 
 
-# 2.11-2.14: globals DCP's ``.metadata`` pickles under private names: the memory-format enum
+# 2.11-2.15: globals DCP's ``.metadata`` pickles under private names: the memory-format enum
 # inside ``TensorProperties``, ``_StorageInfo``, and the lookup ``torch.layout`` objects
 # pickle through. The restricted unpickler allows exactly these.
 DCP_METADATA_PRIVATE_GLOBALS: dict[tuple[str, str], object] = {
@@ -439,7 +439,7 @@ DCP_METADATA_PRIVATE_GLOBALS: dict[tuple[str, str], object] = {
 class DedupHookSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` whose deduplication of the ranks' plans is a public hook.
 
-    2.11-2.14: the global step calls ``_dedup_save_plans(all_plans)``; subclasses override
+    2.11-2.15: the global step calls ``_dedup_save_plans(all_plans)``; subclasses override
     :meth:`dedup_plans` instead.
     """
 
@@ -454,6 +454,6 @@ def write_files(writer: FileSystemWriter, planner: Any, file_queue: Any) -> Any:
     """Run the stock write loop of ``writer`` over ``file_queue`` (``(path, file name,
     items)`` tuples), with its ``thread_count`` threads; a future of the write results.
 
-    2.11-2.14: ``FileSystemWriter._write_data(planner, file_queue)``.
+    2.11-2.15: ``FileSystemWriter._write_data(planner, file_queue)``.
     """
     return writer._write_data(planner, file_queue)
