@@ -14,6 +14,7 @@ library reads them only through the small accessors below, and
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import sys
 from collections.abc import Iterator
@@ -106,6 +107,7 @@ __all__ = [
     "compiled_inner",
     "create_write_items",
     "dedup_save_plans",
+    "default_fsdp_mesh_on_cuda",
     "flatten_mesh",
     "fsdp_mesh_info",
     "fsdp_params",
@@ -126,7 +128,6 @@ __all__ = [
     "param_mp_policy",
     "pass_metadata_error_to_dcp_load",
     "reduce_scatter_into",
-    "reporting_cuda_devices",
     "run_fsdp1_policy",
     "set_state_dict_element",
     "shard_process_group",
@@ -314,23 +315,37 @@ def has_all_gather_in_flight(group: FSDPParamGroup) -> bool:
 
 
 @contextlib.contextmanager
-def reporting_cuda_devices(count: int = 1) -> Iterator[None]:
-    """Make this process's torch report ``count`` CUDA devices, as on a GPU machine.
+def default_fsdp_mesh_on_cuda() -> Iterator[None]:
+    """Make ``fully_shard`` without a mesh build its default mesh on CUDA, as it does on a
+    GPU machine, even in a gloo rank.
 
     Tests use it to show on a CPU machine what a GPU machine changes: 2.11-2.15 pick the
-    default ``fully_shard`` mesh's device with ``torch._C._get_accelerator()``, which a
-    CUDA build on a GPU machine answers with ``cuda`` even in gloo ranks. Setting the mesh
-    up on that device then fails here (no CUDA) as it does there on a second rank
-    ("invalid device ordinal" with one GPU).
+    default mesh's device with ``torch._C._get_accelerator()`` in ``_init_default_mesh``
+    (which ``_fully_shard`` imports by name). Building that mesh then fails here (no CUDA)
+    as it fails there on a second rank ("invalid device ordinal" with one GPU). Nothing
+    else changes: torch's other CUDA checks (DCP's streams, ...) work on a real GPU.
     """
-    saved = (torch.cuda.is_available, torch.cuda.device_count, torch._C._get_accelerator)
-    torch.cuda.is_available = lambda: True
-    torch.cuda.device_count = lambda: count
-    torch._C._get_accelerator = lambda: torch.device("cuda")
+    modules = [
+        importlib.import_module(f"torch.distributed.fsdp._fully_shard.{name}")
+        for name in ("_fsdp_init", "_fully_shard")
+    ]
+    originals = [m._init_default_mesh for m in modules]
+
+    def on_cuda(*args: Any, **kwargs: Any) -> DeviceMesh:
+        saved = torch._C._get_accelerator
+        torch._C._get_accelerator = lambda: torch.device("cuda")
+        try:
+            return originals[0](*args, **kwargs)
+        finally:
+            torch._C._get_accelerator = saved
+
+    for module in modules:
+        module._init_default_mesh = on_cuda
     try:
         yield
     finally:
-        torch.cuda.is_available, torch.cuda.device_count, torch._C._get_accelerator = saved
+        for module, original in zip(modules, originals, strict=True):
+            module._init_default_mesh = original
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:

@@ -32,8 +32,8 @@ _choose_triton_mode()
 
 
 def _fake_cuda_in_gloo_ranks() -> None:
-    """On a machine without CUDA, every gloo rank's torch reports one CUDA device, as a GPU
-    machine's does: a test that lets ``fully_shard`` pick its mesh then fails here too."""
+    """On a machine without CUDA, ``fully_shard`` without a mesh builds it on CUDA in every
+    gloo rank, as on a GPU machine: a test that relies on the default mesh fails here too."""
     import torch
 
     from fsdp_ext.testing.multiprocess import FAKE_CUDA_ENV

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("FSDP_EXT_TEST_TIMEOUT", "300"))
-# Set to N: every rank's torch reports N CUDA devices, as on a GPU machine, so that a rank
-# that lets torch choose a device (``fully_shard`` without a mesh) fails on a CPU machine too.
-FAKE_CUDA_ENV = "FSDP_EXT_FAKE_CUDA_DEVICES"
+# Set to 1: in every rank, ``fully_shard`` without a mesh builds it on CUDA, as on a GPU
+# machine, so that a rank relying on the default mesh fails on a CPU machine too.
+FAKE_CUDA_ENV = "FSDP_EXT_DEFAULT_MESH_ON_CUDA"
 _ERROR_GRACE_S = 3.0
 
 _ctx = mp.get_context("forkserver")
@@ -88,14 +88,14 @@ def _rank_main(fn, rank, world_size, store_path, results, args, kwargs, fake_cud
     import torch
     import torch.distributed as dist
 
-    from fsdp_ext._torch import reporting_cuda_devices
+    from fsdp_ext._torch import default_fsdp_mesh_on_cuda
 
     # Ranks share two cores; intra-op threads would only fight each other.
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        with reporting_cuda_devices(fake_cuda) if fake_cuda else contextlib.nullcontext():
+        with default_fsdp_mesh_on_cuda() if fake_cuda else contextlib.nullcontext():
             out = fn(*args, **kwargs)
         payload = (rank, "ok", _dumps(out))
     except BaseException as exc:  # everything, KeyboardInterrupt too, goes to the parent
