@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from fsdp_ext import LoCoConfig, register_comm_hook
 from fsdp_ext.comm import Codec, register_codec
 from fsdp_ext.testing import run_distributed
+from tests.meshes import cpu_mesh
 
 
 class BFloat16Codec(Codec):
@@ -48,6 +49,7 @@ WIDTHS = [48, 80, 48]
 
 def _model(mesh=None):
     torch.manual_seed(0)
+    mesh = cpu_mesh() if mesh is None else mesh
     model = nn.Sequential(*(nn.Linear(a, b) for a, b in itertools.pairwise(WIDTHS)))
     if mesh is not False:
         for layer in model:

@@ -14,10 +14,12 @@ from torch.distributed.fsdp import fully_shard
 
 from fsdp_ext import CommHandle, LoCoConfig, register_comm_hook
 from fsdp_ext.testing import run_distributed
+from tests.meshes import cpu_mesh
 
 
 def _sharded(dims, mesh=None, seed=0):
     torch.manual_seed(seed)
+    mesh = cpu_mesh() if mesh is None else mesh
     model = nn.Sequential(*(nn.Linear(a, b) for a, b in itertools.pairwise(dims)))
     for layer in model:
         fully_shard(layer, mesh=mesh)
