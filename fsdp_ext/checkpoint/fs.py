@@ -21,7 +21,6 @@ import ctypes
 import errno
 import os
 import platform
-import shutil
 import stat
 import zlib
 from collections.abc import Iterator
@@ -283,12 +282,27 @@ class CheckpointFS(FileSystem):
         os.rmdir(path)
 
     def remove_tree(self, path: str | os.PathLike, missing_ok: bool = False) -> None:
-        """Remove a directory and everything in it; with ``missing_ok``, entries another
-        process removes meanwhile (two sweeps of one trash directory) are no error."""
+        """Remove a directory and everything in it, one ``unlink``/``rmdir`` at a time (so a
+        crash test can stop it between any two, as a real kill can); with ``missing_ok``,
+        entries another process removes meanwhile (two sweeps of one trash) are no error."""
         self.before("remove_tree", path)
+        try:
+            walk = list(os.walk(path, topdown=False))
+        except FileNotFoundError:
+            if missing_ok:
+                return
+            raise
+        if not walk and not missing_ok:
+            raise FileNotFoundError(errno.ENOENT, "no such directory", str(path))
+        for directory, dirs, files in walk:
+            for name in files + [d for d in dirs if os.path.islink(os.path.join(directory, d))]:
+                self._remove(self.unlink, os.path.join(directory, name), missing_ok)
+            self._remove(self.rmdir, directory, missing_ok)
 
-        def ignore_missing(function, name, exc_info):
-            if not (missing_ok and issubclass(exc_info[0], FileNotFoundError)):
-                raise exc_info[1]
-
-        shutil.rmtree(path, onerror=ignore_missing)
+    @staticmethod
+    def _remove(remove, path: str, missing_ok: bool) -> None:
+        try:
+            remove(path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
