@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._shard.sharded_tensor import metadata as sharded_tensor_metadata
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint import state_dict_loader as dcp_loader
 
@@ -88,6 +89,7 @@ except ImportError:  # older releases: no comm object is set by default
 
 __all__ = [
     "DCP_LOAD_HIDES_METADATA_ERRORS",
+    "DCP_METADATA_LEGACY_GLOBALS",
     "DCP_METADATA_PRIVATE_GLOBALS",
     "GROUP_TRANSITIONS_AFTER",
     "GROUP_TRANSITIONS_BEFORE",
@@ -448,6 +450,14 @@ DCP_METADATA_PRIVATE_GLOBALS: dict[tuple[str, str], object] = {
     ),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): DcpStorageInfo,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+}
+
+# 2.11-2.14 still define them: DCP metadata pickled by torch releases before 2.4 names its
+# tensor properties (and their memory-format enum) from the sharded-tensor module; stock
+# DCP loads such checkpoints (``test_compatibility.py::test_sharded_tensor_dependency``).
+DCP_METADATA_LEGACY_GLOBALS: dict[tuple[str, str], object] = {
+    (sharded_tensor_metadata.__name__, name): getattr(sharded_tensor_metadata, name)
+    for name in ("TensorProperties", "MEM_FORMAT_ENCODING")
 }
 
 

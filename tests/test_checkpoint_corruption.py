@@ -87,7 +87,7 @@ def corrupt(data: bytes, rng: random.Random) -> bytes:
 
 
 def files_of(path: Path) -> dict[str, Path]:
-    version = path.parent / os.readlink(path)
+    version = path.parent / os.readlink(path) if path.is_symlink() else path
     unfinished = next(p for p in path.parent.glob(".ckpt.v-*") if p != version)
     data = sorted(p for p in version.iterdir() if p.suffix == ".distcp")
     return {

@@ -276,7 +276,9 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     )
     after = verify_checkpoint(path)
     assert after.ok and after.notes == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", after.version])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["ckpt", *filter(None, [after.version])]
+    )
 
 
 # -- who checks what on a load ---------------------------------------------------------------
@@ -320,12 +322,10 @@ def test_a_flipped_byte_fails_the_load_on_every_rank(round_trips, tmp_path):
     naming the file, including the ranks that only read slices of it."""
     root, _ = round_trips
     path = tmp_path / "replicated"
-    version = os.readlink(root / "replicated-w4")
-    shutil.copytree(root / version, tmp_path / version)
-    path.symlink_to(version)
+    shutil.copytree(root / "replicated-w4", path)  # a copy is a checkpoint of its own
     report = verify_checkpoint(path)
     name = max(report.files, key=lambda n: report.files[n].size)
-    damaged = tmp_path / report.version / name
+    damaged = path / name
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0x10
     damaged.write_bytes(bytes(data))

@@ -67,7 +67,7 @@ def cause(excinfo) -> BaseException:
 
 
 def version(path: Path) -> Path:
-    return path.parent / os.readlink(path)
+    return path.parent / os.readlink(path) if path.is_symlink() else path
 
 
 def load(path: Path, **reader_kwargs) -> dict:

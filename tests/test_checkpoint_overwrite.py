@@ -35,6 +35,27 @@ from fsdp_ext.checkpoint import (
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
+SWAP_ENV = "FSDP_EXT_CHECKPOINT_SWAP"
+
+
+@pytest.fixture(params=["swap", "link"])
+def layout(request, monkeypatch) -> str:
+    """Both publishing layouts: a directory swapped in (what ext4/tmpfs allow) and a link
+    renamed onto the path (what sshfs allows), forced by the environment variable, which
+    forked children inherit."""
+    if request.param == "link":
+        monkeypatch.setenv(SWAP_ENV, "0")
+    else:
+        monkeypatch.delenv(SWAP_ENV, raising=False)
+    return request.param
+
+
+def is_layout(path: Path, layout: str) -> bool:
+    if layout == "link":
+        return path.is_symlink()
+    return path.is_dir() and not path.is_symlink()
+
+
 _fork = mp.get_context("fork")
 
 
@@ -109,15 +130,20 @@ def entries(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
-def test_sigkill_at_every_step_of_an_overwrite_leaves_old_or_new(tmp_path):
+def test_sigkill_at_every_step_of_an_overwrite_leaves_old_or_new(tmp_path, layout):
     rehearsal = tmp_path / "rehearsal"
     rehearsal.mkdir()
     save(rehearsal / "ckpt", seed=0)
     recording = Recording()
     save(rehearsal / "ckpt", seed=1, fs=recording)
     ops = [(op, path.replace(str(rehearsal), "")) for op, path in recording.ops]
-    publish = ops.index(("rename", "/ckpt"))
-    assert ops[publish - 2][0] == "symlink" and len(ops) > publish + 2  # cleanup follows
+    if layout == "swap":
+        publish = ops.index(("exchange", "/ckpt"))
+        assert ("symlink", "/ckpt") not in ops and ("rename", "/ckpt") not in ops
+    else:
+        publish = ops.index(("rename", "/ckpt"))
+        assert ops[publish - 2][0] == "symlink" and ("exchange", "/ckpt") not in ops
+    assert len(ops) > publish + 2  # cleanup follows
     seen = {"old": 0, "new": 0, "never published": 0, "previous": 0}
 
     for k in range(len(ops) + 1):
@@ -125,6 +151,7 @@ def test_sigkill_at_every_step_of_an_overwrite_leaves_old_or_new(tmp_path):
         root.mkdir()
         path = root / "ckpt"
         save(path, seed=0)
+        assert is_layout(path, layout)
         old = verify_checkpoint(path)
         code = run_child(save, path, 1, KillAt(k))
         assert code == (-signal.SIGKILL if k < len(ops) else 0), (k, ops[k : k + 1], code)
@@ -137,17 +164,19 @@ def test_sigkill_at_every_step_of_an_overwrite_leaves_old_or_new(tmp_path):
         notes = " ".join(report.notes)
         if "that was never published" in notes:
             seen["never published"] += 1
-            assert which == "old" and report.version in notes
+            assert which == "old" and (report.version or f"is save {old.save_id}") in notes
         if "the previous checkpoint" in notes:
             seen["previous"] += 1
-            assert which == "new" and old.version in notes
+            assert which == "new" and f"(save {old.save_id})" in notes
         # the next save succeeds (the killed save's lock is stale: its process is gone)
         # and removes what the killed one left, and only that
         save(path, seed=2)
         after = verify_checkpoint(path)
         assert after.ok and after.notes == [] and loads(path, seed=2), (k, after.notes)
-        assert entries(root) == sorted(["ckpt", after.version]), (k, entries(root))
+        assert is_layout(path, layout)
+        assert entries(root) == sorted(["ckpt", *filter(None, [after.version])]), k
         remove_checkpoint(path)
+        assert entries(root) == [], (k, entries(root))
     # every kind of interruption was met: before the publish (an unfinished or a complete
     # unpublished new version), after it (the old version not yet removed)
     assert seen["old"] == publish + 1 and seen["new"] == len(ops) - publish
@@ -163,7 +192,7 @@ def _fail_in_write(path: Path) -> None:
     save(path, seed=1, fs=Failing())
 
 
-def test_a_failed_save_in_this_thread_does_not_block_the_next(tmp_path):
+def test_a_failed_save_in_this_thread_does_not_block_the_next(tmp_path, layout):
     """A save that raises leaves its lock (DCP calls no writer method after a failed write);
     the next save from the same thread knows that save has ended, and cleans up after it."""
     path = tmp_path / "ckpt"
@@ -175,7 +204,7 @@ def test_a_failed_save_in_this_thread_does_not_block_the_next(tmp_path):
     save(path, seed=2)
     report = verify_checkpoint(path)
     assert report.ok and loads(path, seed=2)
-    assert entries(tmp_path) == sorted(["ckpt", report.version])
+    assert entries(tmp_path) == sorted(["ckpt", *filter(None, [report.version])])
 
 
 # -- what is at the path -------------------------------------------------------------------
@@ -190,26 +219,25 @@ def refused(path: Path) -> CheckpointPathError:
     return cause
 
 
-def test_a_directory_of_unknown_files_is_refused_and_kept(tmp_path):
+def test_a_directory_of_unknown_files_is_kept_and_written_beside(tmp_path, layout):
     path = tmp_path / "ckpt"
     (path / "src").mkdir(parents=True)
     (path / "notes.txt").write_text("mine")
     (path / "src" / "train.py").write_text("print(1)")
-    before = entries(tmp_path)
-    error = refused(path)
-    assert "notes.txt" in str(error) and f"mv {path} {path}.old" in str(error)
-    assert entries(tmp_path) == before  # no lock, no version directory left
+    save(path, seed=0)
+    save(path, seed=1)
+    assert loads(path, seed=1) and verify_checkpoint(path).ok
+    assert entries(tmp_path) == ["ckpt"] and path.is_dir() and not path.is_symlink()
     assert (path / "notes.txt").read_text() == "mine"
     assert (path / "src" / "train.py").read_text() == "print(1)"
 
 
-def test_a_stock_checkpoint_at_the_path_is_refused_and_kept(tmp_path):
+def test_a_stock_checkpoint_at_the_path_is_overwritten_in_place_and_kept(tmp_path, layout):
     path = tmp_path / "ckpt"
     dcp.save(state(0), storage_writer=dcp.FileSystemWriter(path))
-    files = entries(path)
-    error = refused(path)
-    assert "stock DCP" in str(error)
-    assert entries(path) == files and entries(tmp_path) == ["ckpt"]
+    files = set(entries(path)) - {".metadata"}
+    save(path, seed=1)
+    assert loads(path, seed=1) and files <= set(entries(path)) and entries(tmp_path) == ["ckpt"]
 
 
 def test_a_regular_file_is_refused_before_anything_is_written(tmp_path):
@@ -229,14 +257,14 @@ def test_a_foreign_link_is_refused_and_kept(tmp_path):
     assert os.readlink(path) == "elsewhere" and entries(tmp_path) == ["ckpt", "elsewhere"]
 
 
-def test_an_empty_directory_is_replaced(tmp_path):
+def test_an_empty_directory_is_replaced(tmp_path, layout):
     path = tmp_path / "ckpt"
     path.mkdir()
     save(path, seed=0)
-    assert path.is_symlink() and loads(path, seed=0)
+    assert is_layout(path, layout) and loads(path, seed=0)
 
 
-def test_unknown_entries_beside_the_path_survive_saves(tmp_path):
+def test_unknown_entries_beside_the_path_survive_saves(tmp_path, layout):
     """Look-alike names without this writer's records are not provably its own."""
     path = tmp_path / "ckpt"
     lookalike = tmp_path / ".ckpt.v-not-mine"
@@ -250,7 +278,7 @@ def test_unknown_entries_beside_the_path_survive_saves(tmp_path):
     assert (lookalike / "data.bin").read_bytes() == b"x" * 10
 
 
-def test_remove_checkpoint_removes_link_and_versions(tmp_path):
+def test_remove_checkpoint_removes_link_and_versions(tmp_path, layout):
     path = tmp_path / "ckpt"
     save(path, seed=0)
     remove_checkpoint(path)
@@ -274,7 +302,7 @@ class PauseInWrite(CheckpointFS):
                 time.sleep(0.02)
 
 
-def test_a_second_job_gets_a_clear_error_and_deletes_nothing(tmp_path):
+def test_a_second_job_gets_a_clear_error_and_deletes_nothing(tmp_path, layout):
     path = tmp_path / "ckpt"
     save(path, seed=0)
     go = tmp_path / "go"
@@ -285,7 +313,7 @@ def test_a_second_job_gets_a_clear_error_and_deletes_nothing(tmp_path):
         while not list(tmp_path.glob(".ckpt.v-*/.plan.json")) and time.monotonic() < deadline:
             time.sleep(0.02)
         staging = [p.parent for p in tmp_path.glob(".ckpt.v-*/.plan.json")]
-        assert len(staging) == 1 and staging[0].name != os.readlink(path)
+        assert len(staging) == 1 and staging[0].name != verify_checkpoint(path).version
         before = entries(staging[0])
         with pytest.raises(CheckpointException) as err:
             save(path, seed=2)  # job B, same path, while A is writing
@@ -294,10 +322,12 @@ def test_a_second_job_gets_a_clear_error_and_deletes_nothing(tmp_path):
         message = str(cause)
         assert "two jobs must not save to one path" in message and f"pid {job_a.pid}" in message
         assert entries(staging[0]) == before  # A's staging untouched
-        assert len(list(tmp_path.glob(".ckpt.v-*"))) == 2  # and B left nothing
+        # and B left nothing: A's version (and, linked, the current one) only
+        assert len(list(tmp_path.glob(".ckpt.v-*"))) == (2 if layout == "link" else 1)
     finally:
         go.touch()
         job_a.join(60)
     assert job_a.exitcode == 0
     report = verify_checkpoint(path)
-    assert report.ok and report.version == staging[0].name and loads(path, seed=1)
+    assert report.ok and loads(path, seed=1) and is_layout(path, layout)
+    assert report.version == (staging[0].name if layout == "link" else None)

@@ -40,7 +40,7 @@ def save(path: Path) -> Path:
         storage_writer=SpreadFileSystemWriter(path, min_file_bytes=0),
         planner=SpreadSavePlanner(),
     )
-    return path.parent / os.readlink(path)
+    return path.parent / os.readlink(path) if path.is_symlink() else path
 
 
 def load(path: Path) -> dict:

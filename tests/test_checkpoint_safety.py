@@ -263,8 +263,8 @@ def test_crafted_item_is_refused_and_runs_nothing(tmp_path):
 
 
 def test_overwrite_publishes_the_new_checkpoint_whole(tmp_path):
-    """Saving over a checkpoint swaps the link to a new version: new values, the old version
-    removed, nothing else beside it."""
+    """Saving over a checkpoint swaps the new version in (a real directory here, on ext4 or
+    tmpfs): new values, the old version removed, nothing else beside it."""
     path = save(tmp_path / "ckpt", state(seed=0))
     first = verify_checkpoint(path)
     save(path, state(seed=1))
@@ -272,9 +272,9 @@ def test_overwrite_publishes_the_new_checkpoint_whole(tmp_path):
     assert torch.equal(loaded["embed"], state(seed=1)["embed"])
     report = verify_checkpoint(path)
     assert report.ok and report.notes == []
-    assert report.save_id != first.save_id and report.version.endswith(report.save_id)
-    assert os.readlink(path) == report.version
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", report.version])
+    assert report.save_id != first.save_id and report.version is None
+    assert path.is_dir() and not path.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     with pytest.raises(CheckpointException) as err:  # overwrite=False refuses before writing
         dcp.save(
             state(seed=2),
@@ -283,7 +283,7 @@ def test_overwrite_publishes_the_new_checkpoint_whole(tmp_path):
         )
     assert "overwrite=False" in str(cause(err))
     assert torch.equal(load_ours(path)["embed"], state(seed=1)["embed"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", report.version])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 def test_files_are_layer_runs_and_one_per_writer_thread(tmp_path):
@@ -331,9 +331,11 @@ def test_every_file_is_fsynced_before_the_publish(tmp_path, monkeypatch):
     path = save(tmp_path / "ckpt")
     publish = events.index(("rename", str(path)))
     synced = [Path(p).name for kind, p in events[:publish] if kind == "fsync"]
-    version = os.readlink(path)
+    # the version directory, fsynced under its own name, then renamed onto the path
+    version = next(n for n in synced if n.startswith(".ckpt.v-"))
     on_disk = {p.name for p in path.iterdir()}
     data = {name for name in on_disk if name.endswith(".distcp")}
     assert len(data) == 3 and on_disk == data | {".metadata", ".manifest.json"}
     assert data | {".manifest.json.tmp", ".metadata", version} <= set(synced)
+    assert path.is_dir() and not path.is_symlink()
     assert ("fsync", str(tmp_path)) in events[publish:]

@@ -8,13 +8,19 @@ and CRC-32 of what went through them, so files are hashed as they stream out.
 
 It holds no lock or open handle, so a writer pickles into DCP's checkpoint process
 (``async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)``).
+
+:meth:`CheckpointFS.exchange` swaps two paths atomically (Linux ``renameat2`` with
+``RENAME_EXCHANGE``: ext4, xfs, btrfs, tmpfs); whether a filesystem can is found out once per
+filesystem by trying it (:meth:`CheckpointFS.can_exchange`), never from its name: sshfs and
+some NFS servers refuse it, and there the checkpoint path stays a link (``versions.py``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
-import shutil
+import platform
 import stat
 import zlib
 from collections.abc import Iterator
@@ -26,6 +32,35 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from fsdp_ext.checkpoint.manifest import crc32_hex
 
 __all__ = ["CheckpointFS", "is_out_of_space"]
+
+# Set to 0 to keep the link layout even where directories can be swapped (tests, and
+# filesystems that claim RENAME_EXCHANGE but are known to misbehave).
+SWAP_ENV = "FSDP_EXT_CHECKPOINT_SWAP"
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "ppc64le": 357, "s390x": 347}
+# errno values by which a filesystem or kernel says it cannot exchange
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
+# st_dev -> whether RENAME_EXCHANGE worked there; per process, probed once per filesystem
+_EXCHANGE_BY_DEVICE: dict[int, bool] = {}
+
+
+def _renameat2_exchange(a: str, b: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if hasattr(libc, "renameat2"):  # glibc >= 2.28
+        rc = libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    else:
+        number = _SYS_RENAMEAT2.get(platform.machine())
+        if number is None:
+            raise OSError(errno.ENOSYS, "renameat2 is not known on this machine", a)
+        rc = libc.syscall(
+            number, _AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE
+        )
+    if rc != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"renameat2(RENAME_EXCHANGE): {os.strerror(code)}", a, None, b)
+
 
 # What ``CheckpointFS.kind`` answers.
 MISSING, LINK, DIRECTORY, FILE, OTHER = "missing", "link", "directory", "file", "other"
@@ -97,8 +132,13 @@ class CheckpointFS(FileSystem):
     ``OSError`` a stream hit, so a disk-full save can say so.
     """
 
-    def __init__(self, checksums: bool = True) -> None:
+    def __init__(self, checksums: bool = True, *, swap: bool | None = None) -> None:
+        """``swap``: None probes the filesystem (see :meth:`can_exchange`); False keeps the
+        link layout; True trusts that directories can be swapped."""
+        if swap is not None and not isinstance(swap, bool):
+            raise TypeError(f"swap must be None, True or False, got {swap!r}")
         self.checksums = checksums
+        self.swap = swap
         self.records: dict[str, tuple[int, str | None]] = {}
         self.write_errors: dict[str, OSError] = {}
 
@@ -189,6 +229,44 @@ class CheckpointFS(FileSystem):
         self.before("rename", dst)
         os.replace(src, dst)
 
+    def exchange(self, a: str | os.PathLike, b: str | os.PathLike) -> None:
+        """Swap ``a`` and ``b`` in one atomic step (both must exist; any kinds)."""
+        self.before("exchange", b)
+        _renameat2_exchange(os.fspath(a), os.fspath(b))
+
+    def can_exchange(self, directory: str | os.PathLike, probe_name: str) -> bool:
+        """Whether :meth:`exchange` works in ``directory``: tried once per filesystem, with a
+        directory ``probe_name-a`` and a link ``probe_name-b`` (removed after; a killed probe
+        leaves them to the sweep of ``versions.py``). Forced by ``swap`` or ``SWAP_ENV=0``."""
+        if self.swap is not None:
+            return self.swap
+        if os.environ.get(SWAP_ENV, "").strip() == "0":
+            return False
+        self.before("stat", directory)
+        device = os.stat(directory).st_dev
+        if device in _EXCHANGE_BY_DEVICE:
+            return _EXCHANGE_BY_DEVICE[device]
+        a, b = Path(directory) / f"{probe_name}-a", Path(directory) / f"{probe_name}-b"
+        self.make_dir(a)
+        try:
+            self.symlink(a.name, b)
+            try:
+                self.exchange(a, b)
+                works = self.kind(a) == LINK and self.kind(b) == DIRECTORY
+            except OSError as exc:
+                if exc.errno not in _NO_EXCHANGE:
+                    raise
+                works = False
+        finally:
+            for path in (a, b):
+                kind = self.kind(path)
+                if kind == LINK:
+                    self.unlink(path)
+                elif kind == DIRECTORY:
+                    self.rmdir(path)
+        _EXCHANGE_BY_DEVICE[device] = works
+        return works
+
     def symlink(self, target: str, path: str | os.PathLike) -> None:
         """Create a symbolic link; fails with ``FileExistsError`` if ``path`` exists."""
         self.before("symlink", path)
@@ -203,6 +281,28 @@ class CheckpointFS(FileSystem):
         self.before("rmdir", path)
         os.rmdir(path)
 
-    def remove_tree(self, path: str | os.PathLike) -> None:
+    def remove_tree(self, path: str | os.PathLike, missing_ok: bool = False) -> None:
+        """Remove a directory and everything in it, one ``unlink``/``rmdir`` at a time (so a
+        crash test can stop it between any two, as a real kill can); with ``missing_ok``,
+        entries another process removes meanwhile (two sweeps of one trash) are no error."""
         self.before("remove_tree", path)
-        shutil.rmtree(path)
+        try:
+            walk = list(os.walk(path, topdown=False))
+        except FileNotFoundError:
+            if missing_ok:
+                return
+            raise
+        if not walk and not missing_ok:
+            raise FileNotFoundError(errno.ENOENT, "no such directory", str(path))
+        for directory, dirs, files in walk:
+            for name in files + [d for d in dirs if os.path.islink(os.path.join(directory, d))]:
+                self._remove(self.unlink, os.path.join(directory, name), missing_ok)
+            self._remove(self.rmdir, directory, missing_ok)
+
+    @staticmethod
+    def _remove(remove, path: str, missing_ok: bool) -> None:
+        try:
+            remove(path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise

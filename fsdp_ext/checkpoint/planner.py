@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -227,12 +228,23 @@ class SpreadSavePlanner(DedupHookSavePlanner):
 
     def __init__(
         self,
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+        dedup_replicated_tensors: bool | None = None,
+        dedup_save_to_lowest_rank: bool = False,
+        enable_plan_caching: bool = False,
         *,
         layer_key: LayerKey | None = default_layer_key,
         split_replicated: bool = True,
         slack: float = DEFAULT_SLACK,
-        **kwargs,
     ) -> None:
+        """Stock ``DefaultSavePlanner``'s arguments, in its order, then ours.
+
+        ``dedup_save_to_lowest_rank=True`` gives stock's placement (each replicated item
+        from the lowest rank holding it: no spreading). ``enable_plan_caching=True`` is
+        accepted with a warning and changes nothing: a cached plan would name the previous
+        save's version directory, and the spread is cheap next to the writing.
+        """
         if not isinstance(split_replicated, bool):
             raise TypeError(f"split_replicated must be a bool, got {split_replicated!r}")
         if layer_key is not None and not callable(layer_key):
@@ -241,9 +253,21 @@ class SpreadSavePlanner(DedupHookSavePlanner):
             )
         if slack < 0:
             raise ValueError(f"slack must be >= 0, got {slack!r}")
-        if kwargs.get("enable_plan_caching"):
-            raise ValueError("enable_plan_caching is not supported by SpreadSavePlanner")
-        super().__init__(**kwargs)
+        if enable_plan_caching:
+            warnings.warn(
+                "SpreadSavePlanner(enable_plan_caching=True): plans are made afresh for every "
+                "save (SpreadFileSystemWriter writes each save into a new version directory "
+                "that the plan names, so a cached plan would point at the previous one); "
+                "the option changes nothing",
+                stacklevel=2,
+            )
+        super().__init__(
+            flatten_state_dict=flatten_state_dict,
+            flatten_sharded_tensors=flatten_sharded_tensors,
+            dedup_replicated_tensors=dedup_replicated_tensors,
+            dedup_save_to_lowest_rank=dedup_save_to_lowest_rank,
+            enable_plan_caching=False,
+        )
         self.layer_key = layer_key
         self.split_replicated = split_replicated
         self.slack = slack
@@ -255,6 +279,8 @@ class SpreadSavePlanner(DedupHookSavePlanner):
         return plan
 
     def dedup_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        if self.dedup_save_to_lowest_rank:
+            return super().dedup_plans(all_plans)
         return spread_plans(
             all_plans,
             layer_key=self.layer_key,

@@ -35,7 +35,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -50,26 +49,13 @@ from fsdp_ext.checkpoint.manifest import (
     NO_CHECKSUM,
     CheckpointIntegrityError,
     Manifest,
-    UnsafeCheckpointError,
     check_record,
     checksum_bytes,
     crc32_hex,
     read_manifest,
 )
-from fsdp_ext.checkpoint.unpickler import load_metadata
+from fsdp_ext.checkpoint.unpickler import load_metadata, load_object_safely
 from fsdp_ext.checkpoint.verify_plan import assign_checks
-
-
-def load_object_safely(data: bytes, what: str):
-    """``torch.load(weights_only=True)``, with a refusal that names the item."""
-    try:
-        return torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as exc:
-        raise UnsafeCheckpointError(
-            f"{what}: refused to unpickle a non-tensor item outside the weights_only allowlist "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-            "allow its types with torch.serialization.add_safe_globals if you trust them"
-        ) from exc
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -190,11 +176,15 @@ class VerifiedFileSystemReader(FileSystemReader):
     """
 
     def __init__(
-        self, path: str | os.PathLike, *, require_checksums: bool = True, **kwargs
+        self,
+        path: str | os.PathLike,
+        _extension_registry=None,  # stock's (experimental) stream extensions, passed on
+        *,
+        require_checksums: bool = True,
     ) -> None:
         if not isinstance(require_checksums, bool):
             raise TypeError(f"require_checksums must be a bool, got {require_checksums!r}")
-        super().__init__(path, **kwargs)
+        super().__init__(path, _extension_registry)
         self.fs = _VerifiedFileSystem(self)
         self.require_checksums = require_checksums
         self.manifest: Manifest | None = None

@@ -233,10 +233,12 @@ def _describe_neighbours(
 ) -> None:
     """Notes on the other versions of this path, and on a lock a save holds on it."""
     replaced = manifest.replaces if manifest is not None else None
+    # what the path is now: the version it links to, or (a directory) the save it holds
+    current = report.version or (f"save {report.save_id}" if report.save_id else None)
     for version in versions(fs, root):
         if version.name == report.version:
             continue
-        report.notes.append(_describe(root, version, report.version, replaced))
+        report.notes.append(_describe(root, version, current, replaced))
         if not version.complete:
             _report_unfinished(root.parent / version.name, report.notes, header=False)
     lock = lock_path(root)
@@ -260,13 +262,21 @@ def _describe(root: Path, version: Version, current: str | None, replaced: str |
             f"{where}: the previous checkpoint (save {version.save_id}), replaced by "
             f"{current}; the save that replaced it stopped before removing it{later}"
         )
-    if current is None or version.replaces == current:
-        now = f"still links to {current}" if current else "was never created"
+    # a swap publishes a version whose manifest names itself as where the previous goes
+    if current is None or version.replaces in (current, version.name):
+        if current is None:
+            now = "was never created"
+        else:
+            now = f"still {'links to' if _is_link_target(current) else 'is'} {current}"
         return (
             f"{where}: a complete save ({version.save_id}) that was never published: it "
             f"stopped before its publish, so {root.name} {now}{later}"
         )
     return f"{where}: an older complete version (save {version.save_id}){later}"
+
+
+def _is_link_target(current: str) -> bool:
+    return not current.startswith("save ")
 
 
 def _report_unfinished(partial: Path, lines: list[str], header: bool = True) -> None:

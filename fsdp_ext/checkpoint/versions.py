@@ -1,21 +1,36 @@
-"""The overwrite protocol: a checkpoint path is a link to a versioned directory beside it.
+"""The overwrite protocol: where a checkpoint path's files live, and how a save replaces them.
 
-``step-100`` is a symbolic link to ``.step-100.v-<save id>``. A save writes a new version
-directory, completes it (every rank's files, ``.metadata``, the manifest, all fsynced), and
-publishes it by renaming a new link onto the path: rename(2) replaces the old link
-atomically, so at every instant the path is the complete old checkpoint or the complete new
-one (locally and over sshfs, whose posix-rename does the same on the server). The stock
-``FileSystemReader(path)`` follows the link.
+A save writes a complete new version in a directory beside the path, ``.NAME.v-<save id>``
+(every rank's files, ``.metadata``, the manifest, all fsynced), then publishes it in one
+atomic step. Which step depends on what the filesystem can do, found out once per
+filesystem by trying it (:meth:`CheckpointFS.can_exchange`):
 
-Cleanup deletes only what it can prove is its own: directories named ``.NAME.v-*`` whose
-plan or manifest record names this target, and only while holding the path's lock (so no
-other save of it is running). Before a publish, only unfinished versions go (a version
-is published only once complete); after it, every version but the new one.
+- **swap** (ext4, xfs, btrfs, tmpfs): the path is a real directory. The first save renames
+  the version onto it; an overwrite swaps the two with ``renameat2(RENAME_EXCHANGE)``, so the
+  old checkpoint ends up under the version's name and is removed. ``shutil.rmtree``,
+  ``TemporaryDirectory`` and ``cp -r`` treat the path as the plain directory it is.
+- **link** (sshfs, some NFS: no RENAME_EXCHANGE): the path is a symbolic link to the version,
+  and a publish renames a new link onto it (rename(2) replaces a link atomically, locally and
+  over sshfs's posix-rename). The stock ``FileSystemReader`` follows the link.
+- **in place**: the path is a directory holding files this writer did not write (a
+  ``model.pt``, a stock DCP checkpoint), or one of ours on a filesystem that cannot swap.
+  Then the save writes beside them, as stock DCP does, and commits by renaming the manifest
+  and then ``.metadata`` into place, last. Its data files carry the save id in their names
+  (``__0_other.s-<save id>.distcp``), so they never overwrite a file the previous
+  ``.metadata`` needs; those of earlier saves of ours go once the new one is committed.
+  Nothing else at the path is ever moved or deleted.
+
+Cleanup deletes only what it can prove is its own: version directories whose plan or
+manifest names this target, links to them, in-place files named with a save id, and entries
+named ``.fsdp_ext-trash-*``; only while holding the path's lock. Removing a directory first
+renames it to a trash name in one atomic step, so a kill during the deletion leaves only
+trash, which the next save or prune of any checkpoint in the same directory removes.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,13 +39,29 @@ from fsdp_ext.checkpoint.fs import DIRECTORY, FILE, LINK, MISSING, CheckpointFS
 from fsdp_ext.checkpoint.lock import LockOwner, acquire, lock_path, release
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
+    METADATA_NAME,
     PLAN_NAME,
+    CheckpointBusyError,
     CheckpointIntegrityError,
     CheckpointPathError,
     Manifest,
 )
 
 _VERSION = ".v-"
+TRASH_PREFIX = ".fsdp_ext-trash-"
+# the tail of an in-place data file's name: ``.s-<save id>.distcp``
+_IN_PLACE_FILE = re.compile(r"^__\d+_.*\.s-\d{8}T\d{6}-[0-9a-f]{8}\.distcp$")
+# in-place bookkeeping a killed save leaves in the path: ours by name, only under a plan
+METADATA_TEMP = f"{METADATA_NAME}.fsdp_ext-tmp"
+MANIFEST_TEMP = f"{MANIFEST_NAME}.tmp"
+_DONE = re.compile(r"^\.done-rank\d+\.json$")
+
+SWAP, LINKED, IN_PLACE = "swap", "link", "in place"
+
+
+class CheckpointExistsError(CheckpointPathError):
+    """``overwrite=False`` and a checkpoint is at the path: stock DCP's RuntimeError, with
+    its message."""
 
 
 def version_name(target_name: str, save_id: str) -> str:
@@ -44,6 +75,15 @@ def is_version_name(name: str, target_name: str) -> bool:
 
 def link_temp_name(target_name: str, save_id: str) -> str:
     return f".{target_name}.link-{save_id}"
+
+
+def probe_name(target_name: str, save_id: str) -> str:
+    return f".{target_name}.probe-{save_id}"
+
+
+def in_place_file_name(base: str, save_id: str, suffix: str) -> str:
+    """``__0_other`` -> ``__0_other.s-<save id>.distcp``: unique to one save."""
+    return f"{base}.s-{save_id}{suffix}"
 
 
 @dataclass
@@ -65,12 +105,8 @@ def read_version(fs: CheckpointFS, target: Path, name: str) -> Version | None:
     if fs.kind(directory) != DIRECTORY:
         return None
     if fs.kind(directory / MANIFEST_NAME) == FILE:
-        try:
-            raw = fs.read_bytes(directory / MANIFEST_NAME).decode()
-            manifest = Manifest.from_json(raw, str(directory / MANIFEST_NAME))
-        except (CheckpointIntegrityError, UnicodeDecodeError):
-            return None
-        if manifest.target != target.name:
+        manifest = _read_manifest(fs, directory)
+        if manifest is None or manifest.target != target.name:
             return None
         return Version(name, manifest.save_id, True, manifest.replaces, None)
     if fs.kind(directory / PLAN_NAME) == FILE:
@@ -84,6 +120,14 @@ def read_version(fs: CheckpointFS, target: Path, name: str) -> Version | None:
     return None
 
 
+def _read_manifest(fs: CheckpointFS, directory: Path) -> Manifest | None:
+    try:
+        raw = fs.read_bytes(directory / MANIFEST_NAME).decode()
+        return Manifest.from_json(raw, str(directory / MANIFEST_NAME))
+    except (CheckpointIntegrityError, UnicodeDecodeError, FileNotFoundError):
+        return None
+
+
 def versions(fs: CheckpointFS, target: Path) -> list[Version]:
     """Every version directory beside ``target`` that its records prove is one."""
     if fs.kind(target.parent) != DIRECTORY:
@@ -92,56 +136,114 @@ def versions(fs: CheckpointFS, target: Path) -> list[Version]:
     return [v for v in found if v is not None]
 
 
-def current_version(fs: CheckpointFS, target: Path, *, overwrite: bool = True) -> str | None:
-    """The version ``target`` points to, or None when there is no checkpoint to replace.
+@dataclass
+class Target:
+    """What is at a checkpoint path before a save: ``kind`` is ``missing``, ``empty``, ``link``
+    (to our version ``version``), ``ours`` (a directory holding only what our manifest
+    lists) or ``foreign`` (a directory holding anything else)."""
 
-    Raises :class:`CheckpointPathError`, naming the path and what to do, when the path holds
-    anything this writer did not make (a regular file, files in a directory, a link
-    elsewhere), or anything at all under ``overwrite=False``; nothing is written before.
-    """
+    kind: str
+    version: str | None = None
+    manifest: Manifest | None = None
+
+    @property
+    def save_id(self) -> str | None:
+        return self.manifest.save_id if self.manifest is not None else None
+
+
+def inspect_target(fs: CheckpointFS, target: Path, *, overwrite: bool = True) -> Target:
+    """What is at ``target``. Raises, naming the path and what to do, with nothing written:
+    :class:`CheckpointPathError` for what a checkpoint cannot replace (a regular file, a
+    link elsewhere); :class:`CheckpointExistsError` (stock's ``RuntimeError`` and message)
+    under ``overwrite=False`` when a checkpoint is there."""
     kind = fs.kind(target)
     if kind == MISSING:
-        return None
-    if kind == DIRECTORY and not fs.listdir(target):
-        return None  # an empty directory: nothing to lose, replaced at publish
-    if not overwrite:
-        raise CheckpointPathError(
-            f"{target}: already exists and overwrite=False; pass overwrite=True to replace it "
-            "or choose another path"
-        )
+        return Target("missing")
     if kind == LINK:
         name = fs.readlink(target)
-        if is_version_name(name, target.name):
-            return name
+        if not is_version_name(name, target.name):
+            raise CheckpointPathError(
+                f"{target}: is a symbolic link to {name!r}, not to a version directory "
+                f"SpreadFileSystemWriter made; it will not replace it. Remove the link or "
+                "choose another path"
+            )
+        _refuse_existing(target, overwrite)
+        return Target("link", version=name)
+    if kind != DIRECTORY:
         raise CheckpointPathError(
-            f"{target}: is a symbolic link to {name!r}, not to a version directory "
-            f"SpreadFileSystemWriter made; it will not replace it. Remove the link or "
-            "choose another path"
+            f"{target}: is a {'regular file' if kind == FILE else 'special file'}, not a "
+            "checkpoint directory; it will not be replaced. Remove it or choose another path"
         )
-    if kind == DIRECTORY:
-        entries = fs.listdir(target)
-        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
-        raise CheckpointPathError(
-            f"{target}: is a directory holding {len(entries)} entries ({shown}) that "
-            "SpreadFileSystemWriter did not write (a checkpoint written in place by stock DCP "
-            "or an earlier fsdp_ext, or other files); it never deletes what it did not write. "
-            f"Move it away (mv {target} {target}.old) or choose another path"
-        )
-    raise CheckpointPathError(
-        f"{target}: is a {'regular file' if kind == FILE else 'special file'}, not a "
-        "checkpoint directory; it will not be replaced. Remove it or choose another path"
-    )
+    entries = fs.listdir(target)
+    if not entries:
+        return Target("empty")
+    manifest = None
+    if MANIFEST_NAME in entries and fs.kind(target / MANIFEST_NAME) == FILE:
+        manifest = _read_manifest(fs, target)
+        if manifest is not None and manifest.target != target.name:
+            manifest = None  # copied here from another path: its cleanup rules do not hold
+    if METADATA_NAME in entries or manifest is not None:
+        _refuse_existing(target, overwrite)
+    ours = manifest is not None and set(entries) <= {
+        METADATA_NAME,
+        MANIFEST_NAME,
+        *manifest.files,
+    }
+    return Target("ours" if ours else "foreign", manifest=manifest)
 
 
-def publish(fs: CheckpointFS, target: Path, version: str, save_id: str, sync: bool) -> None:
-    """Point ``target`` at ``version`` with one atomic rename of a new link."""
-    link = target.parent / link_temp_name(target.name, save_id)
-    fs.symlink(version, link)
-    if fs.kind(target) == DIRECTORY:
-        fs.rmdir(target)  # empty (checked under the lock); rename cannot replace a directory
-    fs.replace(link, target)
+def _refuse_existing(target: Path, overwrite: bool) -> None:
+    if not overwrite:
+        raise CheckpointExistsError(
+            "Checkpoint already exists and self.overwrite=False. "
+            f"({target}; pass overwrite=True to replace it, or choose another path)"
+        )
+
+
+def choose_layout(fs: CheckpointFS, target: Path, found: Target, save_id: str) -> str:
+    """``SWAP``, ``LINKED`` or ``IN_PLACE`` for a save over ``found`` (see the module doc)."""
+    if found.kind == "foreign":
+        return IN_PLACE
+    swap = fs.can_exchange(target.parent, probe_name(target.name, save_id))
+    if found.kind == "ours" and not swap:
+        return IN_PLACE
+    return SWAP if swap else LINKED
+
+
+def publish(
+    fs: CheckpointFS, target: Path, version: str, save_id: str, sync: bool, layout: str
+) -> None:
+    """Make ``version`` the checkpoint at ``target`` in one atomic step."""
+    staging = target.parent / version
+    if layout == SWAP:
+        if fs.kind(target) in (MISSING, DIRECTORY) and not _has_entries(fs, target):
+            fs.replace(staging, target)  # rename(2) replaces an empty directory
+        else:
+            fs.exchange(staging, target)  # the old checkpoint (or link) now at ``staging``
+    else:
+        link = target.parent / link_temp_name(target.name, save_id)
+        fs.symlink(version, link)
+        if fs.kind(target) == DIRECTORY:
+            fs.rmdir(target)  # empty (checked under the lock); rename cannot replace a directory
+        fs.replace(link, target)
     if sync:
         fs.fsync(target.parent)
+    if layout == SWAP and fs.kind(staging) == LINK:
+        fs.unlink(staging)  # the link layout's path, swapped out; its version goes below
+    elif layout == SWAP and fs.kind(staging) == DIRECTORY:
+        discard(fs, staging)  # the previous checkpoint
+
+
+def _has_entries(fs: CheckpointFS, path: Path) -> bool:
+    return fs.kind(path) == DIRECTORY and bool(fs.listdir(path))
+
+
+def discard(fs: CheckpointFS, path: Path) -> None:
+    """Remove a directory: renamed to a trash name first (one atomic step), then deleted;
+    a kill meanwhile leaves only trash, which :func:`sweep_directory` removes."""
+    trash = path.parent / f"{TRASH_PREFIX}{uuid.uuid4().hex}"
+    fs.replace(path, trash)
+    fs.remove_tree(trash, missing_ok=True)
 
 
 def remove_leftovers(fs: CheckpointFS, target: Path, *, keep: str | None, published: bool) -> None:
@@ -150,39 +252,114 @@ def remove_leftovers(fs: CheckpointFS, target: Path, *, keep: str | None, publis
     Before this save's publish (``published=False``) only unfinished versions go: a complete
     one might be what the path points to, if this node sees the link late (sshfs caches links
     for up to 20 s). After it, every version but ``keep``, which the path now points to.
+    Trash, and what a killed save or prune left of other checkpoints in the same directory,
+    go too (:func:`sweep_directory`).
     """
     parent = target.parent
     for name in fs.listdir(parent):
         if name == keep:
             continue
-        if name.startswith(f".{target.name}.link-") and fs.kind(parent / name) == LINK:
-            if is_version_name(fs.readlink(parent / name), target.name):
-                fs.unlink(parent / name)  # a link a killed publish never renamed
+        path = parent / name
+        if name.startswith(TRASH_PREFIX):
+            fs.remove_tree(path, missing_ok=True)  # renamed there whole, then killed
+            continue
+        if name.startswith((f".{target.name}.link-", f".{target.name}.probe-")):
+            _remove_link_or_empty(fs, path, target)
             continue
         if name.startswith(lock_path(target).name + ".stale-"):
-            if fs.kind(parent / name) == LINK and LockOwner.decode(fs.readlink(parent / name)):
-                fs.unlink(parent / name)  # a stale lock moved aside, then the breaker was killed
+            if fs.kind(path) == LINK and LockOwner.decode(fs.readlink(path)):
+                fs.unlink(path)  # a stale lock moved aside, then the breaker was killed
             continue
         if not is_version_name(name, target.name):
             continue
         version = read_version(fs, target, name)
         if version is None:
-            if fs.kind(parent / name) == DIRECTORY and not fs.listdir(parent / name):
-                fs.rmdir(parent / name)  # made, then killed before its plan was written
+            _remove_link_or_empty(fs, path, target)
             continue
         if published or not version.complete:
-            fs.remove_tree(parent / name)
+            discard(fs, path)
+    if published:
+        sweep_directory(fs, parent, skip=target.name)
+
+
+def _remove_link_or_empty(fs: CheckpointFS, path: Path, target: Path) -> None:
+    """A link to one of ``target``'s versions (a killed publish or swap), or an empty
+    directory (a killed probe, or a version made and killed before its plan)."""
+    kind = fs.kind(path)
+    if kind == LINK:
+        points_to = fs.readlink(path)
+        if is_version_name(points_to, target.name) or points_to.startswith(
+            f".{target.name}.probe-"
+        ):
+            fs.unlink(path)
+    elif kind == DIRECTORY and not fs.listdir(path):
+        fs.rmdir(path)
+
+
+def sweep_directory(fs: CheckpointFS, parent: Path, *, skip: str | None = None) -> None:
+    """Remove what killed saves and prunes left of checkpoints in ``parent`` that no longer
+    exist (the path missing, or a link to nothing): their versions, links, probes and
+    stale locks; each under that path's lock, taken only if its holder is gone."""
+    orphans = set()
+    for name in fs.listdir(parent):
+        if not name.startswith(".") or name.startswith(TRASH_PREFIX):
+            continue
+        for marker in (_VERSION, ".link-", ".probe-", ".lock"):
+            head, found, _ = name[1:].rpartition(marker)
+            if found and head and head != skip:
+                orphans.add(head)
+    for name in sorted(orphans):
+        target = parent / name
+        kind = fs.kind(target)
+        if kind == LINK and fs.kind(parent / fs.readlink(target)) != MISSING:
+            continue
+        if kind not in (MISSING, LINK):
+            continue
+        owner = LockOwner.here(f"sweep-{uuid.uuid4().hex[:8]}")
+        try:
+            acquire(fs, target, owner)
+        except CheckpointBusyError:
+            continue  # a save or prune of it is running (or its holder may be)
+        try:
+            if fs.kind(target) == LINK and fs.kind(parent / fs.readlink(target)) == MISSING:
+                fs.unlink(target)  # a pruned link whose version is gone
+            if fs.kind(target) == MISSING:
+                remove_leftovers(fs, target, keep=None, published=False)
+                for version in versions(fs, target):
+                    discard(fs, parent / version.name)
+        finally:
+            release(fs, target, owner)
+
+
+def sweep_in_place(fs: CheckpointFS, target: Path, keep: Manifest | None) -> None:
+    """In an in-place checkpoint, remove our data files that ``keep`` (the manifest now
+    committed) does not list, and a killed save's bookkeeping; call only under the lock."""
+    listed = set(keep.files) if keep is not None else set()
+    for name in fs.listdir(target):
+        if name in listed:
+            continue
+        ours = _IN_PLACE_FILE.match(name) or _DONE.match(name)
+        bookkeeping = name in (PLAN_NAME, METADATA_TEMP, MANIFEST_TEMP)
+        if (ours or bookkeeping) and fs.kind(target / name) == FILE:
+            fs.unlink(target / name)
+
+
+def current_version(fs: CheckpointFS, target: Path, *, overwrite: bool = True) -> str | None:
+    """The version ``target`` links to, or None (kept for callers of the link layout)."""
+    return inspect_target(fs, target, overwrite=overwrite).version
 
 
 def remove_checkpoint(path, fs: CheckpointFS | None = None) -> None:
-    """Delete a checkpoint: its link first (it disappears whole), then its versions.
+    """Delete a checkpoint, crash-safely: a kill at any step leaves nothing that the next
+    save or prune in the same directory does not remove.
 
-    A plain directory (a stock checkpoint, or one written before versioned directories) is
-    removed as it is. Use this instead of ``shutil.rmtree``, which refuses links.
+    A directory (ours, or a stock checkpoint) is renamed to a trash name in one step, then
+    deleted; a link is removed first (the checkpoint disappears whole), then its versions
+    the same way. Works for every layout; ``shutil.rmtree`` does too on a directory.
     """
     fs = fs or CheckpointFS()
     target = Path(path)
-    owner = LockOwner.here(f"remove-{uuid.uuid4()}")
+    owner = LockOwner.here(f"remove-{uuid.uuid4().hex[:8]}")
     acquire(fs, target, owner)
     try:
         kind = fs.kind(target)
@@ -194,7 +371,7 @@ def remove_checkpoint(path, fs: CheckpointFS | None = None) -> None:
                 )
             fs.unlink(target)
         elif kind == DIRECTORY:
-            fs.remove_tree(target)
+            discard(fs, target)
         elif kind != MISSING:
             raise CheckpointPathError(f"{target}: is not a checkpoint directory; not removing it")
         remove_leftovers(fs, target, keep=None, published=True)

@@ -1,19 +1,21 @@
 """A FileSystemWriter with per-layer files, a checksummed manifest and an atomic overwrite.
 
 Stock ``FileSystemWriter`` writes into the target directory in place and renames only
-``.metadata`` at the end, so a crash during an overwrite mixes old and new files. Here the
-path is a link to a version directory (``versions.py``), and a save runs:
+``.metadata`` at the end, so a crash during an overwrite mixes old and new files. Here a
+save writes a complete new version beside the path and publishes it in one atomic step
+(``versions.py``: a directory swap, or a link where the filesystem cannot swap; in place,
+metadata last, when the path holds files this writer did not write). A save runs:
 
-1. the coordinator, in the global plan step, refuses a path holding anything it did not
-   write, takes the path's lock (``lock.py``), removes unfinished versions of earlier saves,
-   makes the new version directory ``.NAME.v-<save id>`` and records in ``.plan.json``
-   every file each rank will write (one per layer run per rank, at least ``thread_count``);
+1. the coordinator, in the global plan step, refuses a path it cannot replace (a regular
+   file, a link elsewhere), takes the path's lock (``lock.py``), removes unfinished versions
+   of earlier saves, makes the new version directory ``.NAME.v-<save id>`` and records in
+   ``.plan.json`` every file each rank will write (one per layer run per rank, at least
+   ``thread_count``);
 2. every rank writes its files there through ``thread_count`` threads, hashing the bytes as
    they stream out, fsyncs them and leaves a ``.done-rankR.json``;
 3. after every rank has reported, the coordinator writes ``.metadata`` (stock format, so the
    stock reader loads it) and ``.manifest.json`` (size and CRC-32 of every file), fsyncs,
-   renames a new link onto the path (the publish), removes the versions it replaced and
-   releases the lock.
+   publishes, removes the versions it replaced and releases the lock.
 
 Every filesystem operation goes through ``self.fs`` (:class:`CheckpointFS`).
 """
@@ -38,6 +40,7 @@ from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
     FileSystemWriter,
+    SerializationFormat,
 )
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
@@ -61,9 +64,16 @@ from fsdp_ext.checkpoint.manifest import (
 )
 from fsdp_ext.checkpoint.planner import item_key
 from fsdp_ext.checkpoint.versions import (
-    current_version,
+    IN_PLACE,
+    LINKED,
+    MANIFEST_TEMP,
+    METADATA_TEMP,
+    choose_layout,
+    in_place_file_name,
+    inspect_target,
     publish,
     remove_leftovers,
+    sweep_in_place,
     version_name,
 )
 
@@ -85,11 +95,12 @@ class _Save:
     """The coordinator's state of one save, from the global plan to the publish."""
 
     target: Path
-    staging: Path
+    staging: Path  # the new version's directory; the path itself when in place
     save_id: str
     owner: LockOwner
-    previous: str | None  # the version the path pointed to when the save began
+    previous: str | None  # where the previous checkpoint is after the publish (manifest)
     expected: dict  # every file each rank will write (also in the plan record)
+    layout: str  # versions.SWAP, LINKED or IN_PLACE
 
 
 def rank_done_name(rank: int) -> str:
@@ -117,16 +128,27 @@ class SpreadFileSystemWriter(FileSystemWriter):
     def __init__(
         self,
         path: str | os.PathLike,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions=None,
+        serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
         *,
         layer_key: LayerKey | None = default_layer_key,
         checksums: bool = True,
-        min_file_bytes: int = 64 << 20,
-        thread_count: int = 1,
-        sync_files: bool = True,
-        overwrite: bool = True,
+        min_file_bytes: int | None = None,
         fs: CheckpointFS | None = None,
-        **kwargs,
     ) -> None:
+        """Stock ``FileSystemWriter``'s arguments, in its order, then ours.
+
+        ``single_file_per_rank=False`` (stock: one file per item) gives one file per layer
+        per rank (``min_file_bytes=0``), the finest split this writer makes; an explicit
+        ``min_file_bytes`` wins. ``overwrite=False`` raises stock's ``RuntimeError``
+        ("Checkpoint already exists and self.overwrite=False.") when a checkpoint is there.
+        """
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
         if layer_key is not None and not callable(layer_key):
@@ -137,20 +159,23 @@ class SpreadFileSystemWriter(FileSystemWriter):
             raise TypeError(f"checksums must be a bool, got {checksums!r}")
         if fs is not None and not isinstance(fs, CheckpointFS):
             raise TypeError(f"fs must be a CheckpointFS (or a subclass), got {fs!r}")
-        if kwargs.get("single_file_per_rank") is False:
-            raise ValueError("single_file_per_rank=False is not supported: files are per layer")
-        kwargs.pop("single_file_per_rank", None)
+        if min_file_bytes is None:
+            min_file_bytes = 64 << 20 if single_file_per_rank else 0
+        if not isinstance(min_file_bytes, int) or min_file_bytes < 0:
+            raise ValueError(f"min_file_bytes must be an int >= 0, got {min_file_bytes!r}")
         super().__init__(
             path,
-            thread_count=thread_count,
+            single_file_per_rank=single_file_per_rank,
             sync_files=sync_files,
+            thread_count=thread_count,
+            per_thread_copy_ahead=per_thread_copy_ahead,
+            cache_staged_state_dict=cache_staged_state_dict,
             overwrite=overwrite,
-            **kwargs,
+            _extensions=_extensions,
+            serialization_format=serialization_format,
         )
         self.layer_key = layer_key
         self.checksums = checksums
-        if not isinstance(min_file_bytes, int) or min_file_bytes < 0:
-            raise ValueError(f"min_file_bytes must be an int >= 0, got {min_file_bytes!r}")
         self.min_file_bytes = min_file_bytes
         self.fs = fs if fs is not None else CheckpointFS()
         self.fs.checksums = checksums
@@ -169,19 +194,39 @@ class SpreadFileSystemWriter(FileSystemWriter):
         return plan  # the coordinator makes the version directory; nothing at the path yet
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if not all(getattr(p, "usable", True) for p in plans):
+            raise ValueError(
+                "a rank sent no plan (DefaultSavePlanner(enable_plan_caching=True) skips an "
+                "unchanged one), but SpreadFileSystemWriter writes every save into a new "
+                "version directory named in the plans: pass enable_plan_caching=False, or "
+                "use SpreadSavePlanner, which accepts and ignores it"
+            )
         fs, target = self.fs, Path(self.path)
-        current_version(fs, target, overwrite=self.overwrite)  # refuse before writing anything
+        inspect_target(fs, target, overwrite=self.overwrite)  # refuse before writing anything
         fs.makedirs(target.parent)
         save_id = new_save_id()
         owner = LockOwner.here(save_id)
         acquire(fs, target, owner)
-        staging = target.parent / version_name(target.name, save_id)
+        layout, staging = None, None
         try:
-            previous = current_version(fs, target, overwrite=self.overwrite)
-            remove_leftovers(fs, target, keep=previous, published=False)
+            found = inspect_target(fs, target, overwrite=self.overwrite)
+            layout = choose_layout(fs, target, found, save_id)
+            remove_leftovers(fs, target, keep=found.version, published=False)
+            if layout == IN_PLACE:
+                sweep_in_place(fs, target, found.manifest)  # what a killed save left here
+                staging, previous = target, None
+            else:
+                staging = target.parent / version_name(target.name, save_id)
+                # the manifest's ``replaces``: where the previous checkpoint is once this
+                # save publishes: the old link's version, or (a directory swapped) this
+                # version's own name
+                previous = found.version
+                if found.kind == "ours":
+                    previous = staging.name
             out, expected = [], {}
+            tag = save_id if layout == IN_PLACE else None
             for rank, plan in enumerate(plans):
-                assignment = self._assign_files(rank, plan, str(staging))
+                assignment = self._assign_files(rank, plan, str(staging), tag)
                 for name, keys in assignment.files:
                     expected[name] = {
                         "rank": rank,
@@ -196,26 +241,28 @@ class SpreadFileSystemWriter(FileSystemWriter):
                 "world_size": len(plans),
                 "files": expected,
             }
-            fs.make_dir(staging)
+            if layout != IN_PLACE:
+                fs.make_dir(staging)
             fs.write_file(
                 staging / PLAN_NAME,
                 (json.dumps(record, indent=1, sort_keys=True) + "\n").encode(),
                 False,  # diagnostic: a plan lost on power loss reads as an empty version
             )
         except BaseException:
-            if fs.kind(staging) != MISSING:
+            if layout not in (None, IN_PLACE) and fs.kind(staging) != MISSING:
                 fs.remove_tree(staging)
             release(fs, target, owner)
             raise
-        self._save = _Save(target, staging, save_id, owner, previous, expected)
+        self._save = _Save(target, staging, save_id, owner, previous, expected, layout)
         return out
 
-    def _assign_files(self, rank: int, plan: SavePlan, staging: str) -> _RankFiles:
+    def _assign_files(self, rank: int, plan: SavePlan, staging: str, tag: str | None) -> _RankFiles:
         """Runs of whole layers, in layer order, of at least ``min_file_bytes`` each.
 
         Every file costs an open, a zip header and an fsync; one file per layer would make
         a small model's save slower than stock's one file per rank. Then the largest file is
-        halved until each of the ``thread_count`` writer threads has one.
+        halved until each of the ``thread_count`` writer threads has one. ``tag`` (in place:
+        the save id) makes the names unique to this save.
         """
         groups: dict[str, list] = defaultdict(list)
         for item in plan.items:
@@ -246,6 +293,8 @@ class SpreadFileSystemWriter(FileSystemWriter):
         files, layers = [], {}
         for name, items in bins:
             file_name = f"__{rank}_{_safe(name)}{DEFAULT_SUFFIX}"
+            if tag is not None:
+                file_name = in_place_file_name(f"__{rank}_{_safe(name)}", tag, DEFAULT_SUFFIX)
             files.append((file_name, [item_key(i.index) for i in items]))
             found = {layer_of(self.layer_key, i.index.fqn) for i in items}
             layers[file_name] = sorted(x for x in found if x is not None)
@@ -328,9 +377,20 @@ class SpreadFileSystemWriter(FileSystemWriter):
         if save is None:
             raise RuntimeError("finish() without prepare_global_plan(): not the coordinator")
         try:
-            self._complete(save, metadata, results)
-            publish(self.fs, save.target, save.staging.name, save.save_id, self.sync_files)
-            remove_leftovers(self.fs, save.target, keep=save.staging.name, published=True)
+            manifest = self._complete(save, metadata, results)
+            if save.layout == IN_PLACE:
+                sweep_in_place(self.fs, save.target, manifest)  # earlier saves' files
+            else:
+                publish(
+                    self.fs,
+                    save.target,
+                    save.staging.name,
+                    save.save_id,
+                    self.sync_files,
+                    save.layout,
+                )
+            keep = save.staging.name if save.layout == LINKED else None
+            remove_leftovers(self.fs, save.target, keep=keep, published=True)
         except OSError as exc:
             if is_out_of_space(exc):
                 raise self._out_of_space(str(save.staging), exc, 0) from exc
@@ -339,8 +399,14 @@ class SpreadFileSystemWriter(FileSystemWriter):
             release(self.fs, save.target, save.owner)
             self._save = None
 
-    def _complete(self, save: _Save, metadata: Metadata, results: list[list[WriteResult]]):
+    def _complete(
+        self, save: _Save, metadata: Metadata, results: list[list[WriteResult]]
+    ) -> Manifest:
+        """Write ``.metadata`` and the manifest. In a version directory, the manifest's
+        rename makes it complete; in place, the manifest is renamed into place, then
+        ``.metadata``, last (stock's commit point)."""
         fs, staging = self.fs, save.staging
+        in_place = save.layout == IN_PLACE
         records: dict[str, FileRecord] = {}
         storage_data = {}
         for rank_results in results:
@@ -360,7 +426,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         # stock format: plain pickle, so the stock FileSystemReader loads it. Written under
         # its own name: the version is invisible until published, and it counts as complete
         # only once the manifest (renamed into place below) exists.
-        meta_path = staging / METADATA_NAME
+        meta_path = staging / (METADATA_TEMP if in_place else METADATA_NAME)
         with fs.create_stream(meta_path, "wb") as stream:
             pickle.dump(metadata, stream)
             if self.sync_files:
@@ -376,15 +442,18 @@ class SpreadFileSystemWriter(FileSystemWriter):
             save_id=save.save_id,
             replaces=save.previous,
         )
-        tmp = staging / f"{MANIFEST_NAME}.tmp"
+        tmp = staging / MANIFEST_TEMP
         fs.write_file(tmp, manifest.to_json().encode(), self.sync_files)
         fs.replace(tmp, staging / MANIFEST_NAME)
+        if in_place:
+            fs.replace(meta_path, staging / METADATA_NAME)
         fs.unlink(staging / PLAN_NAME)
         for rank in range(len(results)):
             with contextlib.suppress(FileNotFoundError):  # diagnostic, not fsynced
                 fs.unlink(staging / rank_done_name(rank))
         if self.sync_files:
             fs.fsync(staging)
+        return manifest
 
     def storage_meta(self) -> StorageMeta:
         # the marker lets a reader tell "manifest deleted" from "a stock checkpoint"
