@@ -9,7 +9,6 @@ complete save killed before its publish, an unfinished one.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from fsdp_ext.checkpoint.manifest import (
     check_record,
     checksum_file,
     read_manifest,
+    read_plan_record,
 )
 from fsdp_ext.checkpoint.unpickler import load_metadata
 from fsdp_ext.checkpoint.versions import Version, versions
@@ -277,13 +277,13 @@ def _report_unfinished(partial: Path, lines: list[str], header: bool = True) -> 
     if not plan_path.is_file():
         return
     try:
-        expected = json.loads(plan_path.read_bytes().decode())["files"]
-        by_rank: dict[int, list[str]] = defaultdict(list)
-        for name, info in sorted(expected.items()):
-            by_rank[int(info["rank"])].append(str(name))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        lines.append(f"{plan_path}: not a readable plan record ({type(exc).__name__}: {exc})")
+        expected = read_plan_record(plan_path.read_bytes(), str(plan_path))["files"]
+    except CheckpointIntegrityError as exc:
+        lines.append(str(exc))
         return
+    by_rank: dict[int, list[str]] = defaultdict(list)
+    for name, info in sorted(expected.items()):
+        by_rank[info["rank"]].append(name)
     for rank, names in sorted(by_rank.items()):
         if not (partial / rank_done_name(rank)).is_file():
             lines.append(
