@@ -11,15 +11,19 @@ sealed itself, 108 of the 7,408 flips of this checkpoint's manifest passed (a ra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import pickle
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from fsdp_ext.checkpoint import (
     CheckpointFS,
@@ -30,7 +34,13 @@ from fsdp_ext.checkpoint import (
     VerifiedFileSystemReader,
     verify_checkpoint,
 )
-from fsdp_ext.checkpoint.manifest import Manifest, plan_record_bytes, read_plan_record
+from fsdp_ext.checkpoint.manifest import (
+    SELF_CHECKSUM,
+    Manifest,
+    plan_record_bytes,
+    read_plan_record,
+    seal,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -71,8 +81,8 @@ def unfinished_of(path: Path) -> Path:
     return plan.parent
 
 
-def load(path: Path) -> None:
-    target = {"layers.0.w": torch.zeros(4, 2)}
+def load(path: Path, target: dict | None = None) -> None:
+    target = {"layers.0.w": torch.zeros(4, 2)} if target is None else target
     dcp.load(target, storage_reader=VerifiedFileSystemReader(path), planner=SafeLoadPlanner())
 
 
@@ -150,3 +160,65 @@ def test_the_plan_record_is_sealed(saved):
     edited = plan.read_bytes().replace(b'"rank": 0', b'"rank": 1', 1)
     with pytest.raises(CheckpointIntegrityError, match=rf"{plan}: not a readable plan record"):
         read_plan_record(edited, str(plan))
+
+
+# -- metadata that points outside what exists ------------------------------------------------
+
+
+def rewrite_metadata(path: Path, metadata) -> None:
+    """Replace ``.metadata`` and reseal the manifest to match, as a writer of both could."""
+    root = version_of(path)
+    data = pickle.dumps(metadata)
+    (root / ".metadata").write_bytes(data)
+    manifest = json.loads((root / ".manifest.json").read_text())
+    manifest["metadata"].update(size=len(data), checksum=f"{zlib.crc32(data):08x}")
+    (root / ".manifest.json").write_text(seal(manifest, SELF_CHECKSUM))
+
+
+def fresh(tmp_path: Path) -> tuple[Path, object]:
+    path = tmp_path / "ckpt"
+    dcp.save(
+        {"embed": torch.randn(8, 4)},
+        storage_writer=SpreadFileSystemWriter(path),
+        planner=SpreadSavePlanner(),
+    )
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata.storage_meta.load_id = None
+    return path, metadata
+
+
+def test_a_chunk_outside_its_tensor_is_named(tmp_path):
+    """Two chunks of 4 rows of an 8-row tensor, at rows 0 and 6: the volume is right and
+    they do not overlap, but the second lies outside (rows 4-5 would stay as they were)."""
+    path, metadata = fresh(tmp_path)
+    ((_, info),) = metadata.storage_data.items()
+    metadata.state_dict_metadata["embed"].chunks = [
+        ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 4])),
+        ChunkStorageMetadata(torch.Size([6, 0]), torch.Size([4, 4])),
+    ]
+    metadata.storage_data[MetadataIndex("embed", torch.Size([6, 0]))] = info
+    rewrite_metadata(path, metadata)
+    assert verify_checkpoint(path).problems == [
+        f"{version_of(path)}: tensor embed chunk at (6, 0) of (4, 4) lies outside (8, 4)"
+    ]
+
+
+def test_an_item_beyond_the_end_of_its_file_is_named(tmp_path):
+    """``.metadata`` puts the item's bytes past the end of its (intact) file: verify names
+    the file and the range, and the reader refuses before reading any data."""
+    path, metadata = fresh(tmp_path)
+    (index, info), *_ = metadata.storage_data.items()
+    file = version_of(path) / info.relative_path
+    size = file.stat().st_size
+    for offset, length in ((size - 10, info.length), (0, size + 1)):
+        metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=length)
+        rewrite_metadata(path, metadata)
+        expected = (
+            f"{file}: .metadata puts item embed (0, 0) at bytes {offset}..{offset + length}, "
+            f"beyond the file's {size} bytes"
+        )
+        problems = verify_checkpoint(path).problems
+        assert problems == [expected]
+        with pytest.raises(CheckpointException) as err:
+            load(path, {"embed": torch.zeros(8, 4)})
+        assert expected in str(err.value)

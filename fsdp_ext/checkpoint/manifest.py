@@ -248,13 +248,18 @@ def read_manifest(directory: str | os.PathLike) -> Manifest | None:
     path = Path(directory) / MANIFEST_NAME
     if not path.is_file():
         return None
+    return parse_manifest(path.read_bytes(), str(path))
+
+
+def parse_manifest(data: bytes, source: str) -> Manifest:
+    """A manifest from its bytes; anything off raises naming ``source``."""
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CheckpointIntegrityError(
-            f"{path}: not a readable manifest (not UTF-8: {exc})"
+            f"{source}: not a readable manifest (not UTF-8: {exc})"
         ) from exc
-    return Manifest.from_json(text, str(path))
+    return Manifest.from_json(text, source)
 
 
 def check_record(path: str, record: FileRecord, size: int, checksum: str | None) -> None:

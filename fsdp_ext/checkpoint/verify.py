@@ -200,6 +200,15 @@ def _check_coverage(root: Path, metadata, manifest, report: CheckpointReport) ->
         report.problems += [
             f"{root / n}: used by {METADATA_NAME}, not in {MANIFEST_NAME}" for n in missing
         ]
+        for (fqn, offset), info in sorted(stored.items()):
+            record = manifest.files.get(info.relative_path)
+            end = info.offset + info.length
+            if record is not None and (info.offset < 0 or info.length < 0 or end > record.size):
+                report.problems.append(
+                    f"{root / info.relative_path}: {METADATA_NAME} puts item {fqn} "
+                    f"{offset} at bytes {info.offset}..{end}, beyond the file's "
+                    f"{record.size} bytes"
+                )
 
 
 def _tiling_problem(size, chunks) -> str | None:
