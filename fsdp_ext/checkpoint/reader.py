@@ -328,11 +328,15 @@ class VerifiedFileSystemReader(FileSystemReader):
 
     def reset(self, checkpoint_id=None) -> None:
         super().reset(checkpoint_id)
+        self._unpin()
+        self.checks_here = set()
+
+    def _unpin(self) -> None:
+        """Forgets the opened directory: the next load opens the path afresh."""
         if self._close_dir is not None:
             self._close_dir()
         self.manifest, self._manifest_loaded, self._root = None, False, None
         self._dir_fd, self._close_dir = None, None
-        self.checks_here = set()
 
     def _pin(self) -> int:
         """Opens the checkpoint's directory once; every later read goes through it."""
@@ -514,6 +518,7 @@ class VerifiedFileSystemReader(FileSystemReader):
         finally:
             if read_ahead is not None:
                 read_ahead.close()
+            self._unpin()  # a later load through this reader opens the path afresh
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
