@@ -135,6 +135,7 @@ __all__ = [
     "shard_process_group",
     "sharded_param",
     "sharded_post_forward_data",
+    "stored_tensor_layout",
     "thread_in_dcp_save",
     "trainable_fsdp_params",
     "tree_map",
@@ -482,3 +483,24 @@ def write_files(writer: FileSystemWriter, planner: Any, file_queue: Any) -> Any:
     2.11-2.15: ``FileSystemWriter._write_data(planner, file_queue)``.
     """
     return writer._write_data(planner, file_queue)
+
+
+def stored_tensor_layout(stream: Any) -> tuple[torch.Tensor, int, str | None]:
+    """A ``torch.save`` archive's tensor on the meta device (dtype, shape, strides; no bytes
+    read), where its storage's bytes start in the archive, and the byte order they were
+    written in (None when the archive does not say).
+
+    2.11-2.15: ``torch.load(map_location="meta")`` records that offset in the private
+    ``UntypedStorage._checkpoint_offset``; the archive's records are read with the private
+    ``torch._C.PyTorchFileReader`` (``zipfile`` would read the archive's last 64 KiB whole).
+    It lets the checkpoint reader copy the bytes straight into their destination instead of
+    loading a second copy of the tensor.
+    """
+    start = stream.tell()
+    tensor = torch.load(stream, map_location="meta", weights_only=True)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"the archive holds a {type(tensor).__name__}, not a tensor")
+    stream.seek(start)
+    archive = torch._C.PyTorchFileReader(stream)
+    order = archive.get_record("byteorder").decode() if archive.has_record("byteorder") else None
+    return tensor, int(tensor.untyped_storage()._checkpoint_offset), order

@@ -30,6 +30,7 @@ from fsdp_ext.checkpoint import (
     VerifiedFileSystemReader,
     verify_checkpoint,
 )
+from fsdp_ext.checkpoint.manifest import SELF_CHECKSUM, seal
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -104,7 +105,7 @@ def rewrite_manifest_for(metadata: Path, data: bytes) -> None:
     manifest_path = metadata.parent / ".manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["metadata"].update(size=len(data), checksum=f"{zlib.crc32(data):08x}")
-    manifest_path.write_text(json.dumps(manifest))
+    manifest_path.write_text(seal(manifest, SELF_CHECKSUM))
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import zlib
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from fsdp_ext.checkpoint import (
     VerifiedFileSystemReader,
     verify_checkpoint,
 )
+from fsdp_ext.checkpoint import reader as reader_module
 from fsdp_ext.checkpoint.unpickler import load_metadata
 from fsdp_ext.testing import RankError, run_distributed
 
@@ -284,32 +286,50 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
 # -- who checks what on a load ---------------------------------------------------------------
 
 
-def _load_and_report_checks(path: str, layout: str) -> tuple[list[str], str | None]:
-    """Load ``path`` into ``layout`` at this world size; return the files this rank checked
-    and the load's error, if any (as the rank saw it)."""
+class _CountingZlib:
+    """Stands in for ``zlib`` in the reader: counts the bytes each CRC-32 covers."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []  # appended from the read-ahead threads too
+
+    def crc32(self, data, value: int = 0) -> int:
+        self.sizes.append(memoryview(data).nbytes)
+        return zlib.crc32(data, value)
+
+
+def _load_and_report_checks(path: str, layout: str) -> tuple[list[str], str | None, int]:
+    """Load ``path`` into ``layout`` at this world size; return the files this rank checked,
+    the load's error, if any (as the rank saw it), and the data bytes this rank hashed."""
     world = dist.get_world_size()
     tensors = full_state()
     target = empty_like(build_state(layout, world, tensors))
     reader = VerifiedFileSystemReader(path)
+    counting = _CountingZlib()
+    reader_module.zlib = counting  # this rank's process only
     try:
         dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner())
     except BaseException as exc:  # CheckpointException is a BaseException
-        return sorted(reader.checks_here), str(exc)
+        return sorted(reader.checks_here), str(exc), sum(counting.sizes)
     assert mismatches(target, tensors) == []
-    return sorted(reader.checks_here), None
+    return sorted(reader.checks_here), None, sum(counting.sizes)
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "replicated"])
 def test_each_file_is_checked_once_by_a_rank_that_reads_it(round_trips, layout):
     """Checksums are divided, not repeated by every reader; in a load into the layout it was
-    saved from, a rank checks its own files when the balance allows (FSDP: all of them)."""
+    saved from, a rank checks its own files when the balance allows (FSDP: all of them).
+    The bytes each rank really hashed are those of the files it was assigned, so the four
+    ranks together hash the checkpoint's data exactly once (not up to four times)."""
     root, _ = round_trips
     path = root / f"{layout}-w4"
     files = verify_checkpoint(path).files
     results = run_distributed(_load_and_report_checks, 4, str(path), layout)
-    checked = [set(names) for names, error in results]
-    assert all(error is None for _, error in results)
+    checked = [set(names) for names, _, _ in results]
+    assert all(error is None for _, error, _ in results)
     assert sum(len(c) for c in checked) == len(set().union(*checked))  # each file once
+    for names, _, hashed in results:
+        assert hashed == sum(files[n].size for n in names)
+    assert sum(hashed for _, _, hashed in results) == sum(r.size for r in files.values())
     if layout == "fsdp":
         assert set().union(*checked) == set(files)
         assert all(files[name].rank == rank for rank, c in enumerate(checked) for name in c)
@@ -330,6 +350,6 @@ def test_a_flipped_byte_fails_the_load_on_every_rank(round_trips, tmp_path):
     data[len(data) // 2] ^= 0x10
     damaged.write_bytes(bytes(data))
     results = run_distributed(_load_and_report_checks, 4, str(path), "replicated")
-    assert sum(name in checked for checked, _ in results) == 1
-    for _, error in results:
+    assert sum(name in checked for checked, _, _ in results) == 1
+    for _, error, _ in results:
         assert error is not None and f"{damaged}: crc32" in error, error

@@ -39,6 +39,7 @@ from fsdp_ext.checkpoint import (
     verify_checkpoint,
 )
 from fsdp_ext.checkpoint.__main__ import main as cli
+from fsdp_ext.checkpoint.manifest import SELF_CHECKSUM, seal
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -88,7 +89,7 @@ def rewrite_metadata(path: Path, metadata_bytes: bytes) -> Path:
     manifest["metadata"].update(
         size=len(metadata_bytes), checksum=f"{zlib.crc32(metadata_bytes):08x}"
     )
-    (root / ".manifest.json").write_text(json.dumps(manifest))
+    (root / ".manifest.json").write_text(seal(manifest, SELF_CHECKSUM))
     return root / ".metadata"
 
 
@@ -320,7 +321,7 @@ def test_a_manifest_without_checksums_does_not_vouch_for_a_flipped_byte(tmp_path
         if how == "edited":
             manifest = json.loads((root / ".manifest.json").read_text())
             manifest["checksum"] = "none"
-            (root / ".manifest.json").write_text(json.dumps(manifest))
+            (root / ".manifest.json").write_text(seal(manifest, SELF_CHECKSUM))
         data_file = root / "__0_other.distcp"
         data = bytearray(data_file.read_bytes())
         data[len(data) // 2] ^= 0x40

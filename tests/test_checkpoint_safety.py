@@ -29,6 +29,7 @@ from fsdp_ext.checkpoint import (
     verify_checkpoint,
 )
 from fsdp_ext.checkpoint.__main__ import main as cli
+from fsdp_ext.checkpoint.manifest import SELF_CHECKSUM, seal
 from fsdp_ext.checkpoint.unpickler import load_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -229,7 +230,7 @@ def test_crafted_metadata_is_refused_and_runs_nothing(ckpt, tmp_path):
     # whoever can write .metadata can write the manifest too: make the checksum match
     manifest = json.loads((ckpt / ".manifest.json").read_text())
     manifest["metadata"].update(size=len(evil), checksum=f"{zlib.crc32(evil):08x}")
-    (ckpt / ".manifest.json").write_text(json.dumps(manifest))
+    (ckpt / ".manifest.json").write_text(seal(manifest, SELF_CHECKSUM))
     with pytest.raises(CheckpointException) as err:
         load_ours(ckpt)
     assert "refuses to load the pickle global posix.system" in str(cause(err))

@@ -1,10 +1,18 @@
 """The manifest: every file of a checkpoint with its size and checksum, as plain JSON.
 
-It is JSON so that reading it runs no code. The checksum is zlib's CRC-32: it catches any
-flipped byte or torn write, is computed while the bytes stream out (no second pass), and at
-~3.5 GB/s per core it costs a few percent of a save (measured in docs/checkpoint.md); a
-cryptographic hash (blake2b ~0.75 GB/s here) would protect against nobody extra, because an
-attacker who can rewrite a data file can rewrite the manifest too.
+It is JSON so that reading it runs no code. It vouches for itself too: it carries the CRC-32
+of its own canonical body (``manifest_crc32``), and is read strictly (exactly the known keys,
+no duplicates, no floats, byte for byte the canonical form), so that a flipped bit anywhere
+in it is named rather than read as another file list, rank or ``replaces`` (which decides
+what a later cleanup removes). ``.metadata`` is covered by its record in the manifest, and
+the plan record of a running save seals itself the same way (:func:`plan_record_bytes`).
+
+The checksum is zlib's CRC-32: it catches any flipped byte or torn write (every error of
+up to 32 bits, so every single-bit flip for certain), is computed while the bytes stream
+out (no second pass), and at ~3.5 GB/s per core it costs a few percent of a save
+(measured in docs/checkpoint.md); a cryptographic hash (blake2b ~0.75 GB/s here) would
+protect against nobody extra, because an attacker who can rewrite a data file can rewrite
+the manifest too.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 MANIFEST_NAME = ".manifest.json"
@@ -20,7 +28,9 @@ METADATA_NAME = ".metadata"
 PLAN_NAME = ".plan.json"  # written at the start of a save: the files every rank will write
 CHECKSUM = "crc32"
 NO_CHECKSUM = "none"  # SpreadFileSystemWriter(checksums=False): sizes only
-FORMAT = "fsdp_ext.checkpoint/1"
+FORMAT = "fsdp_ext.checkpoint/2"  # /1: before the manifest sealed itself
+SELF_CHECKSUM = "manifest_crc32"  # the field that holds the CRC-32 of the rest
+PLAN_CHECKSUM = "plan_crc32"
 # Recorded in Metadata.storage_meta.modules: a checkpoint that says this must have a manifest.
 MARKER = "fsdp_ext.checkpoint"
 
@@ -68,17 +78,16 @@ class Manifest:
     replaces: str | None = None  # the version the path pointed to when this save began
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+        """The canonical, sealed text: the only form :meth:`from_json` accepts."""
+        return seal(asdict(self), SELF_CHECKSUM)
 
     @classmethod
     def from_json(cls, text: str, source: str) -> Manifest:
-        """Parse and type-check a manifest; anything off raises naming ``source``."""
+        """Parse and check a manifest; anything off raises naming ``source``."""
         try:
-            raw = json.loads(text)
-            if not isinstance(raw, dict):
-                raise TypeError(f"a {type(raw).__name__}, not an object")
-            if raw.get("format") != FORMAT or raw.get("checksum") not in (CHECKSUM, NO_CHECKSUM):
-                raise ValueError(f"format {raw.get('format')!r} / checksum {raw.get('checksum')!r}")
+            raw = unseal(text, SELF_CHECKSUM, _MANIFEST_KEYS)
+            if raw["format"] != FORMAT or raw["checksum"] not in (CHECKSUM, NO_CHECKSUM):
+                raise ValueError(f"format {raw['format']!r} / checksum {raw['checksum']!r}")
             if not isinstance(raw["files"], dict):
                 raise TypeError("files is not an object")
             files = {}
@@ -87,7 +96,7 @@ class Manifest:
                 if record.name != name or not _plain_name(name):
                     raise ValueError(f"file entry {name!r} names {record.name!r}")
                 files[name] = record
-            replaces = raw.get("replaces")
+            replaces = raw["replaces"]
             if replaces is not None and not isinstance(replaces, str):
                 raise TypeError(f"replaces is {replaces!r}")
             return cls(
@@ -95,14 +104,91 @@ class Manifest:
                 metadata=_file_record(raw["metadata"]),
                 world_size=_count(raw["world_size"], "world_size"),
                 checksum=raw["checksum"],
-                target=_string(raw.get("target", ""), "target"),
-                save_id=_string(raw.get("save_id", ""), "save_id"),
+                format=raw["format"],
+                target=_string(raw["target"], "target"),
+                save_id=_string(raw["save_id"], "save_id"),
                 replaces=replaces,
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointIntegrityError(
                 f"{source}: not a readable manifest ({type(exc).__name__}: {exc})"
             ) from exc
+
+
+_MANIFEST_KEYS = frozenset(f.name for f in fields(Manifest))
+_RECORD_KEYS = frozenset(f.name for f in fields(FileRecord))
+
+
+def canonical_json(value) -> str:
+    """The one text a value has: sorted keys, one-space indent, ASCII, a final newline."""
+    return json.dumps(value, indent=1, sort_keys=True, ensure_ascii=True) + "\n"
+
+
+def seal(body: dict, field_name: str) -> str:
+    """``body`` as canonical JSON carrying, in ``field_name``, the CRC-32 of the rest."""
+    rest = {k: v for k, v in body.items() if k != field_name}
+    return canonical_json({**rest, field_name: checksum_bytes(canonical_json(rest).encode())})
+
+
+def unseal(text: str, field_name: str, keys: frozenset[str]) -> dict:
+    """The body of a sealed record, or ValueError/TypeError saying what is off.
+
+    Strict on purpose: any other key set, a duplicate key, a float, or a text that is not
+    byte for byte the canonical form is refused, so a flipped bit cannot hide in whitespace,
+    an escape or an ignored key; then the CRC-32 covers every value.
+    """
+    raw = json.loads(
+        text,
+        object_pairs_hook=_no_duplicates,
+        parse_float=_no_float,
+        parse_constant=_no_float,
+    )
+    if not isinstance(raw, dict):
+        raise TypeError(f"a {type(raw).__name__}, not an object")
+    if set(raw) != keys | {field_name}:
+        odd = sorted(set(raw) ^ (keys | {field_name}))
+        raise ValueError(f"keys {odd} are unexpected or missing")
+    if text != canonical_json(raw):
+        raise ValueError("not in canonical form (edited, or a flipped byte)")
+    rest = {k: v for k, v in raw.items() if k != field_name}
+    found = checksum_bytes(canonical_json(rest).encode())
+    if raw[field_name] != found:
+        raise ValueError(f"{field_name} {raw[field_name]!r}, the content's is {found!r}")
+    return rest
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError(f"duplicate keys {sorted(k for k, _ in pairs)}")
+    return out
+
+
+def _no_float(text: str):
+    raise ValueError(f"a number that is not an integer: {text}")
+
+
+def plan_record_bytes(record: dict) -> bytes:
+    """The plan record of a running save (``.plan.json``), sealed like the manifest."""
+    return seal(record, PLAN_CHECKSUM).encode()
+
+
+def read_plan_record(data: bytes, source: str) -> dict:
+    """A plan record's body; a flipped bit raises :class:`CheckpointIntegrityError`."""
+    try:
+        raw = unseal(data.decode("utf-8"), PLAN_CHECKSUM, _PLAN_KEYS)
+        if not isinstance(raw["files"], dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("rank"), int) for v in raw["files"].values()
+        ):
+            raise TypeError("files is not an object of {rank: int, ...} records")
+        return raw
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointIntegrityError(
+            f"{source}: not a readable plan record ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+_PLAN_KEYS = frozenset({"target", "save_id", "replaces", "world_size", "files"})
 
 
 def _count(value, what: str) -> int:
@@ -125,6 +211,8 @@ def _plain_name(name: str) -> bool:
 def _file_record(raw) -> FileRecord:
     if not isinstance(raw, dict):
         raise TypeError(f"a file record is {raw!r}")
+    if set(raw) != _RECORD_KEYS:
+        raise ValueError(f"a file record's keys are {sorted(raw)}, not {sorted(_RECORD_KEYS)}")
     record = FileRecord(**raw)
     layers = record.layers
     if not isinstance(layers, list) or not all(isinstance(x, str) for x in layers):
@@ -160,13 +248,18 @@ def read_manifest(directory: str | os.PathLike) -> Manifest | None:
     path = Path(directory) / MANIFEST_NAME
     if not path.is_file():
         return None
+    return parse_manifest(path.read_bytes(), str(path))
+
+
+def parse_manifest(data: bytes, source: str) -> Manifest:
+    """A manifest from its bytes; anything off raises naming ``source``."""
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CheckpointIntegrityError(
-            f"{path}: not a readable manifest (not UTF-8: {exc})"
+            f"{source}: not a readable manifest (not UTF-8: {exc})"
         ) from exc
-    return Manifest.from_json(text, str(path))
+    return Manifest.from_json(text, source)
 
 
 def check_record(path: str, record: FileRecord, size: int, checksum: str | None) -> None:

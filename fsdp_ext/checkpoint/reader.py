@@ -9,10 +9,18 @@ Stock DCP loading trusts the files: a flipped byte in a ``.distcp`` file loads s
   once, by one of the ranks that read it (``verify_plan.py``: hashing divided, not repeated
   by every reader; a rank prefers its own files). A failed check fails the load on every
   rank;
+- every file is read from one version: the directory is opened once and every file opened
+  relative to it, so a save publishing over the path meanwhile cannot mix two checkpoints,
+  and the ranks check that they all read the same save (a node of a network filesystem may
+  see a new link late);
 - the files a rank reads (nearly) whole are read ahead, whole, on a few threads within a
-  byte budget (:class:`_ReadAhead`), hashed there, and DCP's reads are served from memory:
-  on network storage each file's open is a round trip and per-layer files make many, which
-  left the link idle between files (a 4-rank FSDP load over sshfs took 1.31x stock's);
+  byte budget (:class:`_ReadAhead`), hashed there, and served from memory: on network
+  storage each file's open is a round trip and per-layer files make many, which left the
+  link idle between files (a 4-rank FSDP load over sshfs took 1.31x stock's);
+- a tensor's bytes go straight from there, or from the file through one reused buffer of
+  ``READ_CHUNK_BYTES``, into the destination tensor: no second copy of the tensor is made
+  (stock's ``torch.load`` of each item makes one), so the memory a load needs beyond its
+  destination is at most the read-ahead budget plus one chunk;
 - non-tensor items are opened with ``weights_only=True``. Pass ``planner=SafeLoadPlanner()``
   to ``dcp.load``; with any other planner this reader still vets each item the same way
   before handing it on.
@@ -26,22 +34,30 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
+import sys
 import warnings
+import weakref
 import zlib
 from collections import deque
 from concurrent.futures import Future as PoolFuture
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from fsdp_ext._torch import pass_metadata_error_to_dcp_load, set_state_dict_element
+from fsdp_ext._torch import (
+    pass_metadata_error_to_dcp_load,
+    set_state_dict_element,
+    stored_tensor_layout,
+)
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
     MARKER,
@@ -49,10 +65,11 @@ from fsdp_ext.checkpoint.manifest import (
     NO_CHECKSUM,
     CheckpointIntegrityError,
     Manifest,
+    UnsafeCheckpointError,
     check_record,
     checksum_bytes,
     crc32_hex,
-    read_manifest,
+    parse_manifest,
 )
 from fsdp_ext.checkpoint.unpickler import load_metadata, load_object_safely
 from fsdp_ext.checkpoint.verify_plan import assign_checks
@@ -70,49 +87,94 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-# Read-ahead: files of at most this size are read whole ahead of DCP (bigger ones are
-# streamed: their open costs little against their bytes), on this many threads, holding at
-# most this many bytes that DCP has not consumed yet.
+# Files of at most READ_AHEAD_FILE_BYTES (and of the budget) are read whole ahead of DCP, on
+# READ_AHEAD_THREADS threads, holding at most READ_AHEAD_BUDGET bytes, counted from the start
+# of a file's read until DCP is done with it. Bigger files are streamed (their open costs
+# little against their bytes) through one buffer of READ_CHUNK_BYTES, which the hashing of a
+# streamed file reuses.
 READ_AHEAD_FILE_BYTES = 256 << 20
 READ_AHEAD_THREADS = 4
 READ_AHEAD_BUDGET = 512 << 20
+READ_CHUNK_BYTES = 16 << 20
 
 
-def _read_whole(path: Path, checksums: bool) -> tuple[bytes, str | None]:
-    """A file's bytes and, when asked, their CRC-32 (zlib and file reads release the GIL)."""
-    with open(path, "rb") as stream:
-        data = stream.read()
-    return data, crc32_hex(zlib.crc32(data)) if checksums else None
+class _Fetched(NamedTuple):
+    """A file read ahead: its size on disk, its bytes when that size is the expected one, and
+    their CRC-32 when asked for."""
+
+    size: int
+    data: bytearray | None
+    checksum: str | None
+
+
+def _read_whole(dir_fd: int, name: str, size: int, checksums: bool) -> _Fetched:
+    """Reads one file into a buffer of its own (file reads and zlib release the GIL)."""
+    fd = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
+    try:
+        on_disk = os.fstat(fd).st_size
+        if on_disk != size:
+            return _Fetched(on_disk, None, None)
+        data = bytearray(size)
+        _pread_exactly(fd, memoryview(data), 0)
+    finally:
+        os.close(fd)
+    return _Fetched(size, data, crc32_hex(zlib.crc32(data)) if checksums else None)
+
+
+def _pread_exactly(fd: int, view: memoryview, offset: int) -> int:
+    """Fills ``view`` from ``offset``; returns how many bytes there were (short at the end)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
 
 
 class _ReadAhead:
-    """Reads files whole, in the order DCP will ask for them, a few at a time and within a
-    byte budget; :meth:`take` hands one over (waiting for it) and frees its budget."""
+    """Reads files whole, in the order DCP will ask for them, a few at a time, holding at
+    most ``budget`` bytes: a file's bytes count from the start of its read until
+    :meth:`release`, once DCP is done with them (not when they are handed over)."""
 
-    def __init__(self, jobs: list[tuple[Path, int, bool]]):
+    def __init__(self, dir_fd: int, jobs: list[tuple[str, int, bool]], budget: int):
+        self._dir_fd = dir_fd
         self._pending = deque(jobs)
-        self._started: dict[Path, tuple[PoolFuture, int]] = {}
+        # name -> (its read, the slot its bytes land in, size). The bytes go to a slot, not
+        # to the future's result: a worker thread still holds the future for a moment after
+        # the read, and the bytes must be freed as soon as the reader lets go of them.
+        self._started: dict[str, tuple[PoolFuture, list[_Fetched], int]] = {}
         self._held = 0
+        self._budget = budget
         self._pool = ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="ckpt-read")
         self._start_more()
 
     def _start_more(self) -> None:
-        while self._pending and (
-            not self._started or self._held + self._pending[0][1] <= READ_AHEAD_BUDGET
-        ):
-            path, size, checksums = self._pending.popleft()
-            self._started[path] = (self._pool.submit(_read_whole, path, checksums), size)
+        while self._pending and self._held + self._pending[0][1] <= self._budget:
+            name, size, checksums = self._pending.popleft()
+            slot: list[_Fetched] = []
+            future = self._pool.submit(self._fill, slot, name, size, checksums)
+            self._started[name] = (future, slot, size)
             self._held += size
 
-    def take(self, path: Path) -> tuple[bytes, str | None] | None:
-        """The file's (bytes, CRC-32 or None); None when it is not read ahead."""
-        if path not in self._started:
+    def _fill(self, slot: list[_Fetched], name: str, size: int, checksums: bool) -> None:
+        slot.append(_read_whole(self._dir_fd, name, size, checksums))
+
+    def take(self, name: str) -> _Fetched | None:
+        """The file read ahead (waiting for it), or None when it is not; its bytes stay
+        counted until :meth:`release`."""
+        if name not in self._started:
+            self._pending = deque(job for job in self._pending if job[0] != name)
             return None
-        future, size = self._started.pop(path)
-        try:
-            return future.result()
-        finally:
-            self._held -= size
+        future, slot, _ = self._started[name]
+        future.result()  # raises what the read raised
+        return slot.pop()
+
+    def release(self, name: str) -> None:
+        """DCP is done with ``name``: its bytes no longer count, and more files start."""
+        entry = self._started.pop(name, None)
+        if entry is not None:
+            self._held -= entry[2]
             self._start_more()
 
     def close(self) -> None:
@@ -120,43 +182,110 @@ class _ReadAhead:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-class _VerifiedFileSystem(FileSystem):
-    """Opens each data file after checking it: its size always; its CRC-32 too when this
-    rank is the one that checks it. A file read ahead is checked and served from memory;
-    any other is hashed in a pass over the open file, then DCP reads it through the same
-    open file."""
+class _FileBytes:
+    """The bytes of one data file: in memory when read ahead, else read from the open file."""
 
-    def __init__(self, reader: VerifiedFileSystemReader):
-        self.reader = reader
+    def __init__(self, path: Path, *, fd: int | None = None, data: bytearray | None = None):
+        self.path, self.fd, self.data = path, fd, data
 
-    @contextmanager
-    def create_stream(self, path, mode: str):
-        reader, path = self.reader, self.reader.resolve(path)
-        if "r" not in mode or reader.manifest is None:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        record = reader.manifest.files[path.name]
-        try:
-            fetched = reader.read_ahead.take(path) if reader.read_ahead else None
-            stream = open(path, "rb") if fetched is None else None  # noqa: SIM115 (closed below)
-        except FileNotFoundError as exc:
+    def readinto(self, offset: int, view: memoryview) -> None:
+        if self.data is not None:
+            got = max(0, min(len(view), len(self.data) - offset))
+            view[:got] = memoryview(self.data)[offset : offset + got]
+        else:
+            got = _pread_exactly(self.fd, view, offset)
+        if got != len(view):
             raise CheckpointIntegrityError(
-                f"{path}: missing ({record.size} bytes expected)"
-            ) from exc
-        if fetched is not None:
-            data, checksum = fetched
-            check_record(str(path), record, len(data), checksum)
-            yield io.BytesIO(data)
-            return
-        with stream:
-            if path.name in reader.checks_here:
-                size, checksum = reader.checksum_open_file(stream)
-                check_record(str(path), record, size, checksum)
-                stream.seek(0)
-            else:
-                check_record(str(path), record, os.fstat(stream.fileno()).st_size, None)
-            yield stream
+                f"{self.path}: ends before byte {offset + len(view)} that {METADATA_NAME} "
+                "says it holds (truncated)"
+            )
+
+    def read(self, offset: int, length: int) -> bytes:
+        data = bytearray(length)
+        self.readinto(offset, memoryview(data))
+        return bytes(data)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+        self.fd = self.data = None
+
+
+class _Window(io.RawIOBase):
+    """A seekable read-only file over bytes ``[offset, offset + length)`` of a file: what
+    ``torch.load`` reads one item's archive through, without copying it first."""
+
+    def __init__(self, source: _FileBytes, offset: int, length: int):
+        super().__init__()
+        self._source, self._offset, self._length, self._pos = source, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self._length - self._pos))
+        self._source.readinto(self._offset + self._pos, view[:n])
+        self._pos += n
+        return n
+
+
+def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def _copy_region(source: _FileBytes, base: int, shape, dtype, offsets, lengths, target, chunk):
+    """Copies ``stored[offsets : offsets + lengths]`` of a contiguous tensor whose bytes start
+    at ``base`` in ``source`` into ``target``, through ``chunk``: whole rows of dim 0 at a
+    time, or, when one row is bigger than the chunk, row by row one dimension down."""
+    size = dtype.itemsize
+    if not shape:
+        target.copy_(_chunk_tensor(source, base, size, chunk, dtype).view(()))
+        return
+    row = math.prod(shape[1:]) * size
+    first, count = offsets[0], lengths[0]
+    if row > len(chunk):
+        for i in range(count):
+            at = base + (first + i) * row
+            _copy_region(source, at, shape[1:], dtype, offsets[1:], lengths[1:], target[i], chunk)
+        return
+    per_chunk = len(chunk) // row
+    for i in range(0, count, per_chunk):
+        rows = min(per_chunk, count - i)
+        block = _chunk_tensor(source, base + (first + i) * row, rows * row, chunk, dtype)
+        block = block.view(rows, *shape[1:])
+        target[i : i + rows].copy_(_narrow(block, [0, *offsets[1:]], [rows, *lengths[1:]]))
+
+
+class _Chunk:
+    """The one buffer of ``READ_CHUNK_BYTES`` a load streams through, made on first use (a
+    load whose files are all read ahead needs none)."""
+
+    def __init__(self) -> None:
+        self._buffer: bytearray | None = None
+
+    def buffer(self) -> bytearray:
+        if self._buffer is None:
+            self._buffer = bytearray(READ_CHUNK_BYTES)
+        return self._buffer
+
+
+def _chunk_tensor(source: _FileBytes, offset: int, nbytes: int, chunk: bytearray, dtype):
+    source.readinto(offset, memoryview(chunk)[:nbytes])
+    return torch.frombuffer(chunk, dtype=dtype, count=nbytes // dtype.itemsize)
 
 
 class VerifiedFileSystemReader(FileSystemReader):
@@ -169,10 +298,10 @@ class VerifiedFileSystemReader(FileSystemReader):
     what DCP writes). A checkpoint saved with ``checksums=False`` is refused unless
     ``require_checksums=False`` (then sizes alone are checked, with a warning).
 
-    A path that is a link to a version directory (what ``SpreadFileSystemWriter`` publishes)
-    is resolved once, and every file is read from that version, so a save publishing over
-    the path meanwhile cannot mix two checkpoints; the ranks check that they all resolved
-    the same version (a node of a network filesystem may see a new link late).
+    The checkpoint's directory (the version a link points to, for what
+    ``SpreadFileSystemWriter`` publishes) is opened once, and every file is read relative
+    to it, so a save publishing over the path meanwhile cannot mix two checkpoints; the
+    ranks check that they all read the same save.
     """
 
     def __init__(
@@ -185,38 +314,79 @@ class VerifiedFileSystemReader(FileSystemReader):
         if not isinstance(require_checksums, bool):
             raise TypeError(f"require_checksums must be a bool, got {require_checksums!r}")
         super().__init__(path, _extension_registry)
-        self.fs = _VerifiedFileSystem(self)
         self.require_checksums = require_checksums
         self.manifest: Manifest | None = None
         self._manifest_loaded = False
         self._root: Path | None = None
+        self._dir_fd: int | None = None
+        self._close_dir: weakref.finalize | None = None
         self.checks_here: set[str] = set()  # files whose checksum this rank checks
-        self.read_ahead: _ReadAhead | None = None  # during read_data
-        self._block = bytearray(4 << 20)  # reused for checksums: no allocation per file
 
     def reset(self, checkpoint_id=None) -> None:
         super().reset(checkpoint_id)
-        self.manifest, self._manifest_loaded, self._root = None, False, None
+        self._unpin()
         self.checks_here = set()
+
+    def _unpin(self) -> None:
+        """Forgets the opened directory: the next load opens the path afresh."""
+        if self._close_dir is not None:
+            self._close_dir()
+        self.manifest, self._manifest_loaded, self._root = None, False, None
+        self._dir_fd, self._close_dir = None, None
+
+    def _pin(self) -> int:
+        """Opens the checkpoint's directory once; every later read goes through it."""
+        if self._dir_fd is None:
+            path = Path(self.path)
+            root = path.parent / os.readlink(path) if path.is_symlink() else path
+            try:
+                fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+            except (FileNotFoundError, NotADirectoryError) as exc:
+                raise CheckpointIntegrityError(
+                    f"{self.path}: no such checkpoint directory"
+                ) from exc
+            self._root, self._dir_fd = root, fd
+            self._close_dir = weakref.finalize(self, os.close, fd)
+        return self._dir_fd
 
     @property
     def root(self) -> Path:
-        """The directory files are read from: the version the path linked to when resolved."""
-        if self._root is None:
-            path = Path(self.path)
-            self._root = path.parent / os.readlink(path) if path.is_symlink() else path
+        """The directory files are read from: the version the path linked to when opened."""
+        self._pin()
         return self._root
 
-    def resolve(self, path) -> Path:
-        """A file under the checkpoint path, read from the resolved version directory."""
-        return self.root / Path(path).name
+    def _open(self, name: str) -> int:
+        """A file of the pinned directory, opened; a missing one raises naming it."""
+        try:
+            return os.open(name, os.O_RDONLY, dir_fd=self._pin())
+        except FileNotFoundError as exc:
+            raise self._missing(name) from exc
+
+    def _missing(self, name: str) -> CheckpointIntegrityError:
+        path = self.root / name
+        if os.fstat(self._pin()).st_nlink == 0:
+            return CheckpointIntegrityError(
+                f"{path}: gone, because {self.root} was removed while being read (pruned, "
+                "or replaced by a later save); load again or load another checkpoint"
+            )
+        record = self.manifest.files.get(name) if self.manifest is not None else None
+        expected = f" ({record.size} bytes expected)" if record is not None else ""
+        return CheckpointIntegrityError(f"{path}: missing{expected}")
+
+    def _read_small(self, name: str) -> bytes | None:
+        """A bookkeeping file's bytes, or None when it does not exist."""
+        try:
+            fd = os.open(name, os.O_RDONLY, dir_fd=self._pin())
+        except FileNotFoundError:
+            return None
+        with os.fdopen(fd, "rb") as stream:
+            return stream.read()
 
     def _load_manifest(self) -> Manifest | None:
         if not self._manifest_loaded:
-            directory = self.root
-            if not directory.is_dir():
-                raise CheckpointIntegrityError(f"{self.path}: no such checkpoint directory")
-            self.manifest = read_manifest(directory)
+            data = self._read_small(MANIFEST_NAME)
+            if data is not None:
+                self.manifest = parse_manifest(data, str(self.root / MANIFEST_NAME))
             self._manifest_loaded = True
         return self.manifest
 
@@ -232,11 +402,11 @@ class VerifiedFileSystemReader(FileSystemReader):
     def _read_verified_metadata(self) -> Metadata:
         manifest = self._load_manifest()
         path = self.root / METADATA_NAME
-        if not path.is_file():
+        data = self._read_small(METADATA_NAME)
+        if data is None:
             raise CheckpointIntegrityError(
                 f"{path}: missing (the save did not finish, or the file was deleted)"
             )
-        data = path.read_bytes()
         if manifest is not None and manifest.checksum == NO_CHECKSUM:
             if self.require_checksums:
                 raise CheckpointIntegrityError(
@@ -273,19 +443,32 @@ class VerifiedFileSystemReader(FileSystemReader):
         manifest = self._load_manifest()
         if manifest is None:
             return
-        for info in self.storage_data.values():
-            if info.relative_path not in manifest.files:
+        for index, info in self.storage_data.items():
+            record = manifest.files.get(info.relative_path)
+            if record is None:
                 raise CheckpointIntegrityError(
                     f"{self.root / info.relative_path}: referenced by {METADATA_NAME} "
                     f"but not listed in {MANIFEST_NAME}"
                 )
+            end = info.offset + info.length
+            if info.offset < 0 or info.length < 0 or end > record.size:
+                raise CheckpointIntegrityError(
+                    f"{self.root / info.relative_path}: {METADATA_NAME} puts item {index.fqn} "
+                    f"{tuple(index.offset or ())} at bytes {info.offset}..{end}, beyond "
+                    f"the file's {record.size} bytes"
+                )
+
+    def _identity(self) -> str:
+        """What the ranks compare: the save that wrote the directory they read."""
+        manifest = self._load_manifest()
+        return f"{self.root.name} (save {manifest.save_id})" if manifest else self.root.name
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         reads: dict[str, int] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             reads[info.relative_path] = reads.get(info.relative_path, 0) + info.length
-        return dataclasses.replace(plan, storage_data=(self.root.name, reads))
+        return dataclasses.replace(plan, storage_data=(self._identity(), reads))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         seen: dict[str, list[int]] = {}
@@ -294,9 +477,9 @@ class VerifiedFileSystemReader(FileSystemReader):
         if len(seen) > 1:
             views = "; ".join(f"ranks {ranks} read {name}" for name, ranks in seen.items())
             raise CheckpointIntegrityError(
-                f"{self.path}: the ranks resolved it to different versions ({views}): a save "
+                f"{self.path}: the ranks opened different versions of it ({views}): a save "
                 "published over it during the load, or a node of a network filesystem still "
-                "sees the previous link (sshfs keeps links up to 20 s); load again"
+                "sees the previous one (sshfs keeps links up to 20 s); load again"
             )
         manifest = self._load_manifest()
         if manifest is None:
@@ -308,48 +491,160 @@ class VerifiedFileSystemReader(FileSystemReader):
         )
         return [dataclasses.replace(p, storage_data=c) for p, c in zip(plans, checks, strict=True)]
 
-    def checksum_open_file(self, stream) -> tuple[int, str | None]:
-        """Size and CRC-32 of an open file, read through a small reused block."""
-        if self.manifest.checksum == NO_CHECKSUM:
-            return os.fstat(stream.fileno()).st_size, None
-        view = memoryview(self._block)
-        crc, size = 0, 0
-        while n := stream.readinto(view):
-            crc = zlib.crc32(view[:n], crc)
-            size += n
-        return size, crc32_hex(crc)
-
-    def _checksum(self, data: bytes) -> str | None:
+    def _checksum(self, data) -> str | None:
         return None if self.manifest.checksum == NO_CHECKSUM else checksum_bytes(data)
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        self.checks_here = set(plan.storage_data or ())
-        self.read_ahead = self._plan_read_ahead(plan)
-        try:
-            return super().read_data(plan, _VettedPlanner(planner, self))
-        finally:
-            if self.read_ahead is not None:
-                self.read_ahead.close()
-                self.read_ahead = None
+    # -- reading -----------------------------------------------------------------------------
 
-    def _plan_read_ahead(self, plan: LoadPlan) -> _ReadAhead | None:
-        """Read ahead, in DCP's order (its reads go file by file, in the order of the plan's
-        first item of each), every file of at most ``READ_AHEAD_FILE_BYTES`` that this rank
-        checks or of which it reads at least half."""
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Reads file by file in the order of the plan (as stock DCP does), each file checked
+        before any of its items is handed on."""
+        self.checks_here = set(plan.storage_data or ())
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        vetted = _VettedPlanner(planner, self)
+        chunk = _Chunk()
+        read_ahead = self._plan_read_ahead(per_file)
+        try:
+            for name, items in per_file.items():
+                source = self._source(name, read_ahead, chunk)
+                try:
+                    for item in items:
+                        self._read_item(source, item, vetted, chunk)
+                finally:
+                    source.close()
+                    if read_ahead is not None:
+                        read_ahead.release(name)
+        finally:
+            if read_ahead is not None:
+                read_ahead.close()
+            self._unpin()  # a later load through this reader opens the path afresh
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _plan_read_ahead(self, per_file: dict[str, list[ReadItem]]) -> _ReadAhead | None:
+        """Read ahead, in DCP's order, every file of at most ``READ_AHEAD_FILE_BYTES`` (and of
+        the budget) that this rank checks or of which it reads at least half."""
         if self.manifest is None:
             return None
-        wanted: dict[str, int] = {}
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            wanted[info.relative_path] = wanted.get(info.relative_path, 0) + info.length
         checksums = self.manifest.checksum != NO_CHECKSUM
         jobs = []
-        for name, wanted_bytes in wanted.items():
+        for name, items in per_file.items():
             size = self.manifest.files[name].size
+            wanted = sum(self.storage_data[i.storage_index].length for i in items)
             checked = name in self.checks_here
-            if size <= READ_AHEAD_FILE_BYTES and (checked or 2 * wanted_bytes >= size):
-                jobs.append((self.resolve(name), size, checked and checksums))
-        return _ReadAhead(jobs) if jobs else None
+            if size <= min(READ_AHEAD_FILE_BYTES, READ_AHEAD_BUDGET) and (
+                checked or 2 * wanted >= size
+            ):
+                jobs.append((name, size, checked and checksums))
+        return _ReadAhead(self._pin(), jobs, READ_AHEAD_BUDGET) if jobs else None
+
+    def _source(self, name: str, read_ahead: _ReadAhead | None, chunk: _Chunk) -> _FileBytes:
+        """The file's bytes after its checks: read ahead (checked there), or opened, its size
+        checked and, when this rank checks it, hashed in a pass through ``chunk``."""
+        path = self.root / name
+        record = self.manifest.files[name] if self.manifest is not None else None
+        try:
+            fetched = read_ahead.take(name) if read_ahead is not None else None
+        except FileNotFoundError as exc:
+            raise self._missing(name) from exc
+        if fetched is not None:
+            check_record(str(path), record, fetched.size, fetched.checksum)
+            return _FileBytes(path, data=fetched.data)
+        source = _FileBytes(path, fd=self._open(name))
+        if record is None:
+            return source
+        try:
+            check_record(str(path), record, os.fstat(source.fd).st_size, None)
+            if name in self.checks_here and self.manifest.checksum != NO_CHECKSUM:
+                check_record(str(path), record, record.size, self._hash(source, chunk.buffer()))
+        except BaseException:
+            source.close()
+            raise
+        return source
+
+    def _hash(self, source: _FileBytes, chunk: bytearray) -> str:
+        view, crc, offset = memoryview(chunk), 0, 0
+        while n := _pread_exactly(source.fd, view, offset):
+            crc = zlib.crc32(view[:n], crc)
+            offset += n
+        return crc32_hex(crc)
+
+    def _read_item(self, source: _FileBytes, item: ReadItem, planner, chunk: _Chunk) -> None:
+        info = self.storage_data[item.storage_index]
+        window = _Window(source, info.offset, info.length)
+        if info.transform_descriptors:
+            stream = self.transforms.transform_load_stream(item, info.transform_descriptors, window)
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(stream.read()))
+            else:
+                self._copy_loaded(
+                    torch.load(io.BytesIO(stream.read()), weights_only=True), item, planner
+                )
+            return
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(source.read(info.offset, info.length)))
+            return
+        layout, at, order = stored_tensor_layout(window)
+        target = planner.resolve_tensor(item).detach()
+        if tuple(target.shape) != tuple(item.lengths):
+            raise AssertionError(
+                f"req {item.storage_index} mismatch sizes {tuple(target.shape)} vs "
+                f"{tuple(item.lengths)}"
+            )
+        start = info.offset + at + layout.storage_offset() * layout.dtype.itemsize
+        end = start + layout.numel() * layout.dtype.itemsize
+        if not _plain(layout, order) or end > info.offset + info.length:
+            # anything else (a strided or quantized tensor, bytes of another byte order)
+            # loads the stock way: one whole temporary copy of the item
+            window.seek(0)
+            self._copy_loaded(
+                torch.load(window, map_location="cpu", weights_only=True), item, planner, target
+            )
+            return
+        if layout.numel() == 0:
+            pass  # nothing to copy
+        elif source.data is not None:  # in memory: a view of it, no copy at all
+            stored = torch.frombuffer(
+                source.data, dtype=layout.dtype, count=layout.numel(), offset=start
+            ).view(layout.shape)
+            target.copy_(_narrow(stored, item.storage_offsets, item.lengths))
+        else:
+            _copy_region(
+                source,
+                start,
+                tuple(layout.shape),
+                layout.dtype,
+                item.storage_offsets,
+                item.lengths,
+                target,
+                chunk.buffer(),
+            )
+        planner.commit_tensor(item, target)
+
+    def _copy_loaded(self, tensor, item: ReadItem, planner, target=None) -> None:
+        target = planner.resolve_tensor(item).detach() if target is None else target
+        tensor = _narrow(tensor, item.storage_offsets, item.lengths)
+        if target.size() != tensor.size():
+            raise AssertionError(
+                f"req {item.storage_index} mismatch sizes {target.size()} vs {tensor.size()}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+
+def _plain(layout: torch.Tensor, order: str | None) -> bool:
+    """The stored bytes are the tensor's elements in order, in this machine's byte order."""
+    return (
+        layout.layout == torch.strided
+        and not layout.is_quantized
+        and layout.is_contiguous()
+        and order in (None, sys.byteorder)
+    )
 
 
 class _VettedPlanner:

@@ -9,7 +9,6 @@ complete save killed before its publish, an unfinished one.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from fsdp_ext.checkpoint.manifest import (
     check_record,
     checksum_file,
     read_manifest,
+    read_plan_record,
 )
 from fsdp_ext.checkpoint.unpickler import load_metadata
 from fsdp_ext.checkpoint.versions import Version, versions
@@ -200,6 +200,15 @@ def _check_coverage(root: Path, metadata, manifest, report: CheckpointReport) ->
         report.problems += [
             f"{root / n}: used by {METADATA_NAME}, not in {MANIFEST_NAME}" for n in missing
         ]
+        for (fqn, offset), info in sorted(stored.items()):
+            record = manifest.files.get(info.relative_path)
+            end = info.offset + info.length
+            if record is not None and (info.offset < 0 or info.length < 0 or end > record.size):
+                report.problems.append(
+                    f"{root / info.relative_path}: {METADATA_NAME} puts item {fqn} "
+                    f"{offset} at bytes {info.offset}..{end}, beyond the file's "
+                    f"{record.size} bytes"
+                )
 
 
 def _tiling_problem(size, chunks) -> str | None:
@@ -287,13 +296,13 @@ def _report_unfinished(partial: Path, lines: list[str], header: bool = True) -> 
     if not plan_path.is_file():
         return
     try:
-        expected = json.loads(plan_path.read_bytes().decode())["files"]
-        by_rank: dict[int, list[str]] = defaultdict(list)
-        for name, info in sorted(expected.items()):
-            by_rank[int(info["rank"])].append(str(name))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        lines.append(f"{plan_path}: not a readable plan record ({type(exc).__name__}: {exc})")
+        expected = read_plan_record(plan_path.read_bytes(), str(plan_path))["files"]
+    except CheckpointIntegrityError as exc:
+        lines.append(str(exc))
         return
+    by_rank: dict[int, list[str]] = defaultdict(list)
+    for name, info in sorted(expected.items()):
+        by_rank[info["rank"]].append(name)
     for rank, names in sorted(by_rank.items()):
         if not (partial / rank_done_name(rank)).is_file():
             lines.append(

@@ -61,6 +61,7 @@ from fsdp_ext.checkpoint.manifest import (
     CheckpointSpaceError,
     FileRecord,
     Manifest,
+    plan_record_bytes,
 )
 from fsdp_ext.checkpoint.planner import item_key
 from fsdp_ext.checkpoint.versions import (
@@ -245,7 +246,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
                 fs.make_dir(staging)
             fs.write_file(
                 staging / PLAN_NAME,
-                (json.dumps(record, indent=1, sort_keys=True) + "\n").encode(),
+                plan_record_bytes(record),
                 False,  # diagnostic: a plan lost on power loss reads as an empty version
             )
         except BaseException:
