@@ -26,8 +26,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"removed {found}: held by {holder.describe() if holder else 'an unknown holder'}")
         if holder is not None:
-            print(f"  host {holder.host}, boot id {holder.boot_id}, pid {holder.pid}, "
-                  f"run {holder.run_id or '-'}, lease {holder.lease_s:g} s")
+            print(
+                f"  host {holder.host}, boot id {holder.boot_id}, pid {holder.pid}, "
+                f"run {holder.run_id or '-'}, lease {holder.lease_s:g} s"
+            )
         return 0
     report = verify_checkpoint(args.path)
     for problem in report.problems:

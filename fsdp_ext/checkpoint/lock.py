@@ -378,7 +378,9 @@ def take(
             with contextlib.suppress(FileExistsError):
                 fs.symlink(moved, path)
             fs.unlink(aside)
-            raise CheckpointBusyError(f"{what}: another taker took {path} while this one checked it")
+            raise CheckpointBusyError(
+                f"{what}: another taker took {path} while this one checked it"
+            )
         fs.unlink(aside)
 
 

@@ -14,8 +14,8 @@ import json
 import os
 import re
 import warnings
-from contextlib import ExitStack
 from collections.abc import Collection
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
