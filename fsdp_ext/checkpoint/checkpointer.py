@@ -84,7 +84,7 @@ class ModelOptimizerState(Stateful):
         state: dict[str, Any] = {}
         for part in self.parts:
             state.update(get_model_state_dict(part))
-        for part, opt in zip(self.parts, self.optimizers, strict=True):
+        for part, opt in zip(self.parts, self.optimizers, strict=False):
             state.update(get_optimizer_state_dict(part, opt, options=_FLAT))
         return state
 
@@ -92,7 +92,7 @@ class ModelOptimizerState(Stateful):
         for part in self.parts:
             keys = set(get_model_state_dict(part))
             set_model_state_dict(part, {k: v for k, v in state_dict.items() if k in keys})
-        for part, opt in zip(self.parts, self.optimizers, strict=True):
+        for part, opt in zip(self.parts, self.optimizers, strict=False):  # none, or one each
             set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=_FLAT)
 
 
