@@ -48,6 +48,7 @@ from fsdp_ext.checkpoint.planner import SpreadSavePlanner
 from fsdp_ext.checkpoint.resume import (
     checkpoint_steps,
     load_intact,
+    set_aside,
     skipped_checkpoints,
     step_name,
 )
@@ -169,6 +170,8 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         """Save every state as ``root/step-N`` (collective), then prune to ``keep``."""
         path = self.path(step)
+        if _leader():
+            set_aside(path)  # a corrupt checkpoint of this step is kept, not overwritten
         dcp.save(
             self.state,
             storage_writer=SpreadFileSystemWriter(path),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import warnings
 from collections.abc import Collection
 from contextlib import ExitStack
@@ -33,6 +34,7 @@ __all__ = [
     "checkpoint_steps",
     "latest_intact",
     "load_intact",
+    "set_aside",
     "skipped_checkpoints",
     "step_name",
 ]
@@ -80,9 +82,33 @@ def _record_skip(path: Path, why: str) -> None:
     if skipped.get(path.name) == why:
         return
     skipped[path.name] = why
-    tmp = path.parent / f".{SKIPPED_RECORD}.{os.getpid()}.tmp"
+    _write_skipped(path.parent, skipped)
+
+
+def _write_skipped(root: Path, skipped: dict[str, str]) -> None:
+    tmp = root / f".{SKIPPED_RECORD}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(skipped, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path.parent / SKIPPED_RECORD)
+    os.replace(tmp, root / SKIPPED_RECORD)
+
+
+def set_aside(path: Path) -> Path | None:
+    """Before a save reuses the name of a checkpoint found corrupt, move it out of the way
+    (``step-N.corrupt-<time>``: no longer a candidate, never pruned) instead of letting
+    the save replace it. Returns where it went (None: nothing to move)."""
+    skipped = skipped_checkpoints(path.parent)
+    if path.name not in skipped or not os.path.lexists(path):
+        return None
+    aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+    real = Path(os.path.realpath(path))
+    if path.is_symlink():  # a link to its version directory: move the directory, then drop it
+        os.replace(real, aside)
+        os.unlink(path)
+    else:
+        os.replace(path, aside)
+    skipped[aside.name] = skipped.pop(path.name)
+    _write_skipped(path.parent, skipped)
+    warnings.warn(f"{path}: corrupt, moved to {aside} before saving this step again", stacklevel=2)
+    return aside
 
 
 def latest_intact(
