@@ -24,6 +24,9 @@ from fsdp_ext.checkpoint.versions import remove_checkpoint
 from fsdp_ext.checkpoint.writer import SpreadFileSystemWriter
 
 __all__ = [
+    "LAUNCHER_PID_ENV",
+    "LEASE_ENV",
+    "RUN_ID_ENV",
     "CheckpointBusyError",
     "CheckpointFS",
     "CheckpointIntegrityError",
@@ -34,12 +37,14 @@ __all__ = [
     "Checkpointer",
     "DirectoryOwnedError",
     "ModelOptimizerState",
+    "Ownership",
     "SafeLoadPlanner",
     "SpreadFileSystemWriter",
     "SpreadSavePlanner",
     "UnsafeCheckpointError",
     "VerifiedFileSystemReader",
     "checkpoint_steps",
+    "claim",
     "default_layer_key",
     "exit_with_launcher",
     "item_nbytes",
