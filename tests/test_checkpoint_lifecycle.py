@@ -110,6 +110,8 @@ def test_a_corrupt_newest_is_skipped_named_kept_and_not_counted(tmp_path, where)
         text = target.read_text()
         _flip(target, text.index('"checksum": "') + len('"checksum": "') + 2)
     before = sorted(p.name for p in newest.iterdir())
+    with pytest.warns(UserWarning, match="skipping .*step-0000003"):
+        assert latest_intact(root) == (2, root / "step-0000002")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step, got = resume_into_fresh(root)
