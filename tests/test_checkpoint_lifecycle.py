@@ -21,8 +21,11 @@ from fsdp_ext import Checkpointer, DirectoryOwnedError, latest_intact
 from fsdp_ext.checkpoint import (
     CheckpointBusyError,
     CheckpointFS,
+    CheckpointPrunedError,
     checkpoint_steps,
     load_intact,
+    read_lease,
+    remove_checkpoint,
     step_name,
 )
 from fsdp_ext.checkpoint.lock import LockOwner, acquire, lock_path
@@ -296,6 +299,45 @@ def test_unlock_prints_who_held_it(tmp_path):
 
 
 # ----------------------------------------------------------------------- loads racing a prune
+
+
+def test_a_prune_skips_a_checkpoint_being_read_and_a_read_skips_one_being_pruned(tmp_path):
+    root = tmp_path / "ckpts"
+    save_steps(root, [1, 2, 3])
+    model, opt = tiny(0)
+    with Checkpointer(root, model=model, optimizer=opt, keep=1) as ckpt:
+        with read_lease(root / "step-0000001"):
+            with pytest.raises(CheckpointBusyError, match=f"being read by .*pid {os.getpid()}"):
+                remove_checkpoint(root / "step-0000001")
+            with pytest.warns(UserWarning, match="being read"):
+                assert ckpt.prune() == [root / "step-0000002"]
+        assert ckpt.prune() == [root / "step-0000001"]  # the reader is done: a later prune
+    # a remover holding the lock: a reader backs off with an error that says so
+    code = (
+        "import sys, time; from pathlib import Path; "
+        "from fsdp_ext.checkpoint.fs import CheckpointFS; "
+        "from fsdp_ext.checkpoint.lock import LockOwner, acquire; "
+        "acquire(CheckpointFS(), Path(sys.argv[1]), LockOwner.here('remove-test')); "
+        "print('held', flush=True); time.sleep(600)"
+    )
+    remover = subprocess.Popen(
+        [sys.executable, "-c", code, str(root / "step-0000003")],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert remover.stdout.readline().strip() == "held"
+        with (
+            pytest.raises(CheckpointPrunedError, match="is being pruned"),
+            read_lease(root / "step-0000003"),
+        ):
+            pass
+    finally:
+        remover.kill()
+        remover.wait(30)
+    assert not list(root.glob(".step-*.read-*"))  # every read lease was given back
+
 
 SAVER = """
 import os, sys, torch
