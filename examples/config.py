@@ -74,6 +74,12 @@ class TrainConfig:
     nproc_per_node: int | None = _arg(
         None, "launch this many ranks on this machine through torchrun", low=1, type=int
     )
+    max_restarts: int = _arg(
+        0,
+        "with --nproc-per-node: torchrun restarts the workers up to N times after a failure "
+        "(they resume from the newest intact checkpoint under --out)",
+        low=0,
+    )
     device: str = _arg(
         "cpu", "cpu (gloo) or cuda (nccl, one GPU per rank)", choices=("cpu", "cuda")
     )
@@ -298,6 +304,9 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
             if "RANK" in os.environ:
                 raise ConfigError("--nproc-per-node", "not allowed under torchrun, which sets it")
             world_size = cfg.nproc_per_node
+        elif cfg.max_restarts:
+            where = "torchrun's own --max-restarts" if "RANK" in os.environ else "--nproc-per-node"
+            raise ConfigError("--max-restarts", f"only with our launcher; pass {where}")
         check_world(cfg, world_size)
         check_run_dir(cfg, world_size)
     except ConfigError as exc:

@@ -389,17 +389,21 @@ def init_distributed(cfg: TrainConfig) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def launch(argv: list[str], nproc_per_node: int) -> None:
-    """Re-run this script under torchrun, without the launcher flag."""
+LAUNCHER_FLAGS = ("--nproc-per-node", "--max-restarts")  # torchrun's, not the workers'
+
+
+def launch(argv: list[str], cfg: TrainConfig) -> None:
+    """Re-run this script under torchrun, without the launcher flags."""
     from torch.distributed.run import main as torchrun
 
     rest, skip = [], False
     for arg in argv:
-        if skip or arg.startswith("--nproc-per-node"):
-            skip = arg == "--nproc-per-node"
+        if skip or arg.startswith(LAUNCHER_FLAGS):
+            skip = arg in LAUNCHER_FLAGS
             continue
         rest.append(arg)
-    torchrun(["--standalone", f"--nproc-per-node={nproc_per_node}", __file__, *rest])
+    launcher = [f"--nproc-per-node={cfg.nproc_per_node}", f"--max-restarts={cfg.max_restarts}"]
+    torchrun(["--standalone", *launcher, __file__, *rest])
 
 
 def _rounded(value: float | None, digits: int | None = None) -> float | None:
@@ -410,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.nproc_per_node is not None:
-        launch(argv, cfg.nproc_per_node)
+        launch(argv, cfg)
         return None
     init_distributed(cfg)
     try:
@@ -433,7 +437,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 "step_ms": _rounded(summary["step_ms"], 1),
                 "wall_s": _rounded(wall_s, 1),
                 "config": {
-                    k: v for k, v in asdict(cfg).items() if k not in ("verbose", "nproc_per_node")
+                    k: v for k, v in asdict(cfg).items() if k not in ("verbose", "nproc_per_node", "max_restarts")
                 },
             }
             print(json.dumps(result), flush=True)
