@@ -390,6 +390,7 @@ def init_distributed(cfg: TrainConfig) -> None:
 
 
 LAUNCHER_FLAGS = ("--nproc-per-node", "--max-restarts")  # torchrun's, not the workers'
+NOT_RECORDED = ("verbose", "nproc_per_node", "max_restarts")  # not in the run's JSON line
 
 
 def launch(argv: list[str], cfg: TrainConfig) -> None:
@@ -436,9 +437,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 "tokens_per_s": _rounded(summary["tokens_per_s"]),
                 "step_ms": _rounded(summary["step_ms"], 1),
                 "wall_s": _rounded(wall_s, 1),
-                "config": {
-                    k: v for k, v in asdict(cfg).items() if k not in ("verbose", "nproc_per_node", "max_restarts")
-                },
+                "config": {k: v for k, v in asdict(cfg).items() if k not in NOT_RECORDED},
             }
             print(json.dumps(result), flush=True)
         return summary
