@@ -374,7 +374,8 @@ def weights_config(cfg: TrainConfig) -> QuantizedAllGather | None:
 
 
 def run_record(cfg: TrainConfig, world_size: int) -> dict:
-    """What a resume must keep: the model's shape, the codec and, with it, the ranks."""
+    """What a resume must keep (the model's shape, the codec, the pp degree), and the world
+    the run started on (for the record: a resume may run on another)."""
     return {
         "model": asdict(cfg.model),
         "comm": cfg.comm,
@@ -410,7 +411,8 @@ def check_run_dir(cfg: TrainConfig, world_size: int) -> None:
 
 
 def _check_record(cfg: TrainConfig, started: dict, world_size: int) -> None:
-    """Refuse a resume whose checkpoint cannot load into this run."""
+    """Refuse a resume whose checkpoint cannot load into this run, naming a flag that both
+    launchers accept (the world size is not one of them: a resume may change it)."""
     now = run_record(cfg, world_size)
     was = f"the run in {cfg.out} was started with"
     for key, value in now["model"].items():
@@ -431,17 +433,6 @@ def _check_record(cfg: TrainConfig, started: dict, world_size: int) -> None:
             "--pp",
             f"{was} --pp {started.get('pp', 1)}, got {now['pp']}; resume at the same pp degree",
         )
-    if COMMS[now["comm"]] is None:
-        return
-    if started["world_size"] != world_size:
-        raise ConfigError(
-            "--nproc-per-node",
-            f"{was} world size {started['world_size']}, got {world_size}; --comm "
-            f"{now['comm']} keeps an error buffer per rank, so resume on as many ranks",
-        )
-    if started.get("intra_node_size") != now["intra_node_size"]:
-        raise ConfigError(
-            "--intra-node-size",
-            f"{was} nodes of {started.get('intra_node_size')} ranks, got "
-            f"{now['intra_node_size']}; the error buffers in its checkpoints follow the nodes",
-        )
+    # another world size or node size continues: DCP reshards the parameters and the
+    # optimizer, the batches are a function of (seed, step), and the codec's error buffers,
+    # which are per rank, start again from zero (train.py says so once)

@@ -251,15 +251,36 @@ def save_checkpoint(app_state: dict, cfg: TrainConfig, step: int) -> None:
             remove_checkpoint(old)  # the link, then its version directory
 
 
-def load_checkpoint(app_state: dict, path: Path) -> None:
-    """Verified load: sizes and checksums checked, no pickle executed."""
+def saved_world_size(metadata) -> int:
+    """The world size a checkpoint was saved on: one RNG stream per rank."""
+    keys = metadata.state_dict_metadata
+    return len({key.split(".")[1] for key in keys if key.startswith("rng.")})
+
+
+def load_checkpoint(app_state: dict, path: Path) -> int:
+    """Verified load (sizes and checksums checked, no pickle executed); returns the world
+    size it was saved on. From another world size, DCP reshards the parameters and the
+    optimizer; the codec's per-rank error buffers are not loaded but start from zero, with
+    one line on rank 0 (error feedback is an optimisation state: training stays correct)."""
     reader = VerifiedFileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
-    # RNG streams of ranks the saving run did not have stay as seeded (only a resume on
-    # more ranks without LoCo gets here)
-    rng_key = f"rng.{app_state['rng'].key}.cpu"
-    state = app_state if rng_key in saved else {k: v for k, v in app_state.items() if k != "rng"}
+    metadata = reader.read_metadata()
+    saved_world, world = saved_world_size(metadata), dist.get_world_size()
+    skip = set()
+    # RNG streams of ranks the saving run did not have stay as seeded
+    if f"rng.{app_state['rng'].key}.cpu" not in metadata.state_dict_metadata:
+        skip.add("rng")
+    if saved_world != world and "comm" in app_state:
+        skip.add("comm")
+        if dist.get_rank() == 0:
+            print(
+                f"warning: {path} was saved on {saved_world} ranks, this run has {world}: "
+                "parameters and optimizer resharded, the gradient codec's error buffers reset",
+                file=sys.stderr,
+                flush=True,
+            )
+    state = {k: v for k, v in app_state.items() if k not in skip}
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    return saved_world
 
 
 # ---------------------------------------------------------------- the training loop
@@ -290,12 +311,13 @@ def train(cfg: TrainConfig) -> dict:
     app_state = {"train": state, "rng": RNGState(device)}
     if par.comm is not None:
         app_state["comm"] = par.comm
+    resumed_world = None  # the world size of the checkpoint resumed from
     if cfg.resume:
         path = cfg.latest_checkpoint()
         if path is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.checkpoint_root}")
-        load_checkpoint(app_state, path)
-        log(f"resumed from {path} at step {state.step}")
+        resumed_world = load_checkpoint(app_state, path)
+        log(f"resumed from {path} at step {state.step} (saved on {resumed_world} ranks)")
     elif cfg.ckpt_every and rank == 0:
         cfg.checkpoint_root.mkdir(parents=True, exist_ok=True)
         record = run_record(cfg, world)
@@ -343,6 +365,7 @@ def train(cfg: TrainConfig) -> dict:
     log(f"validation loss {val_loss:.4f} nats | unigram entropy of the bytes {entropy:.4f} nats")
     return {
         "start_step": start_step,
+        "resumed_world_size": resumed_world,
         "steps": state.step,
         "losses": losses,
         "val_loss": val_loss,

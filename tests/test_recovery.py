@@ -12,7 +12,14 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
+
+import pytest
+
+from examples.model import ModelConfig
+from examples.train import TrainConfig, train
+from fsdp_ext.testing import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "examples" / "train.py")
@@ -127,3 +134,75 @@ def test_torchrun_restart_after_a_killed_rank_finishes_bit_for_bit(tmp_path):
     assert KILL_AFTER - step <= CKPT_EVERY
     files = _final_files(tmp_path / "restarted")
     assert files and files == _final_files(tmp_path / "straight")
+
+
+# ---------------------------------------------------------------- another world size
+
+SMALL = TrainConfig(
+    steps=16,
+    batch_size=8,
+    seq_len=16,
+    model=ModelConfig(dim=16, n_layers=1, n_heads=2, hidden_dim=16, max_seq_len=16, num_experts=2),
+    warmup_steps=4,
+    val_batches=1,
+    verbose=False,
+)
+
+
+def _train(cfg: TrainConfig) -> dict:
+    return train(cfg)
+
+
+SMALL_FLAGS = ["--steps", "16", "--batch-size", "8", "--seq-len", "16", "--dim", "16"]
+SMALL_FLAGS += ["--n-layers", "1", "--n-heads", "2", "--hidden-dim", "16", "--num-experts", "2"]
+SMALL_FLAGS += ["--warmup-steps", "4", "--val-batches", "1", "--log-every", "1"]
+
+
+def _logged_losses(stdout: str) -> list[float]:
+    return [
+        float(ln.split("| loss ")[1].split()[0]) for ln in stdout.splitlines() if "| loss " in ln
+    ]
+
+
+def test_resume_on_fewer_ranks_reshards_and_continues(tmp_path):
+    """Saved on 2 ranks at step 8, resumed on 1: parameters, optimizer and schedule are
+    resharded by DCP and the data order continues, so the losses follow the 2-rank run's
+    to float rounding."""
+    cfg = replace(SMALL, comm="default")
+    straight = run_distributed(_train, 2, replace(cfg, out=str(tmp_path / "a")))[0]
+    head = replace(cfg, stop_after=8, ckpt_every=8, out=str(tmp_path / "b"))
+    run_distributed(_train, 2, head)
+    tail = run_distributed(_train, 1, replace(head, stop_after=0, resume=True))[0]
+    assert tail["start_step"] == 8 and tail["steps"] == 16
+    assert tail["resumed_world_size"] == 2 and tail["world_size"] == 1
+    rest = straight["losses"][8:]
+    # step 9's loss sees the loaded parameters only: the same mean, to float rounding
+    assert tail["losses"][0] == pytest.approx(rest[0], abs=1e-5)
+    # the steps after it need the loaded Adam moments and LR schedule as well (a mutant
+    # that zeroes the moments after a resharding load fails here)
+    assert tail["losses"] == pytest.approx(rest, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_loco_resume_on_fewer_ranks_resets_its_buffers_with_one_warning(tmp_path):
+    """The same under LoCo, through the command line on 1 rank: one warning line, the
+    error buffers start from zero, the losses stay near the 2-rank run's."""
+    out = tmp_path / "run"
+    head = replace(SMALL, comm="loco", stop_after=8, ckpt_every=8, out=str(out))
+    straight = run_distributed(
+        _train, 2, replace(head, stop_after=0, ckpt_every=0, out=str(tmp_path / "a"))
+    )[0]
+    run_distributed(_train, 2, head)
+    proc = subprocess.run(
+        [sys.executable, TRAIN, *SMALL_FLAGS, "--ckpt-every", "8", "--resume", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [ln for ln in proc.stderr.splitlines() if "error buffers reset" in ln]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert "saved on 2 ranks, this run has 1" in warnings[0]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 16
+    assert _logged_losses(proc.stdout) == pytest.approx(straight["losses"][8:], abs=2e-2)
