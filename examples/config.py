@@ -21,10 +21,12 @@ import torch
 
 from examples.model import Block, ModelConfig
 from fsdp_ext import GranularityPolicy, LoCoConfig, QuantizedAllGather
+from fsdp_ext.checkpoint import checkpoint_steps, step_name
 
 __all__ = [
     "COMMS",
     "DTYPES",
+    "RESUME_MODES",
     "RUN_RECORD",
     "WRAP_POLICIES",
     "ConfigError",
@@ -43,6 +45,7 @@ WRAP_POLICIES = {"granularity": GranularityPolicy(), "block": {Block}}
 # gradient reduce-scatter: stock fp32, 4-bit without error feedback (qgZ), 4-bit LoCo
 COMMS = {"default": None, "q4": LoCoConfig(error_feedback=False), "loco": LoCoConfig()}
 RUN_RECORD = "run.json"  # what a run's checkpoints are bound to (see run_record)
+RESUME_MODES = ("auto", "always", "never")
 
 
 class ConfigError(ValueError):
@@ -136,7 +139,22 @@ class TrainConfig:
     val_batches: int = _arg(8, "validation batches at the end of the run", low=1)
     ckpt_every: int = _arg(0, "save a checkpoint every N steps (0: never)", low=0)
     keep: int = _arg(3, "complete checkpoints kept on disk, the newest", low=1)
-    resume: bool = _arg(False, "continue from the latest checkpoint under --out")
+    resume: str = _arg(
+        "auto",
+        "continue the run in --out from its newest intact checkpoint: 'auto' when this job "
+        "saves checkpoints (--ckpt-every) and some exist, else start; 'always' (plain "
+        "--resume) or fail; 'never' (a fresh run, refused if --out holds checkpoints). A "
+        "torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) always resumes",
+        choices=RESUME_MODES,
+        nargs="?",
+        const="always",
+    )
+    lease: float = _arg(
+        60.0,
+        "seconds without a heartbeat after which a job on another host that owned --out "
+        "(or held a checkpoint lock) counts as dead and is taken over",
+        above=0.0,
+    )
     stop_after: int = _arg(
         0, "end this run after N steps, schedule unchanged (0: run to --steps)", low=0
     )
@@ -149,14 +167,28 @@ class TrainConfig:
         return Path(self.out) / "checkpoints"
 
     def checkpoint_dir(self, step: int) -> Path:
-        return self.checkpoint_root / f"step-{step:07d}"
+        return self.checkpoint_root / step_name(step)
 
     def latest_checkpoint(self) -> Path | None:
-        """A save publishes a link to its complete version directory: a step-* with .metadata."""
-        done = sorted(p for p in self.checkpoint_root.glob("step-*") if (p / ".metadata").is_file())
+        """The newest complete checkpoint by step number (a step-* with .metadata); which
+        one verifies is the resume's choice (fsdp_ext.latest_intact)."""
+        done = [p for _s, p in checkpoint_steps(self.checkpoint_root)]
+        done = [p for p in done if (p / ".metadata").is_file()]
         return done[-1] if done else None
 
+    def resume_mode(self) -> str:
+        """'always', 'never', or 'auto' resolved: what this start does."""
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+            return "always" if self.latest_checkpoint() is not None else "never"
+        if self.resume != "auto":
+            return self.resume
+        if self.ckpt_every and self.latest_checkpoint() is not None:
+            return "always"
+        return "never"
+
     def __post_init__(self) -> None:
+        if isinstance(self.resume, bool):  # the older bool flag
+            self.resume = "always" if self.resume else "never"
         for owner, f in _flag_fields():
             value = getattr(self.model if owner is ModelConfig else self, f.name)
             low, above = f.metadata.get("low"), f.metadata.get("above")
@@ -281,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["type"] = f.metadata.get("type", type(default))
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
+            if "nargs" in f.metadata:
+                kwargs["nargs"], kwargs["const"] = f.metadata["nargs"], f.metadata["const"]
             shown = "off" if default is None else default
             kwargs["help"] = f"{f.metadata['help']} (default: {shown})"
             kwargs["metavar"] = None if "choices" in f.metadata else f.name.upper()
@@ -388,12 +422,12 @@ def run_record(cfg: TrainConfig, world_size: int) -> dict:
 def check_run_dir(cfg: TrainConfig, world_size: int) -> None:
     """A fresh run needs an --out without checkpoints; a resume one it can continue."""
     root = cfg.checkpoint_root
-    if not cfg.resume:
-        if any(root.glob("step-*")):  # never mix two runs' checkpoints, nor overwrite them
+    if cfg.resume_mode() == "never":
+        if checkpoint_steps(root):  # never mix two runs' checkpoints, nor overwrite them
             raise ConfigError(
                 "--out",
-                f"{root} holds checkpoints of an earlier run; pass --resume to continue it, "
-                "or choose another --out",
+                f"{root} holds checkpoints of an earlier run; pass --resume to continue it "
+                "(or --resume auto with --ckpt-every), or choose another --out",
             )
         return
     latest = cfg.latest_checkpoint()

@@ -27,7 +27,6 @@ if __package__ in (None, ""):  # run as a script: make `examples` importable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
@@ -49,13 +48,10 @@ from examples.config import (
 from examples.data import get_batch, load_corpus, unigram_entropy
 from examples.model import Transformer
 from fsdp_ext import (
+    Checkpointer,
     CommHandle,
+    DirectoryOwnedError,
     ParallelDims,
-    PipelineState,
-    SafeLoadPlanner,
-    SpreadFileSystemWriter,
-    SpreadSavePlanner,
-    VerifiedFileSystemReader,
     WeightGatherHandle,
     apply_expert_parallel,
     build_pipeline,
@@ -65,9 +61,11 @@ from fsdp_ext import (
     reduce_pipeline_loss,
     register_comm_hook,
     register_weight_all_gather,
-    remove_checkpoint,
     shard_moe_model,
 )
+from fsdp_ext.checkpoint import exit_with_launcher
+from fsdp_ext.checkpoint.lock import LEASE_ENV, RUN_ID_ENV
+from fsdp_ext.checkpoint.ownership import LAUNCHER_PID_ENV, claim
 
 __all__ = [
     "WRAP_POLICIES",
@@ -198,27 +196,6 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
 # ---------------------------------------------------------------- checkpoints
 
 
-class TrainState(Stateful):
-    """Model parts and optimizer (fqn-keyed, flattened), the LR schedule and the step."""
-
-    def __init__(self, parts: list[nn.Module], optimizer, scheduler):
-        self.parts = PipelineState(parts, [optimizer])
-        self.scheduler = scheduler
-        self.step = 0
-
-    def state_dict(self) -> dict:
-        return {
-            "parts": self.parts.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "step": self.step,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.parts.load_state_dict(state["parts"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = state["step"]
-
-
 class RNGState(Stateful):
     """This rank's RNG streams, under a per-rank key (DCP keeps one copy of a shared key)."""
 
@@ -238,49 +215,22 @@ class RNGState(Stateful):
             torch.cuda.set_rng_state(state[self.key]["cuda"])
 
 
-def save_checkpoint(app_state: dict, cfg: TrainConfig, step: int) -> None:
-    """Spread writes over every rank, checksum every file, publish atomically, keep --keep."""
-    dcp.save(
-        app_state,
-        storage_writer=SpreadFileSystemWriter(cfg.checkpoint_dir(step)),
-        planner=SpreadSavePlanner(),
+def checkpointer(cfg: TrainConfig, par: Parallel, optimizer, scheduler, device) -> Checkpointer:
+    """Model parts and optimizer (fqn-keyed, flattened), the LR schedule, this rank's RNG
+    streams and LoCo's error buffers, under --out/checkpoints, --keep of them; it owns the
+    directory for this job's life (refusing a second live job) and resumes from the newest
+    intact checkpoint. The data position is the step: batches are a pure function of it."""
+    extra = {"scheduler": scheduler, "rng": RNGState(device)}
+    if par.comm is not None:
+        extra["comm"] = par.comm
+    return Checkpointer(
+        cfg.checkpoint_root,
+        model=par.parts,
+        optimizer=[optimizer] * len(par.parts),
+        extra=extra,
+        keep=cfg.keep,
+        lease_s=cfg.lease,
     )
-    if dist.get_rank() == 0:
-        done = sorted(p for p in cfg.checkpoint_root.glob("step-*") if (p / ".metadata").is_file())
-        for old in done[: -cfg.keep]:
-            remove_checkpoint(old)  # the link, then its version directory
-
-
-def saved_world_size(metadata) -> int:
-    """The world size a checkpoint was saved on: one RNG stream per rank."""
-    keys = metadata.state_dict_metadata
-    return len({key.split(".")[1] for key in keys if key.startswith("rng.")})
-
-
-def load_checkpoint(app_state: dict, path: Path) -> int:
-    """Verified load (sizes and checksums checked, no pickle executed); returns the world
-    size it was saved on. From another world size, DCP reshards the parameters and the
-    optimizer; the codec's per-rank error buffers are not loaded but start from zero, with
-    one line on rank 0 (error feedback is an optimisation state: training stays correct)."""
-    reader = VerifiedFileSystemReader(path)
-    metadata = reader.read_metadata()
-    saved_world, world = saved_world_size(metadata), dist.get_world_size()
-    skip = set()
-    # RNG streams of ranks the saving run did not have stay as seeded
-    if f"rng.{app_state['rng'].key}.cpu" not in metadata.state_dict_metadata:
-        skip.add("rng")
-    if saved_world != world and "comm" in app_state:
-        skip.add("comm")
-        if dist.get_rank() == 0:
-            print(
-                f"warning: {path} was saved on {saved_world} ranks, this run has {world}: "
-                "parameters and optimizer resharded, the gradient codec's error buffers reset",
-                file=sys.stderr,
-                flush=True,
-            )
-    state = {k: v for k, v in app_state.items() if k not in skip}
-    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-    return saved_world
 
 
 # ---------------------------------------------------------------- the training loop
@@ -293,7 +243,6 @@ def train(cfg: TrainConfig) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else None
     device = device or torch.device("cpu")
     log = print if cfg.verbose and rank == 0 else _silent
-    corpus = load_corpus()
 
     torch.manual_seed(cfg.seed)
     model = Transformer(cfg.model).to(device)
@@ -305,21 +254,29 @@ def train(cfg: TrainConfig) -> dict:
         params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    state = TrainState(par.parts, optimizer, scheduler)
-    # LoCo's error buffers are checkpointed with the rest, so a resume is exact; the data
-    # position is the step (batches are a pure function of seed and step)
-    app_state = {"train": state, "rng": RNGState(device)}
-    if par.comm is not None:
-        app_state["comm"] = par.comm
-    resumed_world = None  # the world size of the checkpoint resumed from
-    if cfg.resume:
-        path = cfg.latest_checkpoint()
-        if path is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {cfg.checkpoint_root}")
-        resumed_world = load_checkpoint(app_state, path)
-        log(f"resumed from {path} at step {state.step} (saved on {resumed_world} ranks)")
-    elif cfg.ckpt_every and rank == 0:
-        cfg.checkpoint_root.mkdir(parents=True, exist_ok=True)
+    mode = cfg.resume_mode()
+    ckpt = None
+    if cfg.ckpt_every or mode == "always":
+        ckpt = checkpointer(cfg, par, optimizer, scheduler, device)
+    try:
+        return _train_loop(cfg, par, params, optimizer, scheduler, ckpt, mode, dims, device, log)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+
+
+def _train_loop(cfg, par, params, optimizer, scheduler, ckpt, mode, dims, device, log) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    corpus = load_corpus()
+    step = 0
+    if mode == "always":
+        step = ckpt.resume()
+        if step == 0:
+            raise FileNotFoundError(
+                f"--resume: no intact checkpoint under {cfg.checkpoint_root} (see the warnings)"
+            )
+        log(f"resumed from {cfg.checkpoint_dir(step)} at step {step}")
+    elif ckpt is not None and rank == 0:
         record = run_record(cfg, world)
         (cfg.checkpoint_root / RUN_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
@@ -333,25 +290,25 @@ def train(cfg: TrainConfig) -> dict:
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     losses, step_ms = [], []
-    start_step = state.step
+    start_step = step
     end_step = min(cfg.steps, start_step + cfg.stop_after) if cfg.stop_after else cfg.steps
-    while state.step < end_step:
+    while step < end_step:
         t0 = time.perf_counter()
-        losses.append(par.train_step(*batch(corpus.train, cfg.seed, state.step)))
+        losses.append(par.train_step(*batch(corpus.train, cfg.seed, step)))
         clip_grad_norm_(params, cfg.grad_clip, pp_mesh=par.pp_mesh)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        state.step += 1
+        step += 1
         step_ms.append((time.perf_counter() - t0) * 1e3)
-        if state.step % cfg.log_every == 0 or state.step == end_step:
+        if step % cfg.log_every == 0 or step == end_step:
             ms = statistics.median(step_ms[-cfg.log_every :])
             log(
-                f"step {state.step:5d} | loss {losses[-1]:.4f} | "
+                f"step {step:5d} | loss {losses[-1]:.4f} | "
                 f"{tokens_per_step / ms * 1e3:8.0f} tok/s | {ms:7.1f} ms/step"
             )
-        if cfg.ckpt_every and state.step % cfg.ckpt_every == 0:
-            save_checkpoint(app_state, cfg, state.step)
+        if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            ckpt.save(step)
 
     for part in par.parts:
         part.eval()
@@ -365,8 +322,7 @@ def train(cfg: TrainConfig) -> dict:
     log(f"validation loss {val_loss:.4f} nats | unigram entropy of the bytes {entropy:.4f} nats")
     return {
         "start_step": start_step,
-        "resumed_world_size": resumed_world,
-        "steps": state.step,
+        "steps": step,
         "losses": losses,
         "val_loss": val_loss,
         "unigram_entropy": entropy,
@@ -434,16 +390,41 @@ def _rounded(value: float | None, digits: int | None = None) -> float | None:
     return None if value is None else round(value, digits)
 
 
+def launch_owning(argv: list[str], cfg: TrainConfig) -> None:
+    """Own --out's checkpoints for the whole job, torchrun's restarts included, then launch.
+
+    The workers inherit the run id and this launcher's pid: they join its ownership, and
+    die with it (fsdp_ext.exit_with_launcher)."""
+    os.environ.setdefault(RUN_ID_ENV, f"train-{os.getpid()}-{time.time_ns():x}")
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    try:
+        owner = claim(cfg.checkpoint_root, lease_s=cfg.lease)
+    except DirectoryOwnedError as exc:
+        print(f"train.py: error: argument --out: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    try:
+        launch(argv, cfg)
+    finally:
+        owner.release()
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    os.environ[LEASE_ENV] = repr(cfg.lease)  # the lease of this job's checkpoint locks too
     if cfg.nproc_per_node is not None:
-        launch(argv, cfg)
+        launch_owning(argv, cfg)
         return None
+    exit_with_launcher()  # under torchrun: an orphan never keeps training
     init_distributed(cfg)
     try:
         t0 = time.perf_counter()
-        summary = train(cfg)
+        try:
+            summary = train(cfg)
+        except DirectoryOwnedError as exc:
+            if dist.get_rank() == 0:
+                print(f"train.py: error: argument --out: {exc}", file=sys.stderr, flush=True)
+            sys.exit(2)
         wall_s = time.perf_counter() - t0
         if dist.get_rank() == 0:
             out = Path(cfg.out)

@@ -1,10 +1,13 @@
 """DCP checkpointing: spread replicated writes, per-layer files, atomic overwrite, verified loads.
 
-Everything is used through the stock ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` calls.
+Everything is used through the stock ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` calls;
+``Checkpointer`` does a training loop's save / prune / resume in two lines.
 """
 
+from fsdp_ext.checkpoint.checkpointer import Checkpointer, ModelOptimizerState
 from fsdp_ext.checkpoint.fs import CheckpointFS
 from fsdp_ext.checkpoint.layers import default_layer_key
+from fsdp_ext.checkpoint.lock import CheckpointPrunedError, read_lease, unlock
 from fsdp_ext.checkpoint.manifest import (
     CheckpointBusyError,
     CheckpointIntegrityError,
@@ -12,8 +15,10 @@ from fsdp_ext.checkpoint.manifest import (
     CheckpointSpaceError,
     UnsafeCheckpointError,
 )
+from fsdp_ext.checkpoint.ownership import DirectoryOwnedError, exit_with_launcher
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner, item_nbytes, spread_plans
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
+from fsdp_ext.checkpoint.resume import checkpoint_steps, latest_intact, load_intact, step_name
 from fsdp_ext.checkpoint.verify import CheckpointReport, verify_checkpoint
 from fsdp_ext.checkpoint.versions import remove_checkpoint
 from fsdp_ext.checkpoint.writer import SpreadFileSystemWriter
@@ -23,16 +28,27 @@ __all__ = [
     "CheckpointFS",
     "CheckpointIntegrityError",
     "CheckpointPathError",
+    "CheckpointPrunedError",
     "CheckpointReport",
     "CheckpointSpaceError",
+    "Checkpointer",
+    "DirectoryOwnedError",
+    "ModelOptimizerState",
     "SafeLoadPlanner",
     "SpreadFileSystemWriter",
     "SpreadSavePlanner",
     "UnsafeCheckpointError",
     "VerifiedFileSystemReader",
+    "checkpoint_steps",
     "default_layer_key",
+    "exit_with_launcher",
     "item_nbytes",
+    "latest_intact",
+    "load_intact",
+    "read_lease",
     "remove_checkpoint",
     "spread_plans",
+    "step_name",
+    "unlock",
     "verify_checkpoint",
 ]

@@ -1,18 +1,36 @@
-"""``python -m fsdp_ext.checkpoint {verify,inspect} PATH``: exit 0 when sound, 1 when not."""
+"""``python -m fsdp_ext.checkpoint {verify,inspect,unlock} PATH``.
+
+verify / inspect: exit 0 when sound, 1 when not. unlock: remove the lock of a checkpoint
+path (or a lock or ``.owner`` file itself) whatever holds it, printing who held it: the
+last resort when a holder is gone and nothing can prove it (leases expire by themselves).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from fsdp_ext.checkpoint.lock import unlock
 from fsdp_ext.checkpoint.verify import verify_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fsdp_ext.checkpoint", description=__doc__)
-    parser.add_argument("command", choices=["verify", "inspect"])
+    parser.add_argument("command", choices=["verify", "inspect", "unlock"])
     parser.add_argument("path")
     args = parser.parse_args(argv)
+    if args.command == "unlock":
+        found, holder = unlock(args.path)
+        if not found:
+            print(f"{args.path}: no lock to remove")
+            return 1
+        print(f"removed {found}: held by {holder.describe() if holder else 'an unknown holder'}")
+        if holder is not None:
+            print(
+                f"  host {holder.host}, boot id {holder.boot_id}, pid {holder.pid}, "
+                f"run {holder.run_id or '-'}, lease {holder.lease_s:g} s"
+            )
+        return 0
     report = verify_checkpoint(args.path)
     for problem in report.problems:
         print(problem)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_ext.checkpoint.fs import DIRECTORY, FILE, LINK, MISSING, CheckpointFS
-from fsdp_ext.checkpoint.lock import LockOwner, acquire, lock_path, release
+from fsdp_ext.checkpoint.lock import LockOwner, acquire, lock_path, refuse_if_read, release
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
     PLAN_NAME,
@@ -185,6 +185,7 @@ def remove_checkpoint(path, fs: CheckpointFS | None = None) -> None:
     owner = LockOwner.here(f"remove-{uuid.uuid4()}")
     acquire(fs, target, owner)
     try:
+        refuse_if_read(fs, target)  # a load holds it (CheckpointBusyError): prune it later
         kind = fs.kind(target)
         if kind == LINK:
             name = fs.readlink(target)

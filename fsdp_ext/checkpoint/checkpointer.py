@@ -1,0 +1,216 @@
+"""A training loop's checkpoints in two lines: ``ckpt.save(step)`` and ``ckpt.resume()``.
+
+``Checkpointer`` composes the rest of this package, as torchtitan's ``CheckpointManager``
+and accelerate's ``save_state`` do for theirs: it owns the output directory for the job's
+life (``ownership.py``), saves the model and optimizer through DCP's state-dict helpers
+plus any ``Stateful`` extras (the LoCo ``CommHandle``, a scheduler, RNG streams) with
+``SpreadFileSystemWriter`` under ``root/step-N``, keeps the newest ``keep`` intact ones
+(pruned through ``remove_checkpoint``, never a checkpoint being read or one found
+corrupt), and resumes from the newest checkpoint that verifies (``resume.py``)::
+
+    ckpt = fsdp_ext.Checkpointer("runs/a/checkpoints", model=model, optimizer=opt,
+                                 extra={"loco": handle})
+    for step in range(ckpt.resume(), steps):
+        ...
+        ckpt.save(step + 1)
+    ckpt.close()
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from fsdp_ext.checkpoint.manifest import CheckpointBusyError
+from fsdp_ext.checkpoint.ownership import (
+    DirectoryOwnedError,
+    Ownership,
+    claim,
+    exit_with_launcher,
+)
+from fsdp_ext.checkpoint.planner import SpreadSavePlanner
+from fsdp_ext.checkpoint.resume import (
+    checkpoint_steps,
+    load_intact,
+    set_aside,
+    skipped_checkpoints,
+    step_name,
+)
+from fsdp_ext.checkpoint.versions import remove_checkpoint
+from fsdp_ext.checkpoint.writer import SpreadFileSystemWriter
+
+__all__ = ["Checkpointer", "ModelOptimizerState"]
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class ModelOptimizerState(Stateful):
+    """Model parts (one module, or this rank's pipeline stages) and their optimizers as one
+    DCP ``Stateful``, fqn-keyed and flattened, so any sharding or world size loads it."""
+
+    def __init__(
+        self,
+        model: nn.Module | Sequence[nn.Module],
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    ):
+        self.parts = [model] if isinstance(model, nn.Module) else list(model)
+        if optimizer is None:
+            self.optimizers = []
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            self.optimizers = [optimizer]
+        else:
+            self.optimizers = list(optimizer)
+        if self.optimizers and len(self.optimizers) != len(self.parts):
+            raise ValueError(
+                f"optimizer: one per model part ({len(self.parts)}), got {len(self.optimizers)}"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for part in self.parts:
+            state.update(get_model_state_dict(part))
+        for part, opt in zip(self.parts, self.optimizers, strict=False):
+            state.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part in self.parts:
+            keys = set(get_model_state_dict(part))
+            set_model_state_dict(part, {k: v for k, v in state_dict.items() if k in keys})
+        for part, opt in zip(self.parts, self.optimizers, strict=False):  # none, or one each
+            set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=_FLAT)
+
+
+def _leader() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _agree(error: str | None) -> str | None:
+    """Rank 0's error string on every rank (so every rank fails alike, before training)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return error
+
+
+class Checkpointer:
+    """Save, prune and resume a training run's checkpoints under ``root``.
+
+    Construct it on every rank, after the process group is up and before training: rank 0
+    claims ``root`` for this job (a second live job gets :class:`DirectoryOwnedError` on
+    every rank), and under torchrun each worker is set to die with its launcher.
+    ``keep``: newest intact checkpoints kept (None: all). ``lease_s``: the lease of the
+    directory and of its locks (default ``$FSDP_EXT_LEASE_S``, else 60 s).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        model: nn.Module | Sequence[nn.Module] | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        extra: dict[str, Stateful] | None = None,
+        keep: int | None = 3,
+        lease_s: float | None = None,
+        die_with_launcher: bool = True,
+    ) -> None:
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+            raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
+        if lease_s is not None and not (isinstance(lease_s, (int, float)) and lease_s > 0):
+            raise ValueError(f"lease_s must be a number of seconds > 0, got {lease_s!r}")
+        extra = dict(extra or {})
+        for name, value in extra.items():
+            if name == "model" or not hasattr(value, "state_dict"):
+                raise ValueError(
+                    f"extra[{name!r}] must be a Stateful (state_dict / load_state_dict) under "
+                    f"a name other than 'model', got {type(value).__name__}"
+                )
+        if optimizer is not None and model is None:
+            raise ValueError("optimizer needs model= (its state is keyed by parameter names)")
+        self.root = Path(root)
+        self.keep = keep
+        self.state: dict[str, Any] = {}
+        if model is not None:
+            self.state["model"] = ModelOptimizerState(model, optimizer)
+        self.state.update(extra)
+        self._extras = tuple(extra)
+        if die_with_launcher:
+            exit_with_launcher()
+        self._ownership: Ownership | None = None
+        error = None
+        if _leader():
+            try:
+                self._ownership = claim(self.root, lease_s=lease_s)
+            except DirectoryOwnedError as exc:
+                error = str(exc)
+        error = _agree(error)
+        if error is not None:
+            raise DirectoryOwnedError(error)
+
+    def path(self, step: int) -> Path:
+        return self.root / step_name(step)
+
+    def save(self, step: int) -> Path:
+        """Save every state as ``root/step-N`` (collective), then prune to ``keep``."""
+        path = self.path(step)
+        if _leader():
+            set_aside(path)  # a corrupt checkpoint of this step is kept, not overwritten
+        dcp.save(
+            self.state,
+            storage_writer=SpreadFileSystemWriter(path),
+            planner=SpreadSavePlanner(),
+        )
+        if _leader():
+            self.prune()
+        return path
+
+    def prune(self) -> list[Path]:
+        """Remove all but the newest ``keep`` intact checkpoints; returns what went. One
+        being read by another job stays until a later prune; corrupt ones are not counted
+        and never removed."""
+        if self.keep is None:
+            return []
+        skipped = skipped_checkpoints(self.root)
+        intact = [p for _s, p in checkpoint_steps(self.root) if p.name not in skipped]
+        removed = []
+        for path in intact[: -self.keep]:
+            try:
+                remove_checkpoint(path)
+                removed.append(path)
+            except CheckpointBusyError as exc:
+                warnings.warn(f"prune: {exc}", stacklevel=2)
+        return removed
+
+    def resume(self) -> int:
+        """Load the newest intact checkpoint (collective); its step, or 0 with none."""
+        step = load_intact(self.root, self.state, optional=self._extras)
+        return 0 if step is None else step
+
+    def close(self) -> None:
+        """Give the directory up: the job is finished (a later job takes it at once)."""
+        if self._ownership is not None:
+            self._ownership.release()
+            self._ownership = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

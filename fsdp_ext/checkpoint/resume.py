@@ -1,0 +1,208 @@
+"""Which checkpoint a resume loads: the newest, by step number, that verifies.
+
+Checkpoints of a training run live under one root as ``step-<N>`` (at least 7 digits; more
+when N needs them, so the number, not the name, orders them). A candidate that fails
+verification is skipped with a warning naming it and why, recorded in ``skipped.json`` so
+that pruning neither counts nor deletes it, and kept for inspection. Each candidate is
+examined and loaded under a shared read lease (``lock.read_lease``), so a prune of another
+job never removes it midway; one pruned before its lease is passed over silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import warnings
+from collections.abc import Collection
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fsdp_ext.checkpoint.lock import CheckpointPrunedError, read_lease
+from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, UnsafeCheckpointError
+from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
+from fsdp_ext.checkpoint.verify import verify_checkpoint
+
+__all__ = [
+    "SKIPPED_RECORD",
+    "checkpoint_steps",
+    "latest_intact",
+    "load_intact",
+    "set_aside",
+    "skipped_checkpoints",
+    "step_name",
+]
+
+SKIPPED_RECORD = "skipped.json"  # {name: why} of checkpoints a resume found corrupt
+_STEP = re.compile(r"step-(\d+)")
+# what a corrupt or vanished checkpoint raises inside dcp.load: try the next one
+_UNREADABLE = (CheckpointIntegrityError, UnsafeCheckpointError, CheckpointPrunedError, OSError)
+
+
+def step_name(step: int) -> str:
+    """``step-0000100``; past 9,999,999 the name grows (``step-10000000``)."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return f"step-{step:07d}"
+
+
+def checkpoint_steps(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Every ``step-N`` under ``root``, ordered by the number N (not by name)."""
+    root = Path(root)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), root / n) for n in names if (m := _STEP.fullmatch(n))]
+    return sorted(found)
+
+
+def skipped_checkpoints(root: str | os.PathLike) -> dict[str, str]:
+    """Checkpoints a resume skipped as corrupt, by name, with why."""
+    try:
+        raw = json.loads((Path(root) / SKIPPED_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
+
+
+def _record_skip(path: Path, why: str) -> None:
+    warnings.warn(
+        f"resume: skipping {path}: {why}; it is kept for inspection "
+        f"(python -m fsdp_ext.checkpoint verify {path})",
+        stacklevel=3,
+    )
+    skipped = skipped_checkpoints(path.parent)
+    if skipped.get(path.name) == why:
+        return
+    skipped[path.name] = why
+    _write_skipped(path.parent, skipped)
+
+
+def _write_skipped(root: Path, skipped: dict[str, str]) -> None:
+    tmp = root / f".{SKIPPED_RECORD}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(skipped, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, root / SKIPPED_RECORD)
+
+
+def set_aside(path: Path) -> Path | None:
+    """Before a save reuses the name of a checkpoint found corrupt, move it out of the way
+    (``step-N.corrupt-<time>``: no longer a candidate, never pruned) instead of letting
+    the save replace it. Returns where it went (None: nothing to move)."""
+    skipped = skipped_checkpoints(path.parent)
+    if path.name not in skipped or not os.path.lexists(path):
+        return None
+    aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+    real = Path(os.path.realpath(path))
+    if path.is_symlink():  # a link to its version directory: move the directory, then drop it
+        os.replace(real, aside)
+        os.unlink(path)
+    else:
+        os.replace(path, aside)
+    skipped[aside.name] = skipped.pop(path.name)
+    _write_skipped(path.parent, skipped)
+    warnings.warn(f"{path}: corrupt, moved to {aside} before saving this step again", stacklevel=2)
+    return aside
+
+
+def latest_intact(
+    root: str | os.PathLike, *, exclude: frozenset[str] = frozenset()
+) -> tuple[int, Path] | None:
+    """``(step, path)`` of the newest checkpoint under ``root`` that verifies, or None.
+
+    Corrupt ones are skipped with a warning and recorded (never deleted); ones pruned while
+    being looked at are passed over. ``exclude``: names not to consider.
+    """
+    choice, lease = _choose(Path(root), exclude)
+    lease.close()
+    return choice
+
+
+def _choose(root: Path, exclude: frozenset[str]) -> tuple[tuple[int, Path] | None, ExitStack]:
+    """The newest intact checkpoint, with its read lease still held (close the stack)."""
+    for step, path in reversed(checkpoint_steps(root)):
+        if path.name in exclude:
+            continue
+        lease = ExitStack()
+        try:
+            lease.enter_context(read_lease(path))
+        except CheckpointPrunedError:
+            continue
+        report = verify_checkpoint(path)
+        if report.ok:
+            return (step, path), lease
+        lease.close()
+        _record_skip(path, report.problems[0])
+    return None, ExitStack()
+
+
+def _cause(exc: BaseException) -> BaseException | None:
+    """The exception a rank raised inside ``dcp.load`` if it says the checkpoint is bad."""
+    causes = [exc]
+    if isinstance(exc, CheckpointException):
+        causes = [e for e, _tb in exc.failures.values()]
+    for cause in causes:
+        while cause is not None:
+            if isinstance(cause, _UNREADABLE):
+                return cause
+            cause = cause.__cause__
+    return None
+
+
+def _has(saved: Collection[str], key: str) -> bool:
+    return any(k == key or k.startswith(f"{key}.") for k in saved)
+
+
+def _broadcast(value: Any) -> Any:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+def load_intact(
+    root: str | os.PathLike, state: dict[str, Any], *, optional: Collection[str] = ()
+) -> int | None:
+    """Load the newest intact checkpoint under ``root`` into ``state`` (a DCP state dict);
+    return its step, or None when there is none. Collective when a process group is up:
+    rank 0 chooses, every rank loads; a checkpoint that fails to load on any rank (corrupt,
+    pruned) is skipped with a warning and the next older one is tried. Keys of ``state``
+    named in ``optional`` with nothing saved under them are left as they are."""
+    root = Path(root)
+    leader = not dist.is_initialized() or dist.get_rank() == 0
+    tried: set[str] = set()
+    while True:
+        choice, lease = None, ExitStack()
+        if leader:
+            choice, lease = _choose(root, frozenset(tried))
+        choice = _broadcast(None if choice is None else (choice[0], str(choice[1])))
+        if choice is None:
+            return None
+        step, path = choice
+        try:
+            reader = VerifiedFileSystemReader(path)
+            saved = reader.read_metadata().state_dict_metadata
+            dcp.load(
+                {k: v for k, v in state.items() if k not in optional or _has(saved, k)},
+                storage_reader=reader,
+                planner=SafeLoadPlanner(),
+            )
+            return step
+        except BaseException as exc:
+            cause = _cause(exc)
+            if cause is None:
+                raise
+            tried.add(Path(path).name)
+            if isinstance(cause, CheckpointPrunedError) or not os.path.lexists(path):
+                warnings.warn(f"resume: {path} was pruned while being read: {cause}", stacklevel=2)
+            elif leader:
+                _record_skip(Path(path), f"it failed to load: {cause}")
+        finally:
+            lease.close()

@@ -1,0 +1,168 @@
+"""The main job across a cluster's habits: two jobs on one --out, a dead host, a corrupt
+newest checkpoint. Each job is a real `examples/train.py --nproc-per-node 2` process."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from fsdp_ext.checkpoint import checkpoint_steps
+from tests.host_helpers import power_off, start_on_host
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = [sys.executable, str(REPO / "examples" / "train.py"), "--nproc-per-node", "2"]
+TINY = "--batch-size 4 --seq-len 16 --dim 16 --n-layers 1 --n-heads 2 --hidden-dim 16 "
+TINY += "--num-experts 2 --val-batches 1 --log-every 1 --warmup-steps 2"
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def job(out: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*TRAIN, *TINY.split(), "--out", str(out), *args],
+        env={**ENV, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def contents(path: Path) -> dict:
+    """Every value a checkpoint holds (through DCP's own converter)."""
+    file = path.parent.parent / f"{path.name}.{os.getpid()}.pt"
+    dcp_to_torch_save(path, file)
+    try:
+        return torch.load(file, weights_only=False)
+    finally:
+        file.unlink()
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def two_jobs(tmp_path: Path, delay: float) -> None:
+    out = tmp_path / "run"
+    flags = ["--steps", "6", "--ckpt-every", "2", "--keep", "5"]
+    first = job(out, *flags, "--seed", "0")
+    time.sleep(delay)
+    second = job(out, *flags, "--seed", "1")
+    results = {0: finish(first), 1: finish(second)}
+    ran = [seed for seed, (rc, _o, _e) in results.items() if rc == 0]
+    assert len(ran) == 1, {s: (rc, e[-1500:]) for s, (rc, _o, e) in results.items()}
+    winner, loser = ran[0], 1 - ran[0]
+    rc, stdout, stderr = results[loser]
+    assert rc != 0
+    assert "step " not in stdout  # refused before its first step
+    (line,) = [x for x in stderr.splitlines() if "error" in x]
+    assert f"argument --out: {out / 'checkpoints'}: owned by a live job" in line, stderr
+    assert "on host" in line and "choose another output directory" in line
+    # every checkpoint left is, value for value, what the job that ran saves by itself
+    alone = tmp_path / "alone"
+    assert finish(job(alone, *flags, "--seed", str(winner)))[0] == 0
+    left = checkpoint_steps(out / "checkpoints")
+    assert [s for s, _ in left] == [2, 4, 6]
+    for step, path in left:
+        assert same(contents(path), contents(alone / "checkpoints" / path.name)), step
+
+
+def test_two_jobs_started_together_one_trains(tmp_path):
+    two_jobs(tmp_path, delay=0.0)
+
+
+@pytest.mark.slow
+def test_two_jobs_started_3s_apart_one_trains(tmp_path):
+    two_jobs(tmp_path, delay=3.0)
+
+
+@pytest.mark.slow
+def test_a_corrupt_newest_checkpoint_resumes_from_the_previous(tmp_path):
+    out = tmp_path / "run"
+    rc, _o, err = finish(job(out, "--steps", "4", "--ckpt-every", "1", "--stop-after", "3"))
+    assert rc == 0, err[-2000:]
+    newest = Path(os.path.realpath(out / "checkpoints" / "step-0000003"))
+    data = sorted(newest.glob("*.distcp"))[-1]
+    newest_files = list(newest.iterdir())
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    rc, stdout, err = finish(job(out, "--steps", "4", "--ckpt-every", "1"))  # --resume auto
+    assert rc == 0, err[-2000:]
+    assert "resumed from" in stdout and "step-0000002 at step 2" in stdout
+    assert f"skipping {out / 'checkpoints' / 'step-0000003'}" in err
+    assert json.loads(stdout.strip().splitlines()[-1])["steps"] == 4
+    # kept for inspection, beside the step 3 the resumed run saved again
+    (aside,) = (out / "checkpoints").glob("step-0000003.corrupt-*")
+    assert sorted(p.name for p in aside.iterdir()) == sorted(p.name for p in newest_files)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("same_run", [False, True])
+def test_a_dead_host_holding_a_lock_is_resumed_here(tmp_path, same_run):
+    """Host B trains, saving every step; it loses power while it holds a checkpoint lock.
+    A --resume here reaches the last step by itself: within the lease (3 s here), at once
+    for the same run."""
+    out = tmp_path / "run"
+    lease = "3" if not same_run else "120"
+    env = {"FSDP_EXT_RUN_ID": "run-b"}
+    flags = ["--steps", "40", "--ckpt-every", "1", "--keep", "2", "--lease", lease]
+    argv = [*TRAIN, *TINY.split(), "--out", str(out), *flags]
+    host_b = start_on_host(
+        tmp_path,
+        "node-b",
+        argv,
+        env={**ENV, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    root = out / "checkpoints"
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline:
+            locks = [p for p in root.glob(".step-*.lock")] if root.is_dir() else []
+            if locks and checkpoint_steps(root):
+                break
+            time.sleep(0.002)
+    finally:
+        power_off(host_b)
+    locks = sorted(p.name for p in root.glob(".step-*.lock"))
+    assert locks, "host B was not caught holding a lock"
+    assert json.loads(os.readlink(root / ".owner"))["host"] == "node-b"
+    here = {"FSDP_EXT_RUN_ID": "run-b"} if same_run else {}
+    t0 = time.monotonic()
+    rc, stdout, err = finish(job(out, *flags, "--resume", env=here))
+    took = time.monotonic() - t0
+    assert rc == 0, err[-3000:]
+    assert json.loads(stdout.strip().splitlines()[-1])["steps"] == 40
+    assert "on host node-b" in err
+    if same_run:
+        assert "earlier attempt of this run (run-b)" in err
+        assert "waiting up to" not in err
+    else:
+        assert "lease expired" in err
+    print(
+        json.dumps(
+            {
+                "same_run": same_run,
+                "lease_s": float(lease),
+                "resume_s": round(took, 1),
+                "locks_left_by_b": locks,
+            }
+        )
+    )
