@@ -428,6 +428,12 @@ class Cluster:
                 "node 0 was lost: it hosts the c10d rendezvous store, which the other "
                 "nodes cannot go on without (no torchrun job survives its rendezvous host)",
             )
+        elif not job.elastic:
+            job.lose(
+                node,
+                f"node {node} was lost and the job is not elastic (max_restarts 0); pass "
+                f"--max-restarts 1 or more with --min-nodes {max(1, left)} or --replace-failed",
+            )
         elif replace_failed or left >= min_nodes:
             job.lose(node)
         else:

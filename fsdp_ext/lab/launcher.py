@@ -91,7 +91,8 @@ def torchrun_argv(
         # is_host: node 0 serves the rendezvous store (torchrun cannot tell by hostname here);
         # --local-addr orders the nodes, so node k gets GROUP_RANK k
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{RDZV_PORT}"]
-        conf = f"is_host={int(node == 0)},{RDZV_CONF}"
+        # a fixed-size job keeps torchrun's defaults (fewer keep-alives on the measured link)
+        conf = f"is_host={int(node == 0)}" + (f",{RDZV_CONF}" if elastic.on else "")
         argv += ["--rdzv-id", topology.names.run_id, "--rdzv-conf", conf]
         argv += ["--local-addr", topology.node_address(node)]
     else:

@@ -1,10 +1,11 @@
 """A job that survives restarts by itself: all-reduces in a loop, and says where it is.
 
-    elastic_check.py STEPS STEP_S
+    elastic_check.py STEPS STEP_S [SHARED_DIR]
 
 Rank 0 prints ``step N world W attempt A`` after each step, and at the end one JSON line
 with the world size, torchrun's restart count and the sum the last all-reduce gave
-(1 + 2 + ... + W: every rank took part).
+(1 + 2 + ... + W: every rank took part). With SHARED_DIR, every rank also writes (and
+fsyncs) a small file there after each step.
 """
 
 import json
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 steps, step_s = int(sys.argv[1]), float(sys.argv[2])
+shared = sys.argv[3] if len(sys.argv) > 3 else None
 started = time.monotonic()
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -24,6 +26,11 @@ x = torch.zeros(1)
 for step in range(1, steps + 1):
     x = torch.full((1024,), float(rank + 1))
     dist.all_reduce(x)
+    if shared is not None:
+        with open(os.path.join(shared, f"rank{rank}.step"), "w") as f:
+            f.write(str(step))
+            f.flush()
+            os.fsync(f.fileno())
     if rank == 0:
         print(f"step {step} world {world} attempt {attempt}", flush=True)
     time.sleep(step_s)
