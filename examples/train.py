@@ -270,6 +270,7 @@ def _train_loop(cfg, par, params, optimizer, scheduler, ckpt, mode, dims, device
     corpus = load_corpus()
     step = 0
     if mode == "always":
+        log(f"resuming: loading the newest intact checkpoint under {cfg.checkpoint_root}")
         step = ckpt.resume()
         if step == 0:
             raise FileNotFoundError(

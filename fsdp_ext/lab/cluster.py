@@ -59,6 +59,7 @@ class LabResult:
     rank_stderr: list[str]
     consoles: list[str]  # per node: its torchrun's own console (rank 0's lines on node 0)
     faults: list[FaultEvent] = field(default_factory=list)  # what the lab struck, and when
+    line_times: list[float] = field(default_factory=list)  # per line of output: seconds in
     problems: list[str] = field(default_factory=list)  # what went wrong around the job
 
     def last_json(self) -> dict | None:
@@ -348,6 +349,7 @@ class Cluster:
             rank_stderr=[err for _, err in logs],
             consoles=[log.read_text(errors="replace") for log in job.logs],
             faults=injector.events,
+            line_times=[t - start for t in job.times],
             problems=problems,
         )
 

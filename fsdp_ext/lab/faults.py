@@ -9,7 +9,7 @@
 - ``storage-down I``: node I's sshfs dies, so its shared directory answers ENOTCONN.
 
 A fault strikes ``after_s`` seconds into the job, or when node 0's console (rank 0's
-output) first shows a line containing ``on_output``.
+output) first shows a line containing ``on_output`` (after the previous fault struck).
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ class FaultInjector:
         return any(fault.on_output in line for line in lines), seen + len(lines)
 
     def _run(self) -> None:
+        seen = 0  # a fault's output trigger reads the lines after the previous fault's strike
         for fault in self.faults:
-            seen = 0
             while True:
                 due, seen = self._due(fault, seen)
                 if due:

@@ -128,6 +128,7 @@ class Job:
     procs: list[subprocess.Popen]
     logs: list[Path]
     output: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # when each output line came (monotonic)
     reader: threading.Thread | None = None
     elastic: bool = False
     lost: set[int] = field(default_factory=set)  # nodes the lab took down, not replaced
@@ -189,7 +190,7 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 RANK0_PREFIX = "[default0]:"  # torchrun's prefix for the lines of local rank 0 it tees
 
 
-def _pump(stream, log: Path, rank0: list[str], echo: TextIO | None) -> None:
+def _pump(stream, log: Path, rank0: list[str], times: list[float], echo: TextIO | None) -> None:
     """Copy node 0's console to its log; keep (and echo) rank 0's lines without the prefix."""
     with open(log, "w") as out:
         for line in stream:
@@ -197,6 +198,7 @@ def _pump(stream, log: Path, rank0: list[str], echo: TextIO | None) -> None:
             out.flush()
             if line.startswith(RANK0_PREFIX):
                 line = line[len(RANK0_PREFIX) :]
+                times.append(time.monotonic())
                 rank0.append(line)
             if echo is not None:
                 echo.write(line)
@@ -237,7 +239,7 @@ def start_job(
                 start_new_session=True,  # Ctrl-C reaches the lab, which stops the job in order
             )
             job.reader = threading.Thread(
-                target=_pump, args=(proc.stdout, log, job.output, echo), daemon=True
+                target=_pump, args=(proc.stdout, log, job.output, job.times, echo), daemon=True
             )
             job.reader.start()
         else:
