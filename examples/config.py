@@ -77,6 +77,12 @@ class TrainConfig:
     nproc_per_node: int | None = _arg(
         None, "launch this many ranks on this machine through torchrun", low=1, type=int
     )
+    max_restarts: int = _arg(
+        0,
+        "with --nproc-per-node: torchrun restarts the workers up to N times after a failure "
+        "(they resume from the newest intact checkpoint under --out)",
+        low=0,
+    )
     device: str = _arg(
         "cpu", "cpu (gloo) or cuda (nccl, one GPU per rank)", choices=("cpu", "cuda")
     )
@@ -332,6 +338,9 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
             if "RANK" in os.environ:
                 raise ConfigError("--nproc-per-node", "not allowed under torchrun, which sets it")
             world_size = cfg.nproc_per_node
+        elif cfg.max_restarts:
+            where = "torchrun's own --max-restarts" if "RANK" in os.environ else "--nproc-per-node"
+            raise ConfigError("--max-restarts", f"only with our launcher; pass {where}")
         check_world(cfg, world_size)
         check_run_dir(cfg, world_size)
     except ConfigError as exc:
@@ -399,7 +408,8 @@ def weights_config(cfg: TrainConfig) -> QuantizedAllGather | None:
 
 
 def run_record(cfg: TrainConfig, world_size: int) -> dict:
-    """What a resume must keep: the model's shape, the codec and, with it, the ranks."""
+    """What a resume must keep (the model's shape, the codec, the pp degree), and the world
+    the run started on (for the record: a resume may run on another)."""
     return {
         "model": asdict(cfg.model),
         "comm": cfg.comm,
@@ -435,7 +445,8 @@ def check_run_dir(cfg: TrainConfig, world_size: int) -> None:
 
 
 def _check_record(cfg: TrainConfig, started: dict, world_size: int) -> None:
-    """Refuse a resume whose checkpoint cannot load into this run."""
+    """Refuse a resume whose checkpoint cannot load into this run, naming a flag that both
+    launchers accept (the world size is not one of them: a resume may change it)."""
     now = run_record(cfg, world_size)
     was = f"the run in {cfg.out} was started with"
     for key, value in now["model"].items():
@@ -456,17 +467,6 @@ def _check_record(cfg: TrainConfig, started: dict, world_size: int) -> None:
             "--pp",
             f"{was} --pp {started.get('pp', 1)}, got {now['pp']}; resume at the same pp degree",
         )
-    if COMMS[now["comm"]] is None:
-        return
-    if started["world_size"] != world_size:
-        raise ConfigError(
-            "--nproc-per-node",
-            f"{was} world size {started['world_size']}, got {world_size}; --comm "
-            f"{now['comm']} keeps an error buffer per rank, so resume on as many ranks",
-        )
-    if started.get("intra_node_size") != now["intra_node_size"]:
-        raise ConfigError(
-            "--intra-node-size",
-            f"{was} nodes of {started.get('intra_node_size')} ranks, got "
-            f"{now['intra_node_size']}; the error buffers in its checkpoints follow the nodes",
-        )
+    # another world size or node size continues: DCP reshards the parameters and the
+    # optimizer, the batches are a function of (seed, step), and the codec's error buffers,
+    # which are per rank, start again from zero (train.py says so once)

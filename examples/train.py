@@ -274,6 +274,7 @@ def _train_loop(cfg, par, params, optimizer, scheduler, ckpt, mode, dims, device
     corpus = load_corpus()
     step = 0
     if mode == "always":
+        log(f"resuming: loading the newest intact checkpoint under {cfg.checkpoint_root}")
         step = ckpt.resume()
         if step == 0:
             raise FileNotFoundError(
@@ -372,17 +373,22 @@ def init_distributed(cfg: TrainConfig) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def launch(argv: list[str], nproc_per_node: int) -> None:
-    """Re-run this script under torchrun, without the launcher flag."""
+LAUNCHER_FLAGS = ("--nproc-per-node", "--max-restarts")  # torchrun's, not the workers'
+NOT_RECORDED = ("verbose", "nproc_per_node", "max_restarts")  # not in the run's JSON line
+
+
+def launch(argv: list[str], cfg: TrainConfig) -> None:
+    """Re-run this script under torchrun, without the launcher flags."""
     from torch.distributed.run import main as torchrun
 
     rest, skip = [], False
     for arg in argv:
-        if skip or arg.startswith("--nproc-per-node"):
-            skip = arg == "--nproc-per-node"
+        if skip or arg.startswith(LAUNCHER_FLAGS):
+            skip = arg in LAUNCHER_FLAGS
             continue
         rest.append(arg)
-    torchrun(["--standalone", f"--nproc-per-node={nproc_per_node}", __file__, *rest])
+    launcher = [f"--nproc-per-node={cfg.nproc_per_node}", f"--max-restarts={cfg.max_restarts}"]
+    torchrun(["--standalone", *launcher, __file__, *rest])
 
 
 def _rounded(value: float | None, digits: int | None = None) -> float | None:
@@ -402,7 +408,7 @@ def launch_owning(argv: list[str], cfg: TrainConfig) -> None:
         print(f"train.py: error: argument --out: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     try:
-        launch(argv, cfg.nproc_per_node)
+        launch(argv, cfg)
     finally:
         owner.release()
 
@@ -440,9 +446,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 "tokens_per_s": _rounded(summary["tokens_per_s"]),
                 "step_ms": _rounded(summary["step_ms"], 1),
                 "wall_s": _rounded(wall_s, 1),
-                "config": {
-                    k: v for k, v in asdict(cfg).items() if k not in ("verbose", "nproc_per_node")
-                },
+                "config": {k: v for k, v in asdict(cfg).items() if k not in NOT_RECORDED},
             }
             print(json.dumps(result), flush=True)
         return summary

@@ -10,6 +10,7 @@ link. See docs/cluster.md.
 from fsdp_ext.lab.cleanup import clean_stale
 from fsdp_ext.lab.cluster import DEFAULT_TIMEOUT_S, Cluster, LabResult
 from fsdp_ext.lab.counters import NodeBytes
+from fsdp_ext.lab.faults import Fault, FaultEvent
 from fsdp_ext.lab.network import FABRIC_DEVICE
 from fsdp_ext.lab.rates import parse_rate
 from fsdp_ext.lab.requirements import APT_INSTALL, LabUnavailable, unavailable_reason
@@ -19,6 +20,8 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "FABRIC_DEVICE",
     "Cluster",
+    "Fault",
+    "FaultEvent",
     "LabResult",
     "LabUnavailable",
     "NodeBytes",

@@ -1,6 +1,8 @@
 """``python -m fsdp_ext.lab``: run a script on an emulated multi-node cluster.
 
 python -m fsdp_ext.lab run --nodes 2 --ranks-per-node 2 --link 200mbit -- examples/train.py
+python -m fsdp_ext.lab run --nodes 2 --ranks-per-node 2 --link 1gbit --max-restarts 3 \
+    --min-nodes 1 --kill-node 1 --kill-after 20 -- examples/train.py --out SHARED/run ...
 python -m fsdp_ext.lab check     # can the lab run here? (one line)
 python -m fsdp_ext.lab clean     # remove what labs killed with SIGKILL left behind
 """
@@ -14,6 +16,7 @@ import sys
 from fsdp_ext.lab.cleanup import clean_stale
 from fsdp_ext.lab.cluster import DEFAULT_TIMEOUT_S, Cluster, LabResult
 from fsdp_ext.lab.counters import NodeBytes
+from fsdp_ext.lab.faults import Fault
 from fsdp_ext.lab.launcher import RDZV_BACKENDS
 from fsdp_ext.lab.network import MAX_NODES
 from fsdp_ext.lab.rates import parse_rate
@@ -26,6 +29,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
     return value
 
 
@@ -54,6 +64,28 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--rdzv", choices=RDZV_BACKENDS, default="c10d")
     run.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before the job is stopped"
+    )
+    elastic = run.add_argument_group("elastic jobs (torchrun's restarts and node counts)")
+    elastic.add_argument(
+        "--max-restarts", type=_count, default=0, help="worker group restarts after a failure"
+    )
+    elastic.add_argument(
+        "--min-nodes", type=_positive_int, default=None, help="fewest nodes the job goes on with"
+    )
+    elastic.add_argument(
+        "--replace-failed", action="store_true", help="start a fresh node in place of a lost one"
+    )
+    faults = run.add_argument_group("faults, struck from outside the job")
+    faults.add_argument("--kill-node", type=_count, metavar="I", help="SIGKILL all of node I")
+    faults.add_argument("--kill-rank", type=_count, metavar="R", help="SIGKILL global rank R")
+    faults.add_argument("--link-down", type=_count, metavar="I", help="node I's link goes down")
+    faults.add_argument(
+        "--for", dest="down_for", type=float, metavar="T", help="--link-down's seconds"
+    )
+    faults.add_argument("--storage-down", type=_count, metavar="I", help="node I's sshfs dies")
+    faults.add_argument("--kill-after", type=float, metavar="S", help="the faults strike S s in")
+    faults.add_argument(
+        "--kill-on", metavar="TEXT", help="... or when rank 0 first prints a line with TEXT"
     )
     run.add_argument("program", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
     sub.add_parser("check", help="say whether the lab can run on this machine")
@@ -90,6 +122,39 @@ def _print_failures(result: LabResult) -> None:
         print(f"lab: rank {rank}'s last stderr lines:\n{tail}", file=sys.stderr, end="")
 
 
+FAULT_FLAGS = {
+    "kill_node": "kill-node",
+    "kill_rank": "kill-rank",
+    "link_down": "link-down",
+    "storage_down": "storage-down",
+}
+
+
+def _faults(args: argparse.Namespace) -> list[Fault]:
+    """The faults the flags ask for, each struck at --kill-after or --kill-on."""
+    chosen = {kind: getattr(args, dest) for dest, kind in FAULT_FLAGS.items()}
+    chosen = {kind: target for kind, target in chosen.items() if target is not None}
+    when = {"after_s": args.kill_after, "on_output": args.kill_on}
+    if chosen and (args.kill_after is None) == (args.kill_on is None):
+        raise ValueError(
+            "argument --kill-after: the faults need one of --kill-after S or --kill-on TEXT"
+        )
+    if not chosen and (args.kill_after is not None or args.kill_on is not None):
+        raise ValueError(
+            "argument --kill-after: no fault to strike (--kill-node, --kill-rank, --link-down, "
+            "--storage-down)"
+        )
+    if "link-down" in chosen and args.down_for is None:
+        raise ValueError("argument --link-down: needs --for T (seconds the link stays down)")
+    if args.down_for is not None and "link-down" not in chosen:
+        raise ValueError("argument --for: only with --link-down")
+    faults = []
+    for kind, target in chosen.items():
+        duration = args.down_for if kind == "link-down" else None
+        faults.append(Fault(kind, target, duration_s=duration, **when))
+    return faults
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -110,22 +175,41 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"argument --timeout: must be a positive number of seconds, got {args.timeout}"
         )
+    try:
+        faults = _faults(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _terminate)
+    cluster = Cluster(
+        args.nodes,
+        args.ranks_per_node,
+        args.link,
+        storage_link=args.storage_link,
+        shared_dir=args.shared_dir,
+        storage=not args.no_storage,
+        rdzv=args.rdzv,
+        timeout=args.timeout,
+    )
+    options = dict(
+        max_restarts=args.max_restarts,
+        min_nodes=args.min_nodes,
+        faults=faults,
+        replace_failed=args.replace_failed,
+    )
     try:
-        with Cluster(
-            args.nodes,
-            args.ranks_per_node,
-            args.link,
-            storage_link=args.storage_link,
-            shared_dir=args.shared_dir,
-            storage=not args.no_storage,
-            rdzv=args.rdzv,
-            timeout=args.timeout,
-        ) as cluster:
+        cluster.check_run(**options)  # before anything is built
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        with cluster:
             print(f"lab: {cluster.describe()}", file=sys.stderr, flush=True)
-            result = cluster.run(program, echo=sys.stdout)
+            result = cluster.run(program, echo=sys.stdout, **options)
             print(_report(cluster, result.link_bytes), file=sys.stderr)
+            for event in result.faults:
+                print(f"lab: at {event.at_s:.1f} s: {event.note}", file=sys.stderr)
+            for problem in result.problems:
+                print(f"lab: {problem}", file=sys.stderr)
             if result.timed_out:
                 print(
                     f"lab: the job was stopped after {args.timeout:g} s (--timeout)",

@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from fsdp_ext.lab.cleanup import KILL_WAIT_S, clean_stale, remove_run
 from fsdp_ext.lab.counters import NodeBytes, read_node_bytes
-from fsdp_ext.lab.launcher import RDZV_BACKENDS, node_env, rank_logs, start_job, torchrun_argv
+from fsdp_ext.lab.faults import (
+    Fault,
+    FaultEvent,
+    FaultInjector,
+    kill_namespace,
+    kill_process,
+    link_down,
+    rank_pids,
+)
+from fsdp_ext.lab.launcher import (
+    RDZV_BACKENDS,
+    Elastic,
+    Job,
+    node_env,
+    rank_logs,
+    start_job,
+    start_node,
+    torchrun_argv,
+)
 from fsdp_ext.lab.names import RunNames
 from fsdp_ext.lab.network import MAX_NODES, Topology, build_network, set_rate
 from fsdp_ext.lab.rates import format_rate, parse_rate
@@ -38,6 +58,9 @@ class LabResult:
     rank_stdout: list[str]  # per global rank (node * ranks_per_node + local rank)
     rank_stderr: list[str]
     consoles: list[str]  # per node: its torchrun's own console (rank 0's lines on node 0)
+    faults: list[FaultEvent] = field(default_factory=list)  # what the lab struck, and when
+    line_times: list[float] = field(default_factory=list)  # per line of output: seconds in
+    problems: list[str] = field(default_factory=list)  # what went wrong around the job
 
     def last_json(self) -> dict | None:
         """The last line of the output that parses as a JSON object (benchmarks end so)."""
@@ -104,8 +127,10 @@ class Cluster:
             self.names.workdir / "shared" if shared_dir is None else Path(shared_dir).resolve()
         )
         self._mounts: list[subprocess.Popen] = []
+        self._server: StorageServer | None = None
         self._services: list[subprocess.Popen] = []
         self._extra: list[subprocess.Popen] = []
+        self._retired: list[subprocess.Popen] = []  # dead sshfs replaced by a fresh mount
         self._built = False
         self._closed = False
 
@@ -130,14 +155,30 @@ class Cluster:
         if not self.storage:
             return
         self.shared_dir.mkdir(parents=True, exist_ok=True)
-        server = StorageServer(self.names.workdir, self.shared_dir)
+        self._server = StorageServer(self.names.workdir, self.shared_dir)
         logs = self.names.workdir / "logs"
         logs.mkdir(exist_ok=True)
-        self._services.append(start_sshd(server, self.topology, logs / "sshd.log"))
+        self._services.append(start_sshd(self._server, self.topology, logs / "sshd.log"))
         for node in range(self.nodes):
-            self._mounts.append(
-                mount_shared(server, self.topology, node, logs / f"sshfs{node}.log")
-            )
+            self._mounts.append(self._mount(node))
+
+    def _mount(self, node: int) -> subprocess.Popen:
+        log = self.names.workdir / "logs" / f"sshfs{node}.log"
+        return mount_shared(self._server, self.topology, node, log)
+
+    def _remount_lost_storage(self) -> list[str]:
+        """A node whose sshfs died (the mount answers ENOTCONN) gets a fresh mount; the
+        lines say which, so a job is never started on a node without its shared dir."""
+        notes = []
+        for node, proc in enumerate(self._mounts):
+            if proc.poll() is not None:
+                self._retired.append(proc)
+                self._mounts[node] = self._mount(node)
+                notes.append(
+                    f"node {node}'s sshfs had exited (status {proc.returncode}); remounted "
+                    f"{self.shared_dir} there"
+                )
+        return notes
 
     def close(self) -> None:
         """Stop every process, delete the namespaces, links, mounts and the run's files."""
@@ -145,7 +186,7 @@ class Cluster:
             return
         self._closed = True
         remove_run(self.names, self.topology.namespaces)
-        for proc in self._extra + self._mounts + self._services:
+        for proc in self._extra + self._mounts + self._retired + self._services:
             try:
                 proc.wait(timeout=KILL_WAIT_S)
             except subprocess.TimeoutExpired:  # never entered a namespace of the run
@@ -228,6 +269,10 @@ class Cluster:
         env: dict[str, str] | None = None,
         timeout: float | None = None,
         echo: TextIO | None = None,
+        max_restarts: int = 0,
+        min_nodes: int | None = None,
+        faults: Sequence[Fault] = (),
+        replace_failed: bool = False,
     ) -> LabResult:
         """Run ``program`` (SCRIPT ARGS...) under torchrun on every node; wait for the job.
 
@@ -235,40 +280,57 @@ class Cluster:
         lines without torchrun's prefix. ``env`` replaces this process's environment for
         the job. The job is stopped at ``timeout`` seconds (default: the lab's), and then
         ``timed_out`` is set.
+
+        Elastic jobs: torchrun restarts the workers up to ``max_restarts`` times, and
+        with ``min_nodes`` < nodes a lost node leads to a new rendezvous among the
+        survivors. ``faults`` are struck from outside while the job runs; with
+        ``replace_failed`` a node lost to ``kill-node`` is started afresh (a new mount, a
+        new torchrun), as a scheduler would, and joins the job again.
         """
         if not self._built or self._closed:
             raise RuntimeError("Cluster.run needs an open lab: use it inside `with Cluster(...)`")
         program = list(program)
         if not program:
             raise ValueError("program must name a script (SCRIPT ARGS...), got an empty list")
+        faults = list(faults)
+        elastic = self.check_run(max_restarts, min_nodes, faults, replace_failed)
         limit = self.timeout if timeout is None else float(timeout)
+        problems = self._remount_lost_storage()
         base = dict(os.environ if env is None else env)
         job_env = node_env(base, self.topology, self.ranks_per_node)
         logdir = self.names.workdir / "logs" / f"job{time.monotonic_ns()}"
         logdir.mkdir(parents=True)
-        commands = [
-            self.node_command(
+        argvs = [
+            torchrun_argv(
+                self.topology,
                 node,
-                torchrun_argv(
-                    self.topology,
-                    node,
-                    self.ranks_per_node,
-                    program,
-                    rdzv=self.rdzv,
-                    python=self.python,
-                    log_dir=logdir / f"node{node}",
-                ),
+                self.ranks_per_node,
+                program,
+                rdzv=self.rdzv,
+                python=self.python,
+                log_dir=logdir / f"node{node}",
+                elastic=elastic,
             )
             for node in range(self.nodes)
         ]
+        commands = [self.node_command(node, argv) for node, argv in enumerate(argvs)]
         before = self.link_bytes()
         start = time.monotonic()
-        job = start_job(commands, job_env, logdir, echo=echo)
+        job = start_job(commands, job_env, logdir, echo=echo, elastic=elastic.on)
+        survivors = elastic.min_nodes or self.nodes
+
+        def strike(fault: Fault) -> str:
+            return self._strike(fault, job, argvs, job_env, survivors, replace_failed)
+
+        injector = FaultInjector(faults, job.output, start, strike)
+        injector.begin()
         try:
             returncode, timed_out = job.wait(start + limit)
         except BaseException:
             job.stop()
             raise
+        finally:
+            injector.end()
         seconds = time.monotonic() - start
         after = self.link_bytes()
         logs = [
@@ -276,6 +338,7 @@ class Cluster:
             for node in range(self.nodes)
             for local in range(self.ranks_per_node)
         ]
+        problems += injector.errors + ([job.doomed] if job.doomed else [])
         return LabResult(
             returncode=returncode,
             output="".join(job.output),
@@ -285,7 +348,112 @@ class Cluster:
             rank_stdout=[out for out, _ in logs],
             rank_stderr=[err for _, err in logs],
             consoles=[log.read_text(errors="replace") for log in job.logs],
+            faults=injector.events,
+            line_times=[t - start for t in job.times],
+            problems=problems,
         )
+
+    def check_run(
+        self,
+        max_restarts: int = 0,
+        min_nodes: int | None = None,
+        faults: Sequence[Fault] = (),
+        replace_failed: bool = False,
+    ) -> Elastic:
+        """Check :meth:`run`'s elastic options and faults (ValueError naming the argument)."""
+        for fault in faults:
+            self._check_fault(fault)
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+        if min_nodes is not None and (
+            isinstance(min_nodes, bool)
+            or not isinstance(min_nodes, int)
+            or not 1 <= min_nodes <= self.nodes
+        ):
+            raise ValueError(f"min_nodes must be an int from 1 to {self.nodes}, got {min_nodes!r}")
+        if (min_nodes is not None or replace_failed) and max_restarts == 0:
+            what = "min_nodes" if min_nodes is not None else "replace_failed"
+            raise ValueError(f"{what} needs max_restarts >= 1 (a lost node restarts the workers)")
+        if min_nodes is not None and self.rdzv != "c10d" and self.nodes > 1:
+            raise ValueError("min_nodes needs rdzv='c10d' (the static rendezvous is fixed-size)")
+        return Elastic(max_restarts, min_nodes)
+
+    def _check_fault(self, fault: Fault) -> None:
+        if not isinstance(fault, Fault):
+            raise ValueError(f"faults must be lab.Fault objects, got {fault!r}")
+        if fault.kind == "kill-rank":
+            world = self.nodes * self.ranks_per_node
+            if fault.target >= world:
+                raise ValueError(
+                    f"kill-rank: rank must be from 0 to {world - 1}, got {fault.target}"
+                )
+            return
+        if fault.target >= self.nodes:
+            raise ValueError(
+                f"{fault.kind}: node must be from 0 to {self.nodes - 1}, got {fault.target}"
+            )
+        if fault.kind == "storage-down" and not self.storage:
+            raise ValueError("storage-down needs the storage (storage=True)")
+        if fault.kind == "link-down" and self.nodes < 2:
+            raise ValueError("link-down needs 2 nodes or more (a single node has no link)")
+
+    def _strike(
+        self,
+        fault: Fault,
+        job: Job,
+        argvs: list[list[str]],
+        env: dict[str, str],
+        min_nodes: int,
+        replace_failed: bool,
+    ) -> str:
+        """Do ``fault`` now; the note says what was done."""
+        namespaces = self.topology.node_namespaces
+        if fault.kind == "kill-rank":
+            node = fault.target // self.ranks_per_node
+            pids = rank_pids(namespaces[node], fault.target)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            return f"SIGKILL to rank {fault.target}'s processes {pids} on node {node}"
+        node = fault.target
+        if fault.kind == "link-down":
+            link_down(namespaces[node], fault.duration_s)
+            return f"node {node}'s link was down for {fault.duration_s:g} s"
+        if fault.kind == "storage-down":
+            kill_process(self._mounts[node])
+            return f"node {node}'s sshfs killed: its {self.shared_dir} answers ENOTCONN"
+        # kill-node: the lab marks it lost first, so its torchrun's death is not a failure
+        left = self.nodes - len(job.lost) - 1
+        if node == 0:
+            job.lose(
+                0,
+                "node 0 was lost: it hosts the c10d rendezvous store, which the other "
+                "nodes cannot go on without (no torchrun job survives its rendezvous host)",
+            )
+        elif not job.elastic:
+            job.lose(
+                node,
+                f"node {node} was lost and the job is not elastic (max_restarts 0); pass "
+                f"--max-restarts 1 or more with --min-nodes {max(1, left)} or --replace-failed",
+            )
+        elif replace_failed or left >= min_nodes:
+            job.lose(node)
+        else:
+            job.lose(
+                node,
+                f"node {node} was lost and {left} node(s) remain, fewer than the job's minimum "
+                f"of {min_nodes}; pass --min-nodes {max(1, left)} (elastic) or --replace-failed",
+            )
+        killed = kill_namespace(namespaces[node])
+        note = f"SIGKILL to all {killed} processes of node {node}"
+        if replace_failed and node != 0 and job.doomed is None:
+            if self._mounts:
+                self._retired.append(self._mounts[node])
+                self._mounts[node] = self._mount(node)
+            command = self.node_command(node, argvs[node])
+            job.replace(node, start_node(command, env, job.logs[node]))
+            note += "; a fresh node took its place"
+        return note
 
     def describe(self) -> str:
         """One line: the shape of the lab."""

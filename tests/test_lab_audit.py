@@ -1,0 +1,138 @@
+"""Lab behaviours no test held before: each test here fails under a hand-made mutant of the
+code it guards (named in its docstring), checked against an independent source (the
+kernel's /proc and tc, a process tree)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdp_ext.lab import Cluster, clean_stale, parse_rate
+from fsdp_ext.lab.cleanup import lab_runs
+from fsdp_ext.lab.launcher import Job, node_env
+from fsdp_ext.lab.names import RunNames, owner_alive, process_start_time
+from fsdp_ext.lab.network import Topology
+from tests.lab_helpers import alive, require_lab
+
+
+@pytest.mark.parametrize(
+    ("text", "bits"),
+    [("4.1mbit", 4_100_000), ("8.2mbit", 8_200_000), ("4.1gbit", 4_100_000_000)],
+)
+def test_fractional_rates_round_to_the_nearest_bit(text, bits):
+    """4.1 * 10**6 is 4099999.9999999995 in floats: int() would cap the link 1 bit low
+    (mutant: ``int`` for ``round`` in parse_rate)."""
+    assert parse_rate(text) == bits
+
+
+def _dead_pid() -> int:
+    done = subprocess.Popen(["true"])
+    done.wait()
+    return done.pid
+
+
+def test_a_lab_without_its_owner_record_is_cleaned_once_its_pid_is_gone():
+    """A namespace of a dead owner whose working directory (owner.json) is gone is still
+    removed (mutant: a missing record judged alive, so the namespace stays forever)."""
+    require_lab(storage=False)
+    names = RunNames(_dead_pid(), "a0b1c2")
+    assert not names.workdir.exists()
+    subprocess.run(["ip", "netns", "add", names.node(0)], check=True)
+    try:
+        assert names.run_id in lab_runs()
+        assert names.run_id in clean_stale()
+        assert names.run_id not in lab_runs()
+    finally:
+        subprocess.run(["ip", "netns", "del", names.node(0)], capture_output=True)
+
+
+def test_a_zombie_owner_is_dead():
+    """An owner that exited but was not reaped yet holds nothing: its lab is stale
+    (mutant: the "Z" state check removed from process_start_time)."""
+    child = subprocess.Popen(["sleep", "0.1"])
+    started = process_start_time(child.pid)
+    assert owner_alive(child.pid, started)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    try:
+        assert not owner_alive(child.pid, started)
+    finally:
+        child.wait()
+
+
+def test_start_time_is_the_processes_start_in_clock_ticks_after_boot():
+    """Field 22 of /proc/PID/stat, against the boot clock: a process started now started
+    uptime seconds after boot (mutant: a neighbouring field, e.g. fields[20], vsize)."""
+    child = subprocess.Popen(["sleep", "5"])
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        ticks = os.sysconf("SC_CLK_TCK")
+        assert abs(process_start_time(child.pid) / ticks - uptime) < 5.0
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_stopping_a_job_kills_the_whole_process_group(monkeypatch):
+    """A torchrun that ignores SIGTERM gets SIGKILL with its children, never alone
+    (mutant: ``os.kill(proc.pid, sig)`` for ``os.killpg`` in launcher._signal_group)."""
+    monkeypatch.setattr("fsdp_ext.lab.launcher.STOP_GRACE_S", 0.5)
+    script = 'trap "" TERM; sleep 300 & echo $! ; wait'
+    leader = subprocess.Popen(
+        ["bash", "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    child = int(leader.stdout.readline())
+    try:
+        Job([leader], []).stop()
+        deadline = time.monotonic() + 5
+        while alive([child]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive([child]) == []
+    finally:
+        if alive([child]):
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(("nodes", "ranks", "cores"), [(2, 2, 8), (2, 1, 2), (4, 2, 2)])
+def test_ranks_share_the_cores_without_oversubscribing(monkeypatch, nodes, ranks, cores):
+    """Every rank's OMP threads together fit the machine (one thread at least)
+    (mutant: cores // nodes, which gives each of a node's ranks the node's share)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    env = node_env({}, Topology(RunNames(1, "abcdef"), nodes, False), ranks)
+    threads = int(env["OMP_NUM_THREADS"])
+    assert threads == max(1, cores // (nodes * ranks))
+    assert threads * nodes * ranks <= max(cores, nodes * ranks)
+
+
+def _tc_rate(lab: Cluster, ns: str, device: str) -> str:
+    out = subprocess.run(
+        ["tc", "-n", ns, "qdisc", "show", "dev", device], capture_output=True, text=True
+    ).stdout
+    return out.split(" rate ")[1].split()[0]
+
+
+def test_storage_link_has_its_own_rate_and_counts_writes_as_sent():
+    """tc shows the storage link's own rate on both ends (mutant: the node link's rate used
+    for the storage ends), and 4 MB written to the shared directory from node 0 count as
+    sent on its storage link, not received (mutant: storage_tx read from rx_bytes)."""
+    require_lab()
+    with Cluster(2, 1, "100mbit", storage_link="300mbit") as lab:
+        storage_ns = lab.topology.storage_namespace
+        node0 = lab.topology.node_namespaces[0]
+        assert _tc_rate(lab, node0, "stor0") == "300Mbit"
+        assert _tc_rate(lab, storage_ns, "node0") == "300Mbit"
+        assert _tc_rate(lab, node0, "eth0") == "100Mbit"
+        before = lab.link_bytes()[0]
+        target = lab.shared_dir / "written.bin"
+        lab.exec(0, ["dd", "if=/dev/zero", f"of={target}", "bs=1M", "count=4", "conv=fsync"])
+        moved = lab.link_bytes()[0] - before
+        assert target.stat().st_size == 4 << 20  # on the storage's disk
+        assert moved.storage_tx >= 4 << 20
+        assert moved.storage_rx < (4 << 20) // 10
