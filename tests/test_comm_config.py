@@ -107,11 +107,20 @@ def test_register_refuses_what_it_cannot_serve():
         assert bool(errors.get("groups")) == hasattr(common, "ShardPlacementResult")
 
 
+@pytest.mark.parametrize("group_size", [512, 1024, 4096])
+def test_a_group_size_the_cuda_kernels_cannot_run_is_refused_when_the_config_is_built(group_size):
+    """On any device: the config is refused before any worker starts, naming the sizes."""
+    with pytest.raises(ValueError, match=r"LoCoConfig: .*group_size in \(32, 64, 128, 256\)"):
+        LoCoConfig(group_size=group_size)
+    for ok in (32, 64, 128, 256):
+        assert LoCoConfig(group_size=ok).group_size == ok
+
+
 def test_a_group_size_the_cuda_kernels_cannot_run_is_refused_at_registration():
     from fsdp_ext.comm.register import check_codec_device
 
     def codec(group_size):
-        return AbsmaxCodec.from_config(LoCoConfig(group_size=group_size))
+        return AbsmaxCodec(group_size=group_size)
 
     cuda = torch.device("cuda", 0)
     with pytest.raises(

@@ -94,6 +94,8 @@ def payload_parts(payload: torch.Tensor, n: int, group_size: int, segments=None)
     )
     code_bytes = groups * group_size
     codes = payload[:, :code_bytes].view(torch.int8)
+    if payload.shape[1] == 0:  # nothing to view as fp32
+        return codes, payload.new_empty(payload.shape[0], 0, dtype=torch.float32)
     scales = payload.view(torch.float32)[:, code_bytes // 4 : code_bytes // 4 + groups]
     return codes, scales
 
@@ -210,7 +212,7 @@ def dequantize_blockwise_reference(
 # ---------------------------------------------------------------- Triton kernels
 
 if triton is not None:
-    from triton_kernels.codec_common import bf16_bits_rne
+    from triton_kernels.codec_common import absmax_rows, bf16_bits_rne, div_round_half_up
 
     @triton.jit
     def _tile_of(tiles_ptr, unit, GROUP: tl.constexpr, GROUPS: tl.constexpr):
@@ -248,11 +250,10 @@ if triton is not None:
         row = tl.program_id(1).to(tl.int64)
         col, group_ok, in_x, group0 = _tile_of(tiles_ptr, unit, GROUP, GROUPS)
         x = tl.load(x_ptr + row * x_row_stride + col, mask=in_x, other=0).to(tl.float32)
-        nonfinite = (x != x) | (tl.abs(x) == float("inf"))
-        bad = tl.max(nonfinite.to(tl.int32), axis=1) > 0
-        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
+        absmax, bad = absmax_rows(x)
+        scale = tl.math.div_rn(absmax, 127.0)
         safe = tl.where(scale > 0, scale, 1.0)
-        q = tl.floor(tl.math.div_rn(x, safe[:, None]) + 0.5)
+        q = div_round_half_up(x, safe)  # one IEEE division per group, not per value
         q = tl.minimum(tl.maximum(q, -127.0), 127.0)
         q = tl.where(bad[:, None], 0.0, q)
         code_at = group0 * GROUP + tl.arange(0, GROUPS)[:, None] * GROUP

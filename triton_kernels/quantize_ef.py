@@ -393,14 +393,19 @@ def quantize_ef_to_payload_cpu(
 
 
 if triton is not None:
-    from triton_kernels.codec_common import bf16_bits_rne, bf16_bits_to_fp32
+    from triton_kernels.codec_common import (
+        absmax_rows,
+        bf16_bits_rne,
+        bf16_bits_to_fp32,
+        div_round_half_up,
+    )
 
     @triton.jit
-    def _quantize_tile(h, Q_MAX: tl.constexpr):
+    def _quantize_tile(h, absmax, Q_MAX: tl.constexpr):
         """``[GROUPS, GROUP]`` -> integer-valued q, and the scale of each group (row)."""
-        scale = tl.math.div_rn(tl.max(tl.abs(h), axis=1), Q_MAX * 1.0)
+        scale = tl.math.div_rn(absmax, Q_MAX * 1.0)
         safe = tl.where(scale > 0, scale, 1.0)
-        q = tl.floor(tl.math.div_rn(h, safe[:, None]) + 0.5)
+        q = div_round_half_up(h, safe)
         q = tl.minimum(tl.maximum(q, -Q_MAX - 1.0), Q_MAX * 1.0)
         return q, scale
 
@@ -446,10 +451,8 @@ if triton is not None:
             e = tl.load(error_ptr + e_offs, mask=group_ok[:, None], other=0)
         if ERROR_KIND != 0:
             h = h + e
-        nonfinite = (h != h) | (tl.abs(h) == float("inf"))
-        bad = tl.max(nonfinite.to(tl.int32), axis=1) > 0
-
-        q, scale = _quantize_tile(h, Q_MAX)
+        absmax, bad = absmax_rows(h)
+        q, scale = _quantize_tile(h, absmax, Q_MAX)
         q = tl.where(bad[:, None], 0.0, q)
         scale_at = scale_ptr + row * scale_row_stride + g
         tl.store(scale_at, tl.where(bad, float("nan"), scale), mask=group_ok)
@@ -467,7 +470,7 @@ if triton is not None:
             new = beta * e + one_minus_beta * (h - q * scale[:, None])
             new = tl.where(bad[:, None], 0.0, new)
             if ERROR_KIND == 1:
-                e_q, new_scale = _quantize_tile(new, ERROR_QMAX_)
+                e_q, new_scale = _quantize_tile(new, absmax_rows(new)[0], ERROR_QMAX_)
                 e_q = tl.maximum(e_q, -ERROR_QMAX_ * 1.0)
                 tl.store(error_ptr + e_offs, e_q.to(tl.int8), mask=group_ok[:, None])
                 tl.store(error_scale_ptr + flat_group, new_scale, mask=group_ok)
