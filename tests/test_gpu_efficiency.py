@@ -14,8 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_ext
 from fsdp_ext.comm.hierarchical import NodeGroups, node_local_reduce_scatter
-from fsdp_ext.testing import run_distributed
-from fsdp_ext.testing.gpu_counters import HostSyncs, KernelLaunches
+from fsdp_ext.testing import HostSyncs, KernelLaunches, run_distributed
 from triton_kernels.backend import use_backend
 
 pytestmark = [

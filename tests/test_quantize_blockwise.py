@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsdp_ext.testing.gpu_counters import KernelLaunches
+from fsdp_ext.testing import KernelLaunches
 from triton_kernels.backend import use_backend
 from triton_kernels.quantize_blockwise import (
     TILE_ELEMENTS,
@@ -158,7 +158,7 @@ def test_bad_arguments_are_refused():
     x = torch.randn(2, 10)
     with pytest.raises(ValueError, match="group_size must be a power of two"):
         quantize_blockwise_reference(x, _payload(x, 8), group_size=6)
-    with pytest.raises(ValueError, match="payload must be a contiguous uint8 tensor of shape"):
+    with pytest.raises(ValueError, match="payload must be a uint8 tensor of shape"):
         quantize_blockwise_reference(x, _payload(x, 8)[:, :-1], group_size=8)
     with pytest.raises(TypeError, match=r"rows\.dtype must be float32, bfloat16 or float16"):
         quantize_blockwise_reference(x.double(), _payload(x, 8), group_size=8)

@@ -177,6 +177,7 @@ class CompileCase:
     num_warps: int
     aligned: tuple[str, ...] = ()
     streams: tuple[str, ...] = field(default=())  # the main data streams, for PTX checks
+    values: int = 0  # values one program handles (0: not a per-value kernel)
 
     @property
     def name(self) -> str:

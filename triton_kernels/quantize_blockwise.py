@@ -134,10 +134,16 @@ def _check_payload(payload: torch.Tensor, num_rows: int, n: int, group_size: int
         else unit_payload_row_bytes(segments, group_size)
     )
     want = (num_rows, width)
-    if payload.dtype != torch.uint8 or tuple(payload.shape) != want or not payload.is_contiguous():
+    if (
+        payload.dtype != torch.uint8
+        or tuple(payload.shape) != want
+        or (width > 1 and payload.stride(1) != 1)
+        or (num_rows > 1 and payload.stride(0) % 4)
+        or payload.storage_offset() % 4
+    ):
         raise ValueError(
-            f"payload must be a contiguous uint8 tensor of shape {want}, "
-            f"got {payload.dtype} {tuple(payload.shape)}"
+            f"payload must be a uint8 tensor of shape {want} with contiguous rows starting "
+            f"at multiples of 4 bytes, got {payload.dtype} {tuple(payload.shape)}"
         )
 
 
@@ -419,7 +425,9 @@ def compile_cases() -> list[CompileCase]:
                 units = (aligned, tuple(a for a in aligned if a != "unit"))
                 for names in units[: 2 if group_size == 256 else 1]:
                     cases.append(
-                        CompileCase(kernel, signature, constexprs, NUM_WARPS, names, streams)
+                        CompileCase(
+                            kernel, signature, constexprs, NUM_WARPS, names, streams, TILE_ELEMENTS
+                        )
                     )
     return cases
 

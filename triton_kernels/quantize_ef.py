@@ -536,6 +536,7 @@ def compile_cases() -> list[CompileCase]:
                             aligned=(*aligned, "n_cols"),
                             streams=("x_ptr", "codes_ptr")
                             + (("error_ptr",) if error_dtype is not None else ()),
+                            values=constexprs["GROUPS"] * group_size,
                         )
                     )
     return cases
