@@ -141,13 +141,19 @@ def cpu_workspace(device: torch.device, groups: int, group_size: int) -> CpuWork
 # handles 2048 elements (quantize_ef, which keeps h, e and q live) or 4096 (dequantize_reduce):
 # every thread then moves at least 16 contiguous bytes of each stream (fp32 or bf16 values,
 # int8 errors, 4-bit codes), so each load is one 16-byte vector (ld.global.v4.b32), and the
-# registers stay low enough for several programs per SM. GROUPS * group_size is fixed per
-# kernel, so the number of compiled variants does not grow with the table.
+# registers stay low enough for several programs per SM. A group larger than the tile is one
+# program on its own, with more warps, so a thread's share stays the same.
+# GROUPS * group_size is fixed per kernel, so the number of compiled variants does not grow
+# with the table.
 TILE_ELEMENTS = {"quantize_ef": 2048, "dequantize_reduce": 4096}
 TILE_WARPS = {"quantize_ef": 4, "dequantize_reduce": 4}
-# Group sizes the Triton codec kernels are built for (each is a compiled variant, all of them
-# compiled ahead of time in the tests); the torch references take any power of two.
-TRITON_GROUP_SIZES = (32, 64, 128, 256)
+# Group sizes the Triton codec kernels are built for (each is a compiled variant); the torch
+# references take any power of two. LoCoConfig takes exactly these, on every device.
+TRITON_GROUP_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Compiled ahead of time for every error storage and input dtype; the larger sizes for the
+# default storage (int8 errors) and both input dtypes, the other storages differing only in
+# the error's load and store (see the compile_cases of quantize_ef).
+AOT_ALL_STORAGES = (32, 64, 128, 256)
 
 
 def tile_config(kernel: str, group_size: int, bits: int) -> tuple[int, int]:
@@ -159,7 +165,7 @@ def tile_config(kernel: str, group_size: int, bits: int) -> tuple[int, int]:
         )
     elements = TILE_ELEMENTS[kernel]
     groups = max(1, elements // group_size)
-    return groups, TILE_WARPS[kernel]
+    return groups, TILE_WARPS[kernel] * max(1, group_size // elements)
 
 
 @dataclass(frozen=True)

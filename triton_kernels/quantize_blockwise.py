@@ -59,6 +59,7 @@ NUM_WARPS = 4
 # Segment offsets are passed in units of ALIGN elements when every one is a multiple of it:
 # the compiler then proves 16-byte alignment and emits vector loads and stores.
 ALIGN = 16
+AOT_GROUP_SIZE = 256  # the default, compiled ahead of time for every dtype
 _DTYPE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -375,13 +376,16 @@ _POINTER = {torch.float32: "*fp32", torch.bfloat16: "*i16", torch.float16: "*fp1
 
 
 def compile_cases() -> list[CompileCase]:
-    """Every variant the launchers produce: group size x input (or output) dtype, with
-    16-aligned segments (``unit`` = 16, what FSDP units of real models give); plus the
-    unaligned fallback (``unit`` a plain int) of each kernel and dtype at one group size
-    (the group size only changes constants)."""
+    """The launchers' variants, with 16-aligned segments (``unit`` = 16, what FSDP units of
+    real models give): every group size for bf16 (the usual mixed-precision param dtype),
+    every dtype at the default group size; plus the unaligned fallback (``unit`` a plain
+    int) of each kernel and dtype at the default group size. The group size changes
+    constants only, the dtype one load or store."""
     cases = []
     for group_size in TRITON_GROUP_SIZES:
         for dtype, pointer in _POINTER.items():
+            if dtype != torch.bfloat16 and group_size != AOT_GROUP_SIZE:
+                continue
             quantize = {
                 "x_ptr": "*bf16" if dtype == torch.bfloat16 else pointer,
                 "x_row_stride": "i32",
@@ -423,7 +427,7 @@ def compile_cases() -> list[CompileCase]:
                     if v[0] == "*" or k.endswith("stride") or k == "unit"
                 )
                 units = (aligned, tuple(a for a in aligned if a != "unit"))
-                for names in units[: 2 if group_size == 256 else 1]:
+                for names in units[: 2 if group_size == AOT_GROUP_SIZE else 1]:
                     cases.append(
                         CompileCase(
                             kernel, signature, constexprs, NUM_WARPS, names, streams, TILE_ELEMENTS

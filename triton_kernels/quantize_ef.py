@@ -35,6 +35,7 @@ import torch
 
 from triton_kernels import backend
 from triton_kernels.codec_common import (
+    AOT_ALL_STORAGES,
     ERROR_QMAX,
     LITTLE_ENDIAN,
     QMAX,
@@ -498,12 +499,15 @@ _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int8: "
 
 
 def compile_cases() -> list[CompileCase]:
-    """Every variant the launchers can produce: group size x bits x error dtype x input dtype."""
+    """The launchers' variants: group size x bits x error dtype x input dtype, all of them up
+    to groups of 256; above, int8 errors (the default) on bf16 gradients (see
+    ``AOT_ALL_STORAGES``: the others differ only in one load and one store)."""
     cases = []
     for group_size in TRITON_GROUP_SIZES:
         for bits in QMAX:
-            for error_dtype in _ERROR_KINDS:
-                for x_dtype in (torch.float32, torch.bfloat16):
+            every = group_size in AOT_ALL_STORAGES
+            for error_dtype in _ERROR_KINDS if every else (torch.int8,):
+                for x_dtype in (torch.float32, torch.bfloat16) if every else (torch.bfloat16,):
                     constexprs, num_warps = _kernel_config(group_size, bits, error_dtype)
                     x_type = _POINTER_TYPES[x_dtype]
                     error_type = {None: x_type, torch.bfloat16: "*i16"}.get(
