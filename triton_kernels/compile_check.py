@@ -147,7 +147,12 @@ def compile_case(case, arch: int, enable_fp_fusion: bool | None = None) -> dict[
     ptx, ttir = compiled.asm["ptx"], compiled.asm["ttir"]
     threads = case.num_warps * 32
     fma = len(re.findall(r"\bfma\.rn\.f32\b", ptx))
-    explicit = len(re.findall(r"call float @llvm\.fma\.f32\(", compiled.asm["llir"]))
+    explicit = sum(  # scalar calls, and vector ones (<N x float>) N times
+        int(width or 1)
+        for width in re.findall(
+            r"call (?:float|<(\d+) x float>) @llvm\.fma\.(?:f32|v\d+f32)\(", compiled.asm["llir"]
+        )
+    )
     return {
         "case": case.name,
         "arch": arch,

@@ -23,7 +23,8 @@ from collections.abc import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_ext._torch import TorchDispatchMode
 
 __all__ = ["HostSyncs", "KernelLaunches"]
 
