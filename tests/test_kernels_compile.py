@@ -10,6 +10,7 @@ interpreter replaces kernels by Python); Triton's on-disk cache makes later sess
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -28,9 +29,22 @@ def report(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "triton_kernels.compile_check", "--json", str(path)]
     cmd += ["--package", "triton_kernels", BROKEN, "--fused-probe"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    # its own session, so that a timeout ends its worker processes too, not just itself
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
     if not path.exists():
-        pytest.fail(f"compile check did not run:\n{proc.stdout}\n{proc.stderr}")
+        pytest.fail(f"compile check did not run:\n{out}\n{err}")
     return json.loads(path.read_text())
 
 
