@@ -45,6 +45,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from fsdp_ext.comm import Codec, QuantizedAllGather, make_codec  # noqa: E402
+from fsdp_ext.testing import KernelLaunches  # noqa: E402
 from triton_kernels.backend import implementation  # noqa: E402
 from triton_kernels.codec_common import payload_chunk_bytes  # noqa: E402
 from triton_kernels.cpu_native import ENV as NATIVE_ENV  # noqa: E402
@@ -55,6 +57,11 @@ from triton_kernels.dequantize_reduce import (  # noqa: E402
     dequantize_reduce_from_payload_reference,
 )
 from triton_kernels.permute_indices import permute_indices  # noqa: E402
+from triton_kernels.quantize_blockwise import (  # noqa: E402
+    dequantize_blockwise,
+    quantize_blockwise,
+    unit_payload_row_bytes,
+)
 from triton_kernels.quantize_ef import (  # noqa: E402
     quantize_ef_to_payload,
     quantize_ef_to_payload_cpu,
@@ -62,6 +69,7 @@ from triton_kernels.quantize_ef import (  # noqa: E402
 )
 
 GROUP, BITS, CHUNKS = 128, 4, 8  # LoCo defaults; 8 ranks' chunks per reduction
+QWZ_GROUP = 256  # QuantizedAllGather's default
 CODEC = ("quantize_ef", "dequantize_reduce")
 
 
@@ -77,35 +85,104 @@ def _sync(device: torch.device) -> None:
 
 
 def build(numel: int, device: torch.device) -> dict:
-    """Each kernel as (zero-argument callable, bytes it must read and write)."""
+    """Each kernel as (zero-argument callable, bytes it must read and write), every one on
+    ``numel`` values, so each moves about as many bytes as the ``copy_`` it is compared with."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     grad = torch.randn(numel, generator=gen).to(device)
     rows = grad.view(CHUNKS, -1)
     groups = rows.shape[1] // GROUP
     error = torch.zeros(numel, dtype=torch.int8, device=device)
     error_scales = torch.zeros(numel // GROUP, dtype=torch.float32, device=device)
-    width = payload_chunk_bytes(groups, GROUP, BITS)
-    payload = torch.empty(CHUNKS, width, dtype=torch.uint8, device=device)
-    out = torch.empty(rows.shape[1], dtype=torch.float32, device=device)
+    payload = torch.empty(
+        CHUNKS, payload_chunk_bytes(groups, GROUP, BITS), dtype=torch.uint8, device=device
+    )
+    # the receiver reduces CHUNKS chunks of numel values each into numel outputs
+    received = torch.empty(
+        CHUNKS, payload_chunk_bytes(numel // GROUP, GROUP, BITS), dtype=torch.uint8, device=device
+    )
+    out = torch.empty(numel, dtype=torch.float32, device=device)
     src, dst = torch.randn(numel, generator=gen).to(device), torch.empty(numel, device=device)
     tokens_per_block = numel // (CHUNKS * 16)
     counts = torch.full((CHUNKS, 16), tokens_per_block, dtype=torch.int64, device=device)
+    weights = torch.randn(CHUNKS, numel // CHUNKS, generator=gen).to(device, torch.bfloat16)
+    segments = [numel // CHUNKS]
+    qwz_payload = torch.empty(
+        CHUNKS, unit_payload_row_bytes(segments, QWZ_GROUP), dtype=torch.uint8, device=device
+    )
+    qwz_out = torch.empty_like(weights)
 
     def quantize():
         quantize_ef_to_payload(rows, payload, error, error_scales, group_size=GROUP, beta=0.8)
 
     def dequantize():
-        dequantize_reduce_from_payload(payload, out, group_size=GROUP, bits=BITS, out_scale=0.125)
+        dequantize_reduce_from_payload(received, out, group_size=GROUP, bits=BITS, out_scale=0.125)
 
-    quantize()  # a real payload for the receiver
+    def qwz_quantize():
+        quantize_blockwise(weights, qwz_payload, group_size=QWZ_GROUP, segments=segments)
+
+    def qwz_dequantize():
+        dequantize_blockwise(qwz_payload, qwz_out, group_size=QWZ_GROUP, segments=segments)
+
+    big = grad.repeat(CHUNKS).view(CHUNKS, numel)
+    quantize_ef_to_payload(big, received, group_size=GROUP, bits=BITS)  # a real payload
+    del big
+    qwz_quantize()
     return {
         # read g, read + write e (codes and scales), write the payload
         "quantize_ef": (quantize, 4 * numel + 2 * (numel + 4 * numel // GROUP) + payload.numel()),
-        # read every chunk's payload, write one chunk's output
-        "dequantize_reduce": (dequantize, payload.numel() + 4 * out.numel()),
+        # read every chunk's payload, write the output
+        "dequantize_reduce": (dequantize, received.numel() + 4 * out.numel()),
         # write one int64 index per token (the counts are negligible)
         "permute_indices": (lambda: permute_indices(counts), 8 * CHUNKS * 16 * tokens_per_block),
+        # qwZ, bf16 weights: read the weights, write the payload; and back
+        "quantize_blockwise": (qwz_quantize, 2 * numel + qwz_payload.numel()),
+        "dequantize_blockwise": (qwz_dequantize, qwz_payload.numel() + 2 * numel),
         "copy_": (lambda: dst.copy_(src), 8 * numel),
+    }
+
+
+# A Llama-7B decoder block: q, k, v, o (4096 x 4096), gate, up (11008 x 4096), down
+# (4096 x 11008), two RMSNorm weights (4096); sharded 8 ways, as FSDP lays out one unit.
+BLOCK_7B = [4096 * 4096] * 4 + [11008 * 4096] * 3 + [4096] * 2
+
+
+def unit_decode(device: torch.device, reps: int, scale: int = 1) -> dict:
+    """The qwZ gather's decode of one 7B-sized unit (9 parameters, 8 shards, bf16): one
+    launch over the flat buffer against the per-parameter loop the gather ran before (a
+    launch and a ``.contiguous()`` copy per parameter), wall time per call with a sync
+    after each (the host's launch time counts: that is what a per-parameter loop costs),
+    launches counted at the Triton launcher. ``scale`` divides every size (CPU smoke runs)."""
+    world = 8
+    segments = [-(-n // scale) // world for n in BLOCK_7B]
+    n = sum(segments)
+    codec = make_codec("int8_blockwise", QuantizedAllGather(group_size=QWZ_GROUP))
+    gen = torch.Generator().manual_seed(2)
+    rows = (torch.randn(world, n, generator=gen) * 0.02).to(device, torch.bfloat16)
+    out = torch.empty_like(rows)
+    loop = torch.empty(world, Codec.unit_payload_bytes(codec, segments), dtype=torch.uint8)
+    loop = loop.to(device)
+    unit = torch.empty(world, codec.unit_payload_bytes(segments), dtype=torch.uint8, device=device)
+    Codec.encode_unit(codec, rows, loop, segments)
+    codec.encode_unit(rows, unit, segments)
+    calls = {
+        "per_parameter_loop": lambda: Codec.decode_unit(codec, loop, out, segments),
+        "one_launch": lambda: codec.decode_unit(unit, out, segments),
+    }
+    launches = {}
+    for name, fn in calls.items():
+        fn()
+        with KernelLaunches() as counted:
+            fn()
+        launches[name] = len(counted.names)
+    seconds = measure({k: (fn, 0) for k, fn in calls.items()}, device, reps, batch=1)
+    return {
+        "params": len(segments),
+        "shards": world,
+        "values_per_rank": n,
+        "per_parameter_loop_ms": _sig(seconds["per_parameter_loop"] * 1e3),
+        "one_launch_ms": _sig(seconds["one_launch"] * 1e3),
+        "speedup": _sig(seconds["per_parameter_loop"] / seconds["one_launch"]),
+        "launches": launches,
     }
 
 
@@ -114,8 +191,11 @@ def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def measure(kernels: dict, device: torch.device, reps: int) -> dict[str, float]:
-    """Median seconds per call, the kernels rotated each repetition."""
+def measure(kernels: dict, device: torch.device, reps: int, batch: int = 1) -> dict[str, float]:
+    """Median seconds per call, the kernels rotated each repetition. Each repetition times
+    ``batch`` calls back to back with one sync at the end: on a GPU the host then queues
+    the next launch while the device runs, so the figure is the kernel's, not the host's
+    (a sync after every call adds each launch's host time, tens of microseconds)."""
     names = list(kernels)
     times = {n: [] for n in names}
     for fn, _ in kernels.values():  # warm-up: compiles, allocator, caches
@@ -125,9 +205,10 @@ def measure(kernels: dict, device: torch.device, reps: int) -> dict[str, float]:
             fn = kernels[name][0]
             _sync(device)
             start = time.perf_counter()
-            fn()
+            for _ in range(batch):
+                fn()
             _sync(device)
-            times[name].append(time.perf_counter() - start)
+            times[name].append((time.perf_counter() - start) / batch)
     return {n: statistics.median(t) for n, t in times.items()}
 
 
@@ -303,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
     numel -= numel % (CHUNKS * GROUP * 16)
     reps = args.reps or (5 if args.quick else 20)
     kernels = build(numel, device)
-    seconds = measure(kernels, device, reps)
+    seconds = measure(kernels, device, reps, batch=10 if on_gpu else 1)
     copy_gbps = kernels["copy_"][1] / seconds["copy_"] / 1e9
     report = {}
     for name, (_, nbytes) in kernels.items():
@@ -329,7 +410,16 @@ def main(argv: list[str] | None = None) -> dict:
         "copy_gb_per_s": _sig(copy_gbps),
         "kernels": report,
         "min_fraction_of_copy": min(report[n]["fraction_of_copy"] for n in CODEC),
+        "min_fraction_of_copy_all": min(r["fraction_of_copy"] for r in report.values()),
+        "qwz_unit_decode_7b": unit_decode(device, reps, scale=1 if on_gpu else 256),
     }
+    block = result["qwz_unit_decode_7b"]
+    print(
+        f"qwZ decode of a 7B block ({block['params']} params, {block['shards']} shards): "
+        f"{block['per_parameter_loop_ms']:.3f} ms per-parameter loop "
+        f"({block['launches']['per_parameter_loop']} launches), {block['one_launch_ms']:.3f} ms "
+        f"one launch ({block['launches']['one_launch']}): {block['speedup']:.2f}x"
+    )
     if device.type == "cpu":
         comparison = cpu_codec_comparison(numel, max(3, reps // 2), args.torch_compile)
         for name in CODEC:

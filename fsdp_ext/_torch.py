@@ -87,6 +87,10 @@ try:  # 2.11-2.15: the stock all-gather object, put back by ``WeightGatherHandle
 except ImportError:  # older releases: no comm object is set by default
     DefaultAllGather = None
 
+# 2.11-2.14: the dispatch-level mode the host-sync counter (fsdp_ext.testing) records
+# data-dependent ops with (``_local_scalar_dense``, ``nonzero``, ...).
+from torch.utils._python_dispatch import TorchDispatchMode
+
 __all__ = [
     "DCP_LOAD_HIDES_METADATA_ERRORS",
     "DCP_METADATA_LEGACY_GLOBALS",
@@ -104,6 +108,7 @@ __all__ = [
     "PipelineStageBase",
     "ReduceScatter",
     "ShardPlacementResult",
+    "TorchDispatchMode",
     "all_gather_into",
     "auto_reshard_after_forward",
     "compiled_inner",

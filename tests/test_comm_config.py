@@ -111,18 +111,27 @@ def test_register_refuses_what_it_cannot_serve():
         assert bool(errors.get("groups")) == hasattr(common, "ShardPlacementResult")
 
 
+@pytest.mark.parametrize("group_size", [8192, 16384])
+def test_a_group_size_the_cuda_kernels_cannot_run_is_refused_when_the_config_is_built(group_size):
+    """On any device: the config is refused before any worker starts, naming the sizes."""
+    with pytest.raises(ValueError, match=r"LoCoConfig: .*group_size in \(32, 64, .*, 4096\)"):
+        LoCoConfig(group_size=group_size)
+    for ok in (32, 64, 128, 256, 512, 1024, 2048, 4096):
+        assert LoCoConfig(group_size=ok).group_size == ok
+
+
 def test_a_group_size_the_cuda_kernels_cannot_run_is_refused_at_registration():
     from fsdp_ext.comm.register import check_codec_device
 
     def codec(group_size):
-        return AbsmaxCodec.from_config(LoCoConfig(group_size=group_size))
+        return AbsmaxCodec(group_size=group_size)
 
     cuda = torch.device("cuda", 0)
     with pytest.raises(
         ValueError,
-        match=r"unit layers.0 reduces on cuda:0: .*group_size in \(32, 64, 128, 256\); "
-        r"got group_size=1024",
+        match=r"unit layers.0 reduces on cuda:0: .*group_size in \(32, 64, .*, 4096\); "
+        r"got group_size=8192",
     ):
-        check_codec_device(codec(1024), cuda, "layers.0")
+        check_codec_device(codec(8192), cuda, "layers.0")
     check_codec_device(codec(256), cuda, "layers.0")
-    check_codec_device(codec(1024), torch.device("cpu"), "layers.0")
+    check_codec_device(codec(8192), torch.device("cpu"), "layers.0")

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_ext
+from fsdp_ext.comm.blockwise_int8_codec import BlockwiseInt8Codec
 from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.testing import run_distributed
 from triton_kernels.backend import use_backend
@@ -277,10 +278,13 @@ def test_the_weight_codec_keeps_the_seams_contract():
     want = ((decoded[0] + decoded[1]) + decoded[2]) * torch.tensor(1 / 3)
     assert torch.equal(out, want.bfloat16())
     assert codec.header() == {"bits": 8, "group_size": 64} and not codec.keeps_feedback
+    # every group size the config accepts has a CUDA kernel: nothing fails after parsing
+    for group_size in (32, 64, 128, 256, 512, 1024, 2048, 4096):
+        make_codec(
+            "int8_blockwise", fsdp_ext.QuantizedAllGather(group_size=group_size)
+        ).check_device(torch.device("cuda"))
     with pytest.raises(ValueError, match="group_size in"):
-        make_codec("int8_blockwise", fsdp_ext.QuantizedAllGather(group_size=4096)).check_device(
-            torch.device("cuda")
-        )
+        BlockwiseInt8Codec(8192).check_device(torch.device("cuda"))
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from triton_kernels.quantize_blockwise import (
     payload_row_bytes,
     quantize_blockwise_reference,
     quantize_blockwise_triton,
+    unit_payload_row_bytes,
 )
 from triton_kernels.quantize_ef import (
     quantize_ef_reference,
@@ -163,3 +164,49 @@ def test_blockwise_cuda_equals_reference(group_size, dtype, out_dtype):
     dequantize_blockwise_reference(p_ref, out_ref, group_size=group_size)
     dequantize_blockwise_triton(p_ref.cuda(), out_gpu, group_size=group_size)
     assert _same(out_ref, out_gpu)
+
+
+@pytest.mark.parametrize(
+    ("group_size", "dtype", "aligned"),
+    list(
+        itertools.product(
+            BLOCKWISE_GROUP_SIZES,
+            [torch.float32, torch.bfloat16, torch.float16],
+            [True, False],
+        )
+    ),
+)
+def test_blockwise_unit_cuda_equals_reference(group_size, dtype, aligned):
+    """qwZ's one-launch unit kernels on CUDA against the CPU reference: 16-aligned segments
+    (vector loads) and unaligned ones, empty and tile-crossing pieces, non-finite groups."""
+    segments = [4096 * 3 + 16, 0, 160, 2 * group_size + 48, 7 * 4096]
+    if not aligned:
+        segments = [s + 3 if s else 0 for s in segments]
+    n = sum(segments)
+    x = _gradient(3 * n, torch.float32, seed=group_size).view(3, n).to(dtype)
+    width = unit_payload_row_bytes(segments, group_size)
+    want = torch.full((3, width), 0xAB, dtype=torch.uint8)
+    quantize_blockwise_reference(x, want, group_size=group_size, segments=segments)
+    got = torch.full((3, width), 0x11, dtype=torch.uint8, device="cuda")
+    quantize_blockwise_triton(x.cuda(), got, group_size=group_size, segments=segments)
+    assert torch.equal(got.cpu(), want)
+    back = torch.empty(3, n, dtype=dtype)
+    dequantize_blockwise_reference(want, back, group_size=group_size, segments=segments)
+    back_cuda = torch.empty(3, n, dtype=dtype, device="cuda")
+    dequantize_blockwise_triton(want.cuda(), back_cuda, group_size=group_size, segments=segments)
+    assert _same(back_cuda, back)
+
+
+def test_one_division_per_group_rounds_as_ieee_division_on_cuda():
+    """The codec's division (one IEEE division per group, then multiply and FMA) on the GPU
+    against IEEE division on the CPU, on 64M pairs: ties, neighbours, subnormals."""
+    from tests.test_codec_division import COLS, ROWS, _cases, _divide_kernel
+
+    for seed in range(4):
+        s, h = _cases(256, seed)
+        q = torch.empty(h.shape, dtype=torch.float32, device="cuda")
+        _divide_kernel[(256,)](
+            torch.from_numpy(h).cuda(), torch.from_numpy(s).cuda(), q, ROWS, COLS
+        )
+        want = torch.floor(torch.from_numpy(h) / torch.from_numpy(s)[:, None] + 0.5)
+        assert torch.equal(q.cpu().view(torch.int32), want.view(torch.int32)), seed

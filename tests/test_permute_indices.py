@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fsdp_ext.testing import KernelLaunches
 from triton_kernels.permute_indices import (
     permute_indices,
     permute_indices_reference,
@@ -76,3 +77,20 @@ def test_bad_counts_are_rejected():
         permute_indices_reference(torch.zeros(2, 2))
     with pytest.raises(ValueError, match="non-negative"):
         permute_indices_triton(torch.tensor([[1, -1]]))
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize(
+    ("shape", "high"),
+    [((40, 30), 50), ((8, 16), 700), ((2, 3), 5000)],  # scan chunks; many tiles; few blocks
+)
+def test_triton_crosses_tiles_and_scan_chunks_in_two_launches(shape, high):
+    """More blocks than one scan chunk, tiles that start inside blocks and span several,
+    empty blocks: still the loops' order, in two launches (plan, fill) whatever the size."""
+    gen = torch.Generator().manual_seed(shape[0])
+    counts = torch.randint(0, high, shape, generator=gen)
+    counts[0, 0] = counts[-1, -1] = 0
+    with KernelLaunches() as launches:
+        got = permute_indices_triton(counts)
+    assert torch.equal(got, _by_hand(counts))
+    assert launches.names == ["_permute_plan_kernel", "_permute_fill_kernel"]

@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fsdp_ext.testing import KernelLaunches
 from triton_kernels.backend import use_backend
 from triton_kernels.quantize_blockwise import (
     TILE_ELEMENTS,
@@ -22,6 +23,7 @@ from triton_kernels.quantize_blockwise import (
     quantize_blockwise,
     quantize_blockwise_reference,
     quantize_blockwise_triton,
+    unit_payload_row_bytes,
 )
 
 pytestmark = [
@@ -156,7 +158,7 @@ def test_bad_arguments_are_refused():
     x = torch.randn(2, 10)
     with pytest.raises(ValueError, match="group_size must be a power of two"):
         quantize_blockwise_reference(x, _payload(x, 8), group_size=6)
-    with pytest.raises(ValueError, match="payload must be a contiguous uint8 tensor of shape"):
+    with pytest.raises(ValueError, match="payload must be a uint8 tensor of shape"):
         quantize_blockwise_reference(x, _payload(x, 8)[:, :-1], group_size=8)
     with pytest.raises(TypeError, match=r"rows\.dtype must be float32, bfloat16 or float16"):
         quantize_blockwise_reference(x.double(), _payload(x, 8), group_size=8)
@@ -185,3 +187,84 @@ def test_custom_ops_compile_without_graph_break():
     for a, b in zip([*eager_args, *eager], [*args, *compiled], strict=True):
         assert torch.equal(a, b)
     assert args[2].abs().max() > 0
+
+
+@st.composite
+def units(draw):
+    """``[R, n]`` rows cut into segments (one FSDP unit's parameters): empty, tiny, group-
+    and tile-crossing pieces, all 16-aligned or not (the kernel's two variants), values
+    with outliers, zeros and non-finite groups; the group size and the dtype."""
+    group_size = draw(st.sampled_from(TRITON_GROUP_SIZES))
+    tile = max(1, TILE_ELEMENTS // group_size) * group_size
+    aligned = draw(st.booleans())
+    piece = st.one_of(
+        st.just(0),
+        st.integers(1, 2 * group_size),
+        st.integers(tile - 2, tile + group_size),
+    )
+    segments = [
+        -(-s // 16) * 16 if aligned else s for s in draw(st.lists(piece, min_size=1, max_size=4))
+    ]
+    n = sum(segments)
+    rows = draw(st.integers(1, 3))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    x = torch.randn(rows, n, generator=gen) * torch.rand(rows, n, generator=gen).pow(8) * 30
+    if n:
+        for kind in draw(st.lists(st.sampled_from(["zero", "nan", "inf", "outlier"]), max_size=3)):
+            r, at = draw(st.integers(0, rows - 1)), draw(st.integers(0, n - 1))
+            x[r, at : at + 5] = {"zero": 0.0, "nan": float("nan"), "inf": float("inf")}.get(
+                kind, 5e3
+            )
+    return x.to(draw(st.sampled_from(DTYPES))), group_size, segments
+
+
+def _unit_payload(x, group_size, segments, fill=0xAB):
+    width = unit_payload_row_bytes(segments, group_size)
+    return torch.full((x.shape[0], width), fill, dtype=torch.uint8)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@FEW
+@given(units(), st.sampled_from(DTYPES))
+def test_unit_kernels_match_reference_bit_for_bit_in_one_launch_each(unit, out_dtype):
+    """A whole unit, every segment, every row: one launch each way, every payload byte
+    (codes, scales, the zero scales that round rows to 16 bytes) and every output equal."""
+    x, group_size, segments = unit
+    p_ref, p_tri = _unit_payload(x, group_size, segments), _unit_payload(x, group_size, segments, 1)
+    quantize_blockwise_reference(x, p_ref, group_size=group_size, segments=segments)
+    with KernelLaunches() as launches:
+        quantize_blockwise_triton(x, p_tri, group_size=group_size, segments=segments)
+    assert torch.equal(p_ref, p_tri)
+    assert p_ref.shape[1] % 16 == 0
+    out_ref = torch.full(x.shape, 7.0, dtype=out_dtype)
+    out_tri = out_ref.clone()
+    dequantize_blockwise_reference(p_ref, out_ref, group_size=group_size, segments=segments)
+    with launches:
+        dequantize_blockwise_triton(p_ref, out_tri, group_size=group_size, segments=segments)
+    assert _same(out_ref, out_tri)
+    want = ["_quantize_blockwise_kernel", "_dequantize_blockwise_kernel"] if x.numel() else []
+    assert launches.names == want
+
+
+@FEW
+@given(units())
+def test_a_unit_payload_is_each_segment_quantised_on_its_own(unit):
+    """The unit layout against the one-row spec applied to each segment alone: codes
+    segment after segment, then the scales in the same order, then zero scales."""
+    x, group_size, segments = unit
+    payload = _unit_payload(x, group_size, segments)
+    quantize_blockwise(x, payload, group_size=group_size, segments=segments)
+    codes, scales = payload_parts(payload, x.shape[1], group_size, segments)
+    start = group = 0
+    for length in segments:
+        alone = _payload(x[:, start : start + length], group_size)
+        quantize_blockwise_reference(x[:, start : start + length], alone, group_size=group_size)
+        c, s = payload_parts(alone, length, group_size)
+        g = s.shape[1]
+        assert torch.equal(codes[:, group * group_size : (group + g) * group_size], c)
+        assert torch.equal(
+            scales[:, group : group + g].view(torch.int32), s.contiguous().view(torch.int32)
+        )
+        start, group = start + length, group + g
+    assert group == scales.shape[1]
+    assert torch.count_nonzero(payload[:, codes.shape[1] + 4 * group :]) == 0

@@ -141,13 +141,19 @@ def cpu_workspace(device: torch.device, groups: int, group_size: int) -> CpuWork
 # handles 2048 elements (quantize_ef, which keeps h, e and q live) or 4096 (dequantize_reduce):
 # every thread then moves at least 16 contiguous bytes of each stream (fp32 or bf16 values,
 # int8 errors, 4-bit codes), so each load is one 16-byte vector (ld.global.v4.b32), and the
-# registers stay low enough for several programs per SM. GROUPS * group_size is fixed per
-# kernel, so the number of compiled variants does not grow with the table.
+# registers stay low enough for several programs per SM. A group larger than the tile is one
+# program on its own, with more warps, so a thread's share stays the same.
+# GROUPS * group_size is fixed per kernel, so the number of compiled variants does not grow
+# with the table.
 TILE_ELEMENTS = {"quantize_ef": 2048, "dequantize_reduce": 4096}
 TILE_WARPS = {"quantize_ef": 4, "dequantize_reduce": 4}
-# Group sizes the Triton codec kernels are built for (each is a compiled variant, all of them
-# compiled ahead of time in the tests); the torch references take any power of two.
-TRITON_GROUP_SIZES = (32, 64, 128, 256)
+# Group sizes the Triton codec kernels are built for (each is a compiled variant); the torch
+# references take any power of two. LoCoConfig takes exactly these, on every device.
+TRITON_GROUP_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Compiled ahead of time for every error storage and input dtype; the larger sizes for the
+# default storage (int8 errors) and both input dtypes, the other storages differing only in
+# the error's load and store (see the compile_cases of quantize_ef).
+AOT_ALL_STORAGES = (32, 64, 128, 256)
 
 
 def tile_config(kernel: str, group_size: int, bits: int) -> tuple[int, int]:
@@ -159,7 +165,7 @@ def tile_config(kernel: str, group_size: int, bits: int) -> tuple[int, int]:
         )
     elements = TILE_ELEMENTS[kernel]
     groups = max(1, elements // group_size)
-    return groups, TILE_WARPS[kernel]
+    return groups, TILE_WARPS[kernel] * max(1, group_size // elements)
 
 
 @dataclass(frozen=True)
@@ -177,6 +183,7 @@ class CompileCase:
     num_warps: int
     aligned: tuple[str, ...] = ()
     streams: tuple[str, ...] = field(default=())  # the main data streams, for PTX checks
+    values: int = 0  # values one program handles (0: not a per-value kernel)
 
     @property
     def name(self) -> str:
@@ -211,6 +218,38 @@ if triton is not None:
     @triton.jit
     def bf16_bits_to_fp32(bits):
         return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def absmax_rows(h):
+        """Per row of ``h``: ``max |h|`` and whether the row holds a NaN or an Inf, from one
+        integer max over the bits with the sign cleared (``|v|`` orders like its bits, and
+        NaN's bits top Inf's): 2 instructions per element instead of 6."""
+        bits = tl.max(h.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+        return bits.to(tl.float32, bitcast=True), bits >= 0x7F800000
+
+    @triton.jit
+    def div_round_half_up(h, safe):
+        """``floor(h / safe + 0.5)`` per row of ``h``, ``h / safe`` IEEE round-to-nearest, but
+        with one IEEE division per row (``safe`` is the row's scale), not one per element.
+
+        ``r = RN(1 / s)``; ``q0 = RN(h r)``; ``q = RN(q0 + (h - s q0) r)``, the residual exact
+        through an FMA. Markstein's theorem: with ``r`` correctly rounded and ``q0`` within an
+        ulp, ``q = RN(h / s)``, barring underflow and overflow, which are kept out: an
+        ``s < 2^-90`` is first scaled, with ``h``, by ``2^64`` (both exact, the quotient
+        unchanged), so ``r`` is finite and the residual of any quotient >= 1/4 is a normal
+        number; ``s < 2^126`` (an absmax over ``qmax``) and ``|h / s| <= 2^8`` here. A
+        quotient below 1/4 rounds half up to 0 whatever its last bits. This is the sequence
+        CUDA's own ``div.rn.f32`` runs (plus a check, per element, for the ranges kept out
+        here), minus a reciprocal per element. ``tests/test_codec_division.py`` checks it
+        against IEEE division on 10^8 pairs (ties and their neighbours, subnormals).
+        """
+        m = tl.where(safe < 8.077935669463161e-28, 18446744073709551616.0, 1.0)
+        s = safe * m
+        r = tl.math.div_rn(1.0, s)
+        hm = h * m[:, None]
+        q0 = hm * r[:, None]
+        q = tl.fma(-s[:, None], q0, hm)
+        return tl.floor(tl.fma(q, r[:, None], q0) + 0.5)
 
 
 def as_int16_bits(t: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,9 @@ Triton bundles ``ptxas``, so ``triton.compile(ASTSource(...), target=GPUTarget("
 produces PTX and a cubin on a CPU-only machine. This module finds every kernel in a package,
 compiles each variant its launcher can produce (the module's ``compile_cases()``) for each
 requested architecture, and reports facts about the generated code that matter on hardware:
-FMA instructions, the widths of global loads, and the integer width of pointer offsets.
+FMA instructions, the widths of global loads, the integer width of pointer offsets, the IEEE
+divisions per value, whether a loop waits on its own loads, registers and SASS size (the
+last two from Triton's bundled ``cuobjdump``).
 
 Run as ``python -m triton_kernels.compile_check [--arch 80 90] [--json PATH]``. It must run
 with ``TRITON_INTERPRET`` unset (the interpreter replaces kernels by Python functions).
@@ -26,6 +28,60 @@ from typing import Any
 ARCHS = (80, 90)
 _LD_GLOBAL = re.compile(r"\bld\.global(?:\.[a-z0-9]+)*")
 _ADDPTR = re.compile(r"tt\.addptr .*, tensor<(?:\d+x)+(i\d+)>")
+_LOOP_HEADER = re.compile(r"^(\$L__BB\d+_\d+):.*Loop Header", re.M)
+_REG = re.compile(r"%[a-z]+\d+")
+
+
+def loads_used_in_their_iteration(ptx: str) -> bool:
+    """Whether some loop of ``ptx`` computes, in the same iteration, with a value it loads
+    from global memory: each iteration then waits a full memory latency, with one load per
+    thread in flight. (Loading the next iteration's values first, then computing with the
+    previous ones, carried by ``mov``, keeps two in flight.)"""
+    lines = ptx.splitlines()
+    for label in _LOOP_HEADER.findall(ptx):
+        start = next(i for i, line in enumerate(lines) if line.startswith(label + ":"))
+        end = next(
+            (
+                i
+                for i in range(start + 1, len(lines))
+                if re.search(rf"\bbra(\.uni)?\s+{re.escape(label)};", lines[i])
+            ),
+            len(lines),
+        )
+        loaded: set[str] = set()
+        for line in lines[start:end]:
+            code = line.split("//")[0].strip()
+            if "ld.global" in code:
+                loaded.update(_REG.findall(code.split("}")[0]))
+                continue
+            op = re.sub(r"^@!?%p\d+\s+", "", code).split(" ")[0].split("\t")[0]
+            if not op or op.startswith(("mov", ".")):
+                continue
+            if loaded & set(_REG.findall(code.split(",", 1)[-1] if "," in code else "")):
+                return True
+    return False
+
+
+def _sass_facts(cubin: bytes) -> dict[str, Any]:
+    """Registers and SASS instruction count from Triton's bundled ``cuobjdump`` (None
+    where it is missing)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return {"registers": None, "sass_instructions": None}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True)
+    regs = re.search(r"REG:(\d+)", usage.stdout)
+    count = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s", sass.stdout, re.M))
+    return {"registers": int(regs.group(1)) if regs else None, "sass_instructions": count}
 
 
 def discover(package: str) -> tuple[dict[str, Any], dict[str, list]]:
@@ -89,16 +145,33 @@ def compile_case(case, arch: int, enable_fp_fusion: bool | None = None) -> dict[
     except Exception as exc:  # the compiler's own message is the report
         return {"case": case.name, "arch": arch, "error": f"{type(exc).__name__}: {exc}"}
     ptx, ttir = compiled.asm["ptx"], compiled.asm["ttir"]
+    threads = case.num_warps * 32
+    fma = len(re.findall(r"\bfma\.rn\.f32\b", ptx))
+    explicit = sum(  # scalar calls, and vector ones (<N x float>) N times
+        int(width or 1)
+        for width in re.findall(
+            r"call (?:float|<(\d+) x float>) @llvm\.fma\.(?:f32|v\d+f32)\(", compiled.asm["llir"]
+        )
+    )
     return {
         "case": case.name,
         "arch": arch,
         "error": None,
         "seconds": time.perf_counter() - start,
         "cubin_bytes": len(compiled.asm["cubin"]),
-        "fma": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+        # FMAs in the PTX: the source's own tl.fma calls (each an llvm.fma call in the LLVM
+        # IR) and those the compiler contracted from a multiply and an add (fusion on)
+        "fma": fma,
+        "fma_explicit": explicit,
+        "fma_contracted": fma - explicit,
         "loads": sorted(set(_LD_GLOBAL.findall(ptx))),
         "offset_types": sorted(set(_ADDPTR.findall(ttir))),
-        "registers": compiled.n_regs if hasattr(compiled, "n_regs") else None,
+        # IEEE divisions compiled (each a reciprocal, refinement, range check and
+        # slow-path call in SASS), and the values one thread handles per tile
+        "div_rn": len(re.findall(r"\bdiv\.rn\.f32\b", ptx)),
+        "values_per_thread": case.values // threads if case.values else None,
+        "loads_used_in_their_iteration": loads_used_in_their_iteration(ptx),
+        **_sass_facts(compiled.asm["cubin"]),
     }
 
 

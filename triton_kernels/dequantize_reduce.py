@@ -21,6 +21,7 @@ import torch
 
 from triton_kernels import backend
 from triton_kernels.codec_common import (
+    AOT_ALL_STORAGES,
     LITTLE_ENDIAN,
     QMAX,
     TRITON_GROUP_SIZES,
@@ -204,6 +205,14 @@ if triton is not None:
     from triton_kernels.codec_common import bf16_bits_rne
 
     @triton.jit
+    def _add_nibbles(acc_lo, acc_hi, byte, scale, OFFSET: tl.constexpr):
+        """One chunk of 4-bit codes added to the accumulators, as the reference adds it."""
+        byte = byte.to(tl.int32)
+        acc_lo = acc_lo + ((byte & 0xF) - OFFSET).to(tl.float32) * scale[:, None]
+        acc_hi = acc_hi + ((byte >> 4) - OFFSET).to(tl.float32) * scale[:, None]
+        return acc_lo, acc_hi
+
+    @triton.jit
     def _dequantize_reduce_kernel(
         codes_ptr,
         codes_row_stride,
@@ -225,29 +234,38 @@ if triton is not None:
         group_ok = g < groups_per_row
         codes_row = codes_ptr
         scale_row = scale_ptr
+        # The next chunk's loads are issued before the current chunk's arithmetic, so each
+        # thread keeps two 16-byte loads in flight: a loop that loads and then uses its load
+        # waits a full memory latency per chunk, with 16 bytes per thread in flight.
         if BITS == 4:
             byte_offs = g[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
             acc_lo = tl.zeros((GROUPS, GROUP // 2), tl.float32)
             acc_hi = tl.zeros((GROUPS, GROUP // 2), tl.float32)
-            for _ in range(0, num_chunks):
-                scale = tl.load(scale_row + g, mask=group_ok, other=0)[:, None]
-                byte = tl.load(codes_row + byte_offs, mask=group_ok[:, None], other=0)
-                byte = byte.to(tl.int32)
-                acc_lo = acc_lo + ((byte & 0xF) - OFFSET).to(tl.float32) * scale
-                acc_hi = acc_hi + ((byte >> 4) - OFFSET).to(tl.float32) * scale
+            scale = tl.load(scale_row + g, mask=group_ok, other=0)
+            byte = tl.load(codes_row + byte_offs, mask=group_ok[:, None], other=0)
+            for _ in range(1, num_chunks):
                 codes_row += codes_row_stride
                 scale_row += scale_row_stride
+                next_scale = tl.load(scale_row + g, mask=group_ok, other=0)
+                next_byte = tl.load(codes_row + byte_offs, mask=group_ok[:, None], other=0)
+                acc_lo, acc_hi = _add_nibbles(acc_lo, acc_hi, byte, scale, OFFSET)
+                scale, byte = next_scale, next_byte
+            acc_lo, acc_hi = _add_nibbles(acc_lo, acc_hi, byte, scale, OFFSET)
             # the low nibble is element 2i, the high one 2i + 1: interleave in registers
             acc = tl.reshape(tl.join(acc_lo, acc_hi), (GROUPS, GROUP))
         else:
             code_offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
             acc = tl.zeros((GROUPS, GROUP), tl.float32)
-            for _ in range(0, num_chunks):
-                scale = tl.load(scale_row + g, mask=group_ok, other=0)[:, None]
-                code = tl.load(codes_row + code_offs, mask=group_ok[:, None], other=0)
-                acc = acc + (code.to(tl.int32) - OFFSET).to(tl.float32) * scale
+            scale = tl.load(scale_row + g, mask=group_ok, other=0)
+            code = tl.load(codes_row + code_offs, mask=group_ok[:, None], other=0)
+            for _ in range(1, num_chunks):
                 codes_row += codes_row_stride
                 scale_row += scale_row_stride
+                next_scale = tl.load(scale_row + g, mask=group_ok, other=0)
+                next_code = tl.load(codes_row + code_offs, mask=group_ok[:, None], other=0)
+                acc = acc + (code.to(tl.int32) - OFFSET).to(tl.float32) * scale[:, None]
+                scale, code = next_scale, next_code
+            acc = acc + (code.to(tl.int32) - OFFSET).to(tl.float32) * scale[:, None]
         acc = acc * out_scale
         col = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         in_out = group_ok[:, None] & (col < n_out)
@@ -271,11 +289,13 @@ def _kernel_config(group_size: int, bits: int, out_dtype: torch.dtype) -> tuple[
 
 
 def compile_cases() -> list[CompileCase]:
-    """Every variant the launchers can produce: group size x bits x output dtype."""
+    """The launchers' variants: group size x bits x output dtype; above groups of 256 (see
+    ``AOT_ALL_STORAGES``) fp32 outputs only (bf16 differs in the final store alone)."""
     cases = []
     for group_size in TRITON_GROUP_SIZES:
         for bits in QMAX:
-            for out_dtype, out_type in ((torch.float32, "*fp32"), (torch.bfloat16, "*i16")):
+            outs = ((torch.float32, "*fp32"), (torch.bfloat16, "*i16"))
+            for out_dtype, out_type in outs if group_size in AOT_ALL_STORAGES else outs[:1]:
                 constexprs, num_warps = _kernel_config(group_size, bits, out_dtype)
                 signature = {
                     "codes_ptr": "*u8",
@@ -300,6 +320,7 @@ def compile_cases() -> list[CompileCase]:
                         num_warps,
                         aligned=(*aligned, "n_out"),
                         streams=("codes_ptr", "out_ptr"),
+                        values=constexprs["GROUPS"] * group_size,
                     )
                 )
     return cases

@@ -35,6 +35,7 @@ import torch
 
 from triton_kernels import backend
 from triton_kernels.codec_common import (
+    AOT_ALL_STORAGES,
     ERROR_QMAX,
     LITTLE_ENDIAN,
     QMAX,
@@ -393,14 +394,19 @@ def quantize_ef_to_payload_cpu(
 
 
 if triton is not None:
-    from triton_kernels.codec_common import bf16_bits_rne, bf16_bits_to_fp32
+    from triton_kernels.codec_common import (
+        absmax_rows,
+        bf16_bits_rne,
+        bf16_bits_to_fp32,
+        div_round_half_up,
+    )
 
     @triton.jit
-    def _quantize_tile(h, Q_MAX: tl.constexpr):
+    def _quantize_tile(h, absmax, Q_MAX: tl.constexpr):
         """``[GROUPS, GROUP]`` -> integer-valued q, and the scale of each group (row)."""
-        scale = tl.math.div_rn(tl.max(tl.abs(h), axis=1), Q_MAX * 1.0)
+        scale = tl.math.div_rn(absmax, Q_MAX * 1.0)
         safe = tl.where(scale > 0, scale, 1.0)
-        q = tl.floor(tl.math.div_rn(h, safe[:, None]) + 0.5)
+        q = div_round_half_up(h, safe)
         q = tl.minimum(tl.maximum(q, -Q_MAX - 1.0), Q_MAX * 1.0)
         return q, scale
 
@@ -446,10 +452,8 @@ if triton is not None:
             e = tl.load(error_ptr + e_offs, mask=group_ok[:, None], other=0)
         if ERROR_KIND != 0:
             h = h + e
-        nonfinite = (h != h) | (tl.abs(h) == float("inf"))
-        bad = tl.max(nonfinite.to(tl.int32), axis=1) > 0
-
-        q, scale = _quantize_tile(h, Q_MAX)
+        absmax, bad = absmax_rows(h)
+        q, scale = _quantize_tile(h, absmax, Q_MAX)
         q = tl.where(bad[:, None], 0.0, q)
         scale_at = scale_ptr + row * scale_row_stride + g
         tl.store(scale_at, tl.where(bad, float("nan"), scale), mask=group_ok)
@@ -467,7 +471,7 @@ if triton is not None:
             new = beta * e + one_minus_beta * (h - q * scale[:, None])
             new = tl.where(bad[:, None], 0.0, new)
             if ERROR_KIND == 1:
-                e_q, new_scale = _quantize_tile(new, ERROR_QMAX_)
+                e_q, new_scale = _quantize_tile(new, absmax_rows(new)[0], ERROR_QMAX_)
                 e_q = tl.maximum(e_q, -ERROR_QMAX_ * 1.0)
                 tl.store(error_ptr + e_offs, e_q.to(tl.int8), mask=group_ok[:, None])
                 tl.store(error_scale_ptr + flat_group, new_scale, mask=group_ok)
@@ -495,12 +499,15 @@ _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int8: "
 
 
 def compile_cases() -> list[CompileCase]:
-    """Every variant the launchers can produce: group size x bits x error dtype x input dtype."""
+    """The launchers' variants: group size x bits x error dtype x input dtype, all of them up
+    to groups of 256; above, int8 errors (the default) on bf16 gradients (see
+    ``AOT_ALL_STORAGES``: the others differ only in one load and one store)."""
     cases = []
     for group_size in TRITON_GROUP_SIZES:
         for bits in QMAX:
-            for error_dtype in _ERROR_KINDS:
-                for x_dtype in (torch.float32, torch.bfloat16):
+            every = group_size in AOT_ALL_STORAGES
+            for error_dtype in _ERROR_KINDS if every else (torch.int8,):
+                for x_dtype in (torch.float32, torch.bfloat16) if every else (torch.bfloat16,):
                     constexprs, num_warps = _kernel_config(group_size, bits, error_dtype)
                     x_type = _POINTER_TYPES[x_dtype]
                     error_type = {None: x_type, torch.bfloat16: "*i16"}.get(
@@ -533,6 +540,7 @@ def compile_cases() -> list[CompileCase]:
                             aligned=(*aligned, "n_cols"),
                             streams=("x_ptr", "codes_ptr")
                             + (("error_ptr",) if error_dtype is not None else ()),
+                            values=constexprs["GROUPS"] * group_size,
                         )
                     )
     return cases

@@ -8,6 +8,7 @@ float16 (FSDP gathers in the mixed-precision param dtype).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from triton_kernels.quantize_blockwise import (
     dequantize_blockwise,
     payload_row_bytes,
     quantize_blockwise,
+    unit_payload_row_bytes,
 )
 
 __all__ = ["BlockwiseInt8Codec"]
@@ -55,6 +57,20 @@ class BlockwiseInt8Codec(Codec):
 
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> None:
         dequantize_blockwise(payload, out, group_size=self.group_size)
+
+    def unit_payload_bytes(self, segments: Sequence[int]) -> int:
+        return unit_payload_row_bytes(segments, self.group_size)
+
+    def encode_unit(
+        self, rows: torch.Tensor, payload: torch.Tensor, segments: Sequence[int]
+    ) -> None:
+        # one launch for the whole unit (its tile table is cached per unit)
+        quantize_blockwise(rows, payload, group_size=self.group_size, segments=segments)
+
+    def decode_unit(
+        self, payload: torch.Tensor, out: torch.Tensor, segments: Sequence[int]
+    ) -> None:
+        dequantize_blockwise(payload, out, group_size=self.group_size, segments=segments)
 
     def decode_reduce(
         self, payload: torch.Tensor, out: torch.Tensor, *, out_scale: float = 1.0

@@ -37,6 +37,13 @@ in float32, in row order ``w = 0, 1, ...``, then one float32 multiplication by
 its own, as ``decode_reduce`` of that single row with ``out_scale = 1`` would give. The
 default does exactly that; a codec may override it with something faster.
 
+**encode_unit(rows, payload, segments) / decode_unit(payload, out, segments).** The same for
+rows cut into consecutive ``segments`` (one FSDP unit's parameters in its flat all-gather
+buffer): no group mixes two segments, and the payload row is ``unit_payload_bytes(segments)``
+bytes. The defaults encode and decode segment by segment into consecutive stretches of the
+row; a codec with a kernel that takes the whole unit in one launch overrides all three (the
+layout is then the codec's own).
+
 **Non-finite values.** A NaN or Inf in an encoded row decodes to a non-finite value at that
 position (a codec may widen it to the position's whole group), never to a finite one.
 
@@ -53,6 +60,7 @@ caller, so a checkpoint of another codec is always refused.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -114,6 +122,25 @@ class Codec(ABC):
         for w in range(payload.shape[0]):
             self.decode_reduce(payload[w : w + 1], out[w])
 
+    def unit_payload_bytes(self, segments: Sequence[int]) -> int:
+        """Bytes of one payload row that encodes a row cut into ``segments``."""
+        return sum(self.payload_bytes(numel) for numel in segments)
+
+    def encode_unit(
+        self, rows: torch.Tensor, payload: torch.Tensor, segments: Sequence[int]
+    ) -> None:
+        """``[W, n]`` rows cut into ``segments`` -> ``payload`` ``[W, unit_payload_bytes]``
+        (no feedback: a unit's weights). The default encodes segment by segment."""
+        for (start, numel), (at, width) in _stretches(self, segments):
+            self.encode(rows[:, start : start + numel], payload[:, at : at + width])
+
+    def decode_unit(
+        self, payload: torch.Tensor, out: torch.Tensor, segments: Sequence[int]
+    ) -> None:
+        """``out[w]`` = row ``w`` of a :meth:`encode_unit` payload, decoded."""
+        for (start, numel), (at, width) in _stretches(self, segments):
+            self.decode(payload[:, at : at + width].contiguous(), out[:, start : start + numel])
+
     def header(self) -> dict[str, object]:
         """Settings that saved feedback must match to be reused (see the module docstring)."""
         return {}
@@ -135,3 +162,13 @@ class Codec(ABC):
     def feedback_from_fp32(self, feedback: Feedback, values: torch.Tensor) -> None:
         """Store float32 ``values`` in ``feedback``, rounded as :meth:`encode` stores them."""
         raise NotImplementedError(f"{type(self).__name__} keeps no error feedback")
+
+
+def _stretches(codec: Codec, segments: Sequence[int]) -> Iterator[tuple[tuple, tuple]]:
+    """((start, numel) in the row, (offset, bytes) in the payload row) of each segment."""
+    start = at = 0
+    for numel in segments:
+        width = codec.payload_bytes(numel)
+        yield (start, numel), (at, width)
+        start += numel
+        at += width

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_ext.comm.registry import CODECS
+from fsdp_ext.comm.registry import CODECS, make_codec
 from fsdp_ext.node_size import resolve_node_size
 
 ERROR_DTYPES = (torch.int8, torch.bfloat16, torch.float32)
@@ -60,6 +60,24 @@ class LoCoConfig:
             raise ValueError(f"error_feedback must be a bool, got {self.error_feedback!r}")
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {sorted(CODECS)}, got {self.codec!r}")
+        self._check_cuda_limits()
+
+    def _check_cuda_limits(self) -> None:
+        """Refuse here, before any worker starts, a setting the codec's CUDA kernels cannot
+        run (a group size they are not built for): the same config then runs on CPU and
+        GPU alike, and never fails at registration or in the first backward."""
+        try:
+            codec = make_codec(self.codec, self)
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"codec={self.codec!r} cannot be built from this LoCoConfig: {exc}"
+            ) from exc
+        try:
+            codec.check_device(torch.device("cuda"))
+        except ValueError as exc:
+            raise ValueError(
+                f"LoCoConfig: {exc} (the CUDA kernels' limit, checked on every device)"
+            ) from exc
 
     def node_size(self) -> int | None:
         """Ranks per node: ``intra_node_size`` resolved (``"auto"`` reads ``LOCAL_WORLD_SIZE``)."""

@@ -10,7 +10,7 @@ sends full precision only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,22 @@ class NodeGroups:
     intra_node_size: int
     num_nodes: int
     order: tuple[int, ...]  # group indices of the destinations, by (local index, node)
+    _indices: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def index(self, rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """``rows`` as an index tensor on ``device``, built once: a tensor made from a
+        Python list is a synchronous host-to-device copy on CUDA, so the reduction reuses it
+        every step instead."""
+        key = (rows, torch.device(device))
+        if key not in self._indices:
+            self._indices[key] = torch.tensor(rows, dtype=torch.int64, device=device)
+        return self._indices[key]
+
+    def node_members(self, node: int) -> tuple[int, ...]:
+        """Group indices of the ranks whose chunks node ``node``'s rank of this local index
+        receives, in local-index order."""
+        k, n = self.intra_node_size, self.num_nodes
+        return tuple(self.order[local * n + node] for local in range(k))
 
 
 def plan_nodes(ranks: list[int], node_size: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -93,16 +109,16 @@ def node_local_reduce_scatter(
     if k == 1:
         if groups.order == tuple(range(n)):
             return rows, 0
-        return rows.index_select(0, torch.tensor(groups.order, device=rows.device)), 0
+        return rows.index_select(0, groups.index(groups.order, rows.device)), 0
     partial = rows.new_empty(n, rows.shape[1])
     # one reduce-scatter per node block; a block whose ranks sit contiguously in the group
     # (the usual case) is read in place, with no gathered copy
     for node in range(n):
-        members = [groups.order[local * n + node] for local in range(k)]
-        if members == list(range(members[0], members[0] + k)):
+        members = groups.node_members(node)
+        if members == tuple(range(members[0], members[0] + k)):
             block = rows[members[0] : members[0] + k]
         else:
-            block = rows.index_select(0, torch.tensor(members, device=rows.device))
+            block = rows.index_select(0, groups.index(members, rows.device))
         reduce_scatter_into(
             output=partial[node],
             input=block.reshape(-1),

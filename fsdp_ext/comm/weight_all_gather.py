@@ -2,13 +2,15 @@
 
 FSDP2 hands its all-gather comm the flat input of one unit (this rank's padded shard of
 every parameter, concatenated, already cast to the param dtype) and the ``[W * n]`` output
-it will copy the unsharded parameters from. This comm encodes each parameter's piece of the
-input with the config's codec
-(:class:`~fsdp_ext.comm.blockwise_int8_codec.BlockwiseInt8Codec` by default) into its own
-stretch of one payload row, so a quantisation group never mixes two parameters (a norm's
+it will copy the unsharded parameters from. This comm encodes the input with the config's codec
+(:class:`~fsdp_ext.comm.blockwise_int8_codec.BlockwiseInt8Codec` by default) into one
+payload row, each parameter's piece grouped on its own, so a quantisation group never mixes
+two parameters (a norm's
 weights near 1 next to a projection's near 0.02 would lose the projection's) nor two ranks'
 shards; it all-gathers the payloads and decodes every rank's row, its own included, into the
-output, so every rank computes with the same weights. The sharded parameters are never
+output, so every rank computes with the same weights. Each side is one kernel launch per unit over
+the flat buffer and its per-parameter offsets (:meth:`~fsdp_ext.comm.codec.Codec.encode_unit`),
+whatever the number of parameters. The sharded parameters are never
 touched: the optimizer keeps updating them in full precision.
 
 Which gathers are quantised:
@@ -76,15 +78,6 @@ class WeightGatherStats:
         return self.bytes_sent / self.bytes_uncompressed if self.bytes_uncompressed else 0.0
 
 
-def _spans(sizes) -> list[tuple[int, int]]:
-    """(start, size) of consecutive pieces of the given sizes."""
-    out, start = [], 0
-    for size in sizes:
-        out.append((start, size))
-        start += size
-    return out
-
-
 class QuantizedWeightAllGather(AllGather):
     """FSDP2 ``AllGather`` of one unit (its param group): int8 on the wire (see module doc).
 
@@ -144,20 +137,15 @@ class QuantizedWeightAllGather(AllGather):
             self.stats.full_precision_gathers += 1
             return None
         segments = self._segments(n)
-        widths = [self.codec.payload_bytes(numel) for numel in segments]
-        payload = torch.empty(1, sum(widths), dtype=torch.uint8, device=input_tensor.device)
+        width = self.codec.unit_payload_bytes(segments)
+        payload = torch.empty(1, width, dtype=torch.uint8, device=input_tensor.device)
         # input_tensor is this rank's slot of output_tensor: encode all of it before the
-        # decoded rows overwrite it
-        for (start, numel), (at, width) in zip(_spans(segments), _spans(widths), strict=True):
-            rows = input_tensor[start : start + numel].view(1, numel)
-            self.codec.encode(rows, payload[:, at : at + width])
-        gathered = torch.empty(world, payload.shape[1], dtype=torch.uint8, device=payload.device)
+        # decoded rows overwrite it. One launch each way for the whole unit (with the
+        # block-wise codec), read and written in place: no per-parameter copies.
+        self.codec.encode_unit(input_tensor.view(1, n), payload, segments)
+        gathered = torch.empty(world, width, dtype=torch.uint8, device=payload.device)
         all_gather_into(gathered.view(-1), payload.view(-1), group=group)
-        out = output_tensor.view(world, n)
-        for (start, numel), (at, width) in zip(_spans(segments), _spans(widths), strict=True):
-            self.codec.decode(
-                gathered[:, at : at + width].contiguous(), out[:, start : start + numel]
-            )
+        self.codec.decode_unit(gathered, output_tensor.view(world, n), segments)
         self.stats.bytes_sent += (world - 1) * payload.shape[1]
         self.stats.bytes_uncompressed += plain
         self.stats.quantized_gathers += 1

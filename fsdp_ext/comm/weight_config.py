@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from fsdp_ext.comm.registry import CODECS, make_codec
 
 __all__ = ["QuantizedAllGather"]
@@ -17,7 +19,8 @@ class QuantizedAllGather:
 
     ``bits``: 8 (int8 codes, one fp32 absmax scale per group; 4-bit weights lose too much
     for pre-training, ZeRO++ section 5). ``group_size``: values per scale, a power of two
-    from 32 to 4096 (on CUDA one of the Triton kernels' sizes, checked at registration).
+    from 32 to 4096 (every one has a CUDA kernel; a codec's own CUDA limits are checked
+    here, when the config is built).
     ``backward``: also quantise the all-gathers that run in backward, so forward and
     backward compute with the same weights (the gradient is the one at the quantised
     weights); ``False`` quantises forward only and gathers full precision in backward. Under
@@ -62,6 +65,10 @@ class QuantizedAllGather:
                 f"QuantizedAllGather.codec={self.codec!r} cannot be built from a "
                 f"QuantizedAllGather ({exc}); its factory wants another config"
             ) from exc
+        try:  # the CUDA kernels' limits, checked on every device before any worker starts
+            codec.check_device(torch.device("cuda"))
+        except ValueError as exc:
+            raise ValueError(f"QuantizedAllGather: {exc}") from exc
         if codec.keeps_feedback:
             raise ValueError(
                 f"QuantizedAllGather.codec={self.codec!r} keeps error feedback; a weight "

@@ -1,6 +1,7 @@
 """Test utilities shared by the test suite and the benchmarks (as torch keeps
 its FSDP test helpers under ``torch.testing``): run a function on real multi-process gloo ranks,
-count what FSDP2's collectives send, and DCP's stock planning steps for simulated plans.
+count what FSDP2's collectives send, kernel launches and host syncs (``gpu_counters``), and
+DCP's stock planning steps for simulated plans.
 
 Not imported by the library itself.
 """
@@ -12,11 +13,14 @@ from fsdp_ext.testing.collectives import (
     fsdp_units,
     ring_bytes,
 )
+from fsdp_ext.testing.gpu_counters import HostSyncs, KernelLaunches
 from fsdp_ext.testing.multiprocess import RankError, RankTimeout, run_distributed
 
 __all__ = [
     "CountingAllGather",
     "CountingReduceScatter",
+    "HostSyncs",
+    "KernelLaunches",
     "RankError",
     "RankTimeout",
     "create_write_items",
