@@ -18,7 +18,11 @@ Which gathers are quantised:
   gather from the node-local copy) never: that copy holds the forward's dequantised
   weights already, and re-quantising them would change what forward computed with;
 - a unit whose all-gather is not in a float dtype (mixed parameter dtypes make FSDP gather
-  bytes) is gathered as is.
+  bytes) is gathered as is;
+- a unit whose payload (codes, scales, padding to whole groups) would not be smaller than
+  its plain bytes (a lone norm, biases, a small model at a large group size) is gathered as
+  is: :func:`~fsdp_ext.comm.codec.choose_wire`, per unit, the same on every rank
+  (:attr:`QuantizedWeightAllGather.wire`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_ext._torch import AllGather, FSDPParamGroup, all_gather_into, gathering_for_backward
-from fsdp_ext.comm.codec import Codec
+from fsdp_ext.comm.codec import Codec, WireChoice, choose_wire
 from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.weight_config import QuantizedAllGather
 
@@ -89,7 +93,25 @@ class QuantizedWeightAllGather(AllGather):
         self.fqn = fqn
         self._group = group
         self._segment_cache: dict[int, tuple[int, ...]] = {}
+        self._wire_cache: dict[tuple[int, torch.dtype], WireChoice] = {}
         self.stats = WeightGatherStats()
+
+    @property
+    def wire(self) -> WireChoice:
+        """This unit's choice for its shard-group gathers: every parameter's padded shard in
+        the dtype FSDP gathers (the mixed-precision param dtype, else the parameter's)."""
+        params = self._group.fsdp_params
+        n = sum(p.padded_sharded_param_size.numel() for p in params)
+        dtype = (params[0].param_dtype or params[0].orig_dtype) if params else torch.float32
+        return self.wire_for(n, dtype)
+
+    def wire_for(self, n: int, dtype: torch.dtype) -> WireChoice:
+        """Encoded or plain for a flat input of ``n`` elements in ``dtype`` (sizes only)."""
+        key = (n, dtype)
+        if key not in self._wire_cache:
+            size = torch.empty((), dtype=dtype).element_size()
+            self._wire_cache[key] = choose_wire(self.codec, self._segments(n), size)
+        return self._wire_cache[key]
 
     def allocate(
         self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
@@ -113,6 +135,8 @@ class QuantizedWeightAllGather(AllGather):
             return "full_precision"
         if not self.config.backward and gathering_for_backward(self._group):
             return "full_precision"
+        if not self.wire_for(input_tensor.numel(), input_tensor.dtype).compressed:
+            return "full_precision"  # the payload would be larger than the values
         return "quantized"
 
     def __call__(
