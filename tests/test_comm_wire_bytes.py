@@ -122,14 +122,14 @@ def _train_rank() -> dict:
         modules[fqn].set_custom_all_gather(_Labelled(comm, fqn, spy))
     gathered = {}
 
-    def capture(name):
-        def hook(module, _inputs, _output):
+    def capture(name):  # before the forward, after FSDP's own pre-forward gathered
+        def hook(module, _inputs):
             gathered[name] = {n: p.detach().clone() for n, p in module.named_parameters()}
 
         return hook
 
     for name, module in _unit_params(net).items():
-        module.register_forward_hook(capture(name))
+        module.register_forward_pre_hook(capture(name))
     try:
         x, y = _batch(rank, 0)
         F.mse_loss(net(x), y).backward()
