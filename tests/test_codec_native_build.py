@@ -112,7 +112,8 @@ def test_other_compiler_flags_get_their_own_library(tmp_path):
     changed = _python(other_flags, env)
     assert changed != plain
     runs = log.read_text().splitlines()
-    assert len(runs) == 2 and "-fno-trapping-math" in runs[0] and "-fno-trapping-math" not in runs[1]
+    assert len(runs) == 2
+    assert "-fno-trapping-math" in runs[0] and "-fno-trapping-math" not in runs[1]
 
 
 SWITCHED_OFF = (
