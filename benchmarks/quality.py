@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lowlr-group", type=int, default=4096, help="codec group size there")
     p.add_argument("--val-batches", type=int, default=32, help="validation batches (32)")
     p.add_argument("--no-lowlr", action="store_true", help="skip the low-LR regime")
+    p.add_argument("--save", default=None, help="write each seed's results here as it ends")
     a = p.parse_args(argv)
     if a.quick:
         a.seeds, a.steps, a.val_batches = 1, 3, 1
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
         main_results.append({m: out[m] for m in main_modes})
         if low_modes:
             low_results.append({m: out[f"lowlr_{m}"] for m in low_modes})
+        if a.save:  # a long run leaves its finished seeds behind
+            Path(a.save).write_text(json.dumps({"main": main_results, "lowlr": low_results}))
         line = " ".join(f"{m} {r['val']:.4f}" for m, r in out.items())
         print(f"seed {seed} ({time.perf_counter() - t0:.0f} s) val: {line}", flush=True)
     compressed = [m for m in main_modes if m != "stock"]
