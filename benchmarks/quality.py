@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lr", type=float, default=1e-3, help="peak LR of the main regime (1e-3)")
     p.add_argument("--lowlr", type=float, default=3e-4, help="peak LR of the low-LR regime")
     p.add_argument("--lowlr-group", type=int, default=4096, help="codec group size there")
-    p.add_argument("--val-batches", type=int, default=32, help="validation batches (32)")
+    p.add_argument("--val-batches", type=int, default=24, help="validation batches (24)")
     p.add_argument("--no-lowlr", action="store_true", help="skip the low-LR regime")
     p.add_argument("--save", default=None, help="write each seed's results here as it ends")
     a = p.parse_args(argv)
@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
     base = TrainConfig(
         steps=a.steps,
         batch_size=4 if a.quick else 8,
-        seq_len=16 if a.quick else 64,
-        model=replace(TINY if a.quick else MODEL, max_seq_len=16 if a.quick else 64),
+        seq_len=16 if a.quick else 32,
+        model=replace(TINY if a.quick else MODEL, max_seq_len=16 if a.quick else 32),
         warmup_steps=1 if a.quick else 20,
         lr=a.lr,
         val_batches=a.val_batches,
