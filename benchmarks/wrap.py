@@ -306,7 +306,7 @@ def run_hf(names: list[str], steps: int, warmup: int) -> dict:
     out = {}
     for name in names:
         ranks = run_distributed(_hf_rank, HF_WORLD, name, steps, warmup, timeout=3600)
-        row = {"params": ranks[0]["default"]["params"] * HF_WORLD}
+        row = {"params": ranks[0]["default"]["params"]}  # DTensors report global numel
         for policy_name in ("default", "block"):
             per_step = [max(r[policy_name]["times"][i] for r in ranks) for i in range(steps)]
             row[policy_name] = {
