@@ -22,6 +22,14 @@ parameters and gradients (``UnshardedBytesTracker``, on an untimed first step).
     python benchmarks/wrap.py                  # 8 layers; budget sweep plot
     python benchmarks/wrap.py --growth         # and growth over 16/64/128 experts
     python benchmarks/wrap.py --quick --norm decomposed   # leaf's last bits differ
+    python benchmarks/wrap.py --hf              # only: HF Llama / Mixtral, default vs per-block
+    python benchmarks/wrap.py --hf --quick      # the tiny HF configs only
+
+HF configs (``--hf``; built from a config, nothing downloaded): ``LlamaForCausalLM`` and
+``MixtralForCausalLM``, tiny and about 100M parameters, on 4 gloo ranks. Each is sharded
+twice from the same initial weights, with ``GranularityPolicy()`` and with one unit per
+decoder layer, and both train on the same batches, steps interleaved and rotated as above;
+``hf_<config>_default_over_block`` is the ratio of median step times (target <= 1.0).
 
 The model's RMSNorm is fused (one backward node) by default. ``--norm decomposed`` uses
 the eager form, whose input gets two gradients; FSDP2's node on a norm unit's input then
@@ -181,6 +189,145 @@ def _run_policies(
         }
         for name, run in runs.items()
     }
+
+
+HF_WORLD = 4
+HF_TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+HF_100M = dict(
+    vocab_size=32000,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+HF_CONFIGS = {  # name: (family, config kwargs, sequences per rank, tokens per sequence)
+    "llama_tiny": ("llama", HF_TINY, 2, 32),
+    "mixtral_tiny": ("mixtral", {**HF_TINY, "num_local_experts": 4}, 2, 32),
+    # 8 x 6.3M per layer + 2 x 24.6M embedding and head: 99M parameters
+    "llama_100m": (
+        "llama",
+        {**HF_100M, "hidden_size": 768, "num_hidden_layers": 8, "intermediate_size": 2048},
+        1,
+        32,
+    ),
+    # 6 x 12.9M per layer (8 experts) + 2 x 16.4M: 110M parameters
+    "mixtral_100m": (
+        "mixtral",
+        {
+            **HF_100M,
+            "hidden_size": 512,
+            "num_hidden_layers": 6,
+            "intermediate_size": 1024,
+            "num_local_experts": 8,
+        },
+        1,
+        32,
+    ),
+}
+
+
+def hf_model(name: str) -> torch.nn.Module:
+    """The named HF causal LM, built from its config (random weights, no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    family, kwargs, _, _ = HF_CONFIGS[name]
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(**kwargs))
+    return MixtralForCausalLM(MixtralConfig(**kwargs, num_experts_per_tok=2))
+
+
+def _hf_rank(name: str, steps: int, warmup: int) -> dict:
+    """Default vs per-block on one HF config: same weights, same batches, interleaved."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (HF_WORLD,))
+    _, kwargs, batch, seq = HF_CONFIGS[name]
+    runs = {}
+    for policy_name in ("default", "block"):
+        torch.manual_seed(0)
+        model = hf_model(name)
+        layer = type(model.model.layers[0])
+        policy = fsdp_ext.GranularityPolicy() if policy_name == "default" else {layer}
+        plan = fsdp_ext.plan_units(model, policy, world_size=HF_WORLD)
+        fsdp_ext.fully_shard(model, auto_wrap_policy=policy, mesh=mesh)
+        runs[policy_name] = {
+            "model": model,
+            # plain SGD: no optimizer state, so two copies of a 100M model fit on 4 ranks
+            "optim": torch.optim.SGD(model.parameters(), lr=1e-2),
+            "plan": plan,
+            "times": [],
+            "losses": [],
+        }
+    vocab = kwargs["vocab_size"]
+
+    def step(run: dict, tokens: torch.Tensor) -> float:
+        start = time.perf_counter()
+        logits = run["model"](tokens[:, :-1], use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        run["optim"].step()
+        run["optim"].zero_grad()
+        run["losses"].append(loss.item())
+        return time.perf_counter() - start
+
+    names = list(runs)
+    gc.disable()
+    for i in range(warmup + steps):
+        g = torch.Generator().manual_seed(10_000 * i + rank)
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        for policy_name in names[i % 2 :] + names[: i % 2]:
+            gc.collect()
+            dist.barrier()
+            elapsed = step(runs[policy_name], tokens)
+            if i >= warmup:
+                runs[policy_name]["times"].append(elapsed)
+    gc.enable()
+    return {
+        policy_name: {
+            "units": [u.fqn or "<root>" for u in run["plan"].units],
+            "kept_after_forward": sum(r is False for r in run["plan"].reshard_after_forward),
+            "params": sum(p.numel() for p in run["model"].parameters()),
+            "times": run["times"],
+            "losses": run["losses"],
+        }
+        for policy_name, run in runs.items()
+    }
+
+
+def run_hf(names: list[str], steps: int, warmup: int) -> dict:
+    """Per config: units, median step ms of each policy (slowest rank per step), ratio."""
+    out = {}
+    for name in names:
+        ranks = run_distributed(_hf_rank, HF_WORLD, name, steps, warmup, timeout=3600)
+        row = {"params": ranks[0]["default"]["params"]}  # DTensors report global numel
+        for policy_name in ("default", "block"):
+            per_step = [max(r[policy_name]["times"][i] for r in ranks) for i in range(steps)]
+            row[policy_name] = {
+                "units": ranks[0][policy_name]["units"],
+                "kept_after_forward": ranks[0][policy_name]["kept_after_forward"],
+                "median_step_ms": round(1000 * statistics.median(per_step), 1),
+                "step_ms": [round(1000 * t, 1) for t in per_step],
+            }
+        row["losses_identical"] = ranks[0]["default"]["losses"] == ranks[0]["block"]["losses"]
+        row["default_over_block"] = round(
+            row["default"]["median_step_ms"] / row["block"]["median_step_ms"], 3
+        )
+        print(
+            f"{name}: {row['params'] / 1e6:.1f}M params, default {row['default']['units']} "
+            f"{row['default']['median_step_ms']} ms, per-block {row['block']['units']} "
+            f"{row['block']['median_step_ms']} ms, ratio {row['default_over_block']}",
+            flush=True,
+        )
+        out[name] = row
+    return out
 
 
 def _layer_bytes(cfg: FineMoEConfig) -> tuple[int, int]:
@@ -460,10 +607,29 @@ def main(argv: list[str] | None = None) -> dict:
         help="RMSNorm with one backward node (as on GPUs) or the decomposed eager form",
     )
     parser.add_argument("--plot", default="docs/wrap_growth.png")
+    parser.add_argument(
+        "--hf", action="store_true", help="only the HF configs: default vs per-block, 4 ranks"
+    )
+    parser.add_argument("--hf-steps", type=int, default=6, help="timed steps per policy (6)")
+    parser.add_argument(
+        "--hf-configs", nargs="+", default=None, help=f"a subset of {list(HF_CONFIGS)}"
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     layers = args.layers or (4 if args.quick else 8)
+    if args.hf:
+        names = args.hf_configs or [n for n in HF_CONFIGS if n.endswith("_tiny") or not args.quick]
+        unknown = sorted(set(names) - set(HF_CONFIGS))
+        if unknown:
+            parser.error(f"--hf-configs must be among {list(HF_CONFIGS)}, got {unknown}")
+        hf = run_hf(names, args.hf_steps, args.warmup)
+        summary = {"bench": "wrap_hf", "world_size": HF_WORLD, "configs": hf}
+        summary["hf_default_over_block_max"] = max(r["default_over_block"] for r in hf.values())
+        for n, r in hf.items():
+            summary[f"hf_{n}_default_over_block"] = r["default_over_block"]
+        print(json.dumps(summary))
+        return summary
 
     def measure(experts: int) -> dict:
         cfg = FineMoEConfig(n_layers=layers, num_experts=experts, fused_norm=args.norm == "fused")

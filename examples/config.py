@@ -113,6 +113,9 @@ class TrainConfig:
         "gradient reduce-scatter: stock fp32, 4-bit (qgZ) or 4-bit LoCo",
         choices=tuple(COMMS),
     )
+    comm_group_size: int = _arg(
+        128, "values per scale of the 4-bit codecs of --comm q4 / loco (a power of two)", low=32
+    )
     intra_node_size: int | str | None = _arg(
         None,
         "ranks per node for the 4-bit codecs (full precision inside a node, 4-bit across "
@@ -264,6 +267,10 @@ class TrainConfig:
                 f"torch cannot reshard expert-parallel experts (--ep {self.ep}) to a node; "
                 "use --ep 1 or drop --hpz",
             )
+        if self.comm_group_size & (self.comm_group_size - 1):
+            raise ConfigError(
+                "--comm-group-size", f"must be a power of two >= 32, got {self.comm_group_size}"
+            )
         gs = self.qwz_group_size
         if gs & (gs - 1) or gs > 4096:
             raise ConfigError(
@@ -393,8 +400,11 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
 
 
 def comm_config(cfg: TrainConfig, world_size: int) -> LoCoConfig | None:
-    """--comm's codec, by node under --intra-node-size (None: the stock reduce-scatter)."""
+    """--comm's codec at --comm-group-size, by node under --intra-node-size (None: the stock
+    reduce-scatter)."""
     config = COMMS[cfg.comm]
+    if config is not None and cfg.comm_group_size != config.group_size:
+        config = replace(config, group_size=cfg.comm_group_size)
     if config is None or cfg.intra_node_size is None:
         return config
     return replace(config, intra_node_size=node_size(cfg, world_size))

@@ -305,3 +305,35 @@ def test_a_failed_native_build_warns_once_and_the_torch_path_runs(tmp_path):
     assert done.stdout.startswith("1 the native CPU codec did not build")
     assert "FSDP_EXT_NATIVE_CPU=0" in done.stdout
     assert not list(tmp_path.rglob("*.so*"))  # nothing half-built left in the cache
+
+
+@pytest.mark.parametrize("beta", [0.8, 0.95])
+def test_int8_error_with_subnormal_scales_is_clamped_as_the_reference(sender, beta):
+    """Error feedback whose per-group scale is subnormal (a long run's error decays towards
+    zero): ``floor(e / s + 0.5)`` can then exceed 127, since ``s = fl(absmax / 127)`` rounds
+    to a step of 2^-149, and the stored int8 code must be clamped as the reference clamps it,
+    not wrap around. The example checks that the clamp bites, so the test can fail."""
+    group_size, groups = 128, 96
+    gen = torch.Generator().manual_seed(7)
+    # codes up to a per-group bound, so some groups' updated error peaks at 128-190 steps
+    bound = torch.randint(40, 128, (groups, 1), generator=gen)
+    codes = (torch.rand(groups, group_size, generator=gen) * (2 * bound + 1)).floor() - bound
+    codes = codes.to(torch.int8).view(-1)
+    step = 2.0**-149
+    scales = torch.randint(1, 4, (groups,), generator=gen).float() * step  # 1-3 steps
+    x = torch.zeros(groups * group_size)
+    kw = dict(group_size=group_size, bits=4, beta=beta)
+    # the updated error in fp32 (same arithmetic, stored unrounded), to see the clamp bite
+    e_fp32 = (codes.float().view(groups, -1) * scales.view(-1, 1)).view(-1)
+    quantize_ef_reference(x, e_fp32, None, **kw)
+    per_group = e_fp32.view(groups, -1)
+    s = per_group.abs().amax(dim=1, keepdim=True) / 127
+    unclamped = torch.floor(per_group / torch.where(s > 0, s, torch.ones_like(s)) + 0.5)
+    assert int((unclamped.abs() > 127).sum()) > 0, "no code beyond 127: the clamp never bites"
+    e_ref, s_ref = codes.clone(), scales.clone()
+    quantize_ef_reference(x, e_ref, s_ref, **kw)
+    e_cpu, s_cpu = codes.clone(), scales.clone()
+    quantize_ef_cpu(x, e_cpu, s_cpu, **kw)
+    assert int(e_ref.abs().max()) <= 127
+    assert bitwise_equal(s_cpu, s_ref)
+    assert torch.equal(e_cpu, e_ref), int((e_cpu != e_ref).sum())

@@ -21,6 +21,7 @@ from torch.distributed.fsdp.wrap import (
 
 import fsdp_ext
 from benchmarks.wrap_models import (
+    DecoderLayer,
     Expert,
     FineMoE,
     FineMoEConfig,
@@ -351,26 +352,27 @@ def test_plan_table_and_peak():
 
 
 def test_default_is_one_unit_per_repeated_block():
+    """One unit per block; the leftovers (embeddings, final norm, head) stay in the root,
+    and the last block stays gathered after forward (its backward comes next)."""
     with torch.device("meta"):
         model = FineMoE(FineMoEConfig(n_layers=3, num_experts=4))
     plan = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy())
-    assert [u.fqn for u in plan.units] == [
-        "",
-        "embed_tokens",
-        "layers.0",
-        "layers.1",
-        "layers.2",
-        "norm",
-        "lm_head",
-    ]
+    assert [u.fqn for u in plan.units] == ["", "layers.0", "layers.1", "layers.2"]
+    leftovers = ("embed_tokens", "norm", "lm_head")
+    assert plan.units[0].numel == sum(getattr(model, n).weight.numel() for n in leftovers)
+    assert plan.reshard_after_forward == [None, None, False]
+    resharded = fsdp_ext.plan_units(model, {DecoderLayer})  # the per-block wrap
+    assert [u.fqn for u in resharded.units] == [u.fqn for u in plan.units]
+    assert plan.peak_bytes <= resharded.peak_bytes
+    # reshard_after_forward given by the caller: every unit takes it
+    given = fsdp_ext.plan_units(model, fsdp_ext.GranularityPolicy(), reshard_after_forward=True)
+    assert given.reshard_after_forward == [True, True, True]
     # Granularity is not monotone along the tree: FineGrainedBlock (12098) is finer than
     # its MLPBlocks (12288), yet the default still stops at the blocks, not above them.
     plan = fsdp_ext.plan_units(ModelWithFineGrainedBlock(), fsdp_ext.GranularityPolicy())
     assert plan.threshold == 12288
     assert [u.fqn for u in plan.units] == [
         "",
-        "coarse_grained_layer1",
-        "coarse_grained_layer2",
         *(f"fine_grained_layer.mlp_layers.{i}" for i in range(16)),
     ]
     # No containers: every indivisible module is a unit.
@@ -439,15 +441,8 @@ def test_tied_modules_are_grouped_into_one_unit():
     assert plan.units[1].members == ("embed", "head") and plan.units[1].numel == 64 * 16
     assert plan.units[0].numel == 0
     plan = fsdp_ext.plan_units(_TiedBlocks(), fsdp_ext.GranularityPolicy())
-    assert [u.fqn for u in plan.units] == [
-        "",
-        "embed",
-        "blocks.0+blocks.3",
-        "blocks.1",
-        "blocks.2",
-        "head",
-    ]
-    assert plan.units[0].numel == 0
+    assert [u.fqn for u in plan.units] == ["", "blocks.0+blocks.3", "blocks.1", "blocks.2"]
+    assert plan.units[0].numel == 32 * 16 * 2  # embed and head stay in the root
 
 
 def test_parameter_list_and_dict_are_never_units():

@@ -7,7 +7,7 @@ Every wire format is a :class:`Codec` (``fsdp_ext/comm/codec.py``), named in
 
 from fsdp_ext.comm.absmax_codec import AbsmaxCodec
 from fsdp_ext.comm.all_reduce_hook import LoCoAllReduceHook
-from fsdp_ext.comm.codec import Codec, Feedback
+from fsdp_ext.comm.codec import Codec, Feedback, WireChoice, choose_wire
 from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.reduce_scatter import LoCoReduceScatter
 from fsdp_ext.comm.register import CommHandle, register_comm_hook
@@ -30,6 +30,8 @@ __all__ = [
     "QuantizedWeightAllGather",
     "WeightGatherHandle",
     "WeightGatherStats",
+    "WireChoice",
+    "choose_wire",
     "make_codec",
     "register_codec",
     "register_comm_hook",

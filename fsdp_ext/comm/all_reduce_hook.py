@@ -6,7 +6,9 @@ unit's reduce-scatter output and we average it across replicas ourselves:
 1. a quantised reduce-scatter over the replicas (LoCo error feedback on every rank's input),
 2. a quantised all-gather of each rank's reduced slice (LoCo error feedback on the owner).
 
-Every replica dequantises the same bytes, so replicas stay bit-identical.
+Every replica dequantises the same bytes, so replicas stay bit-identical. A unit whose
+payload would not be smaller than its slice's values (:func:`~fsdp_ext.comm.codec.choose_wire`)
+is all-reduced as is.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_ext._torch import all_gather_into
-from fsdp_ext.comm.codec import Codec
+from fsdp_ext.comm.codec import Codec, choose_wire
 from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.error_feedback import ErrorFeedback, ErrorSubset
 from fsdp_ext.comm.layout import ParamLayout
@@ -117,6 +119,9 @@ class LoCoAllReduceHook:
             )
         device = reduce_output.device
         index = layout.slice_index(present, replicas, device)
+        if not choose_wire(self.codec, [index.shape[1]], reduce_output.element_size()).compressed:
+            self._plain_all_reduce(reduce_output)
+            return
         width = self.codec.padded(index.shape[1])
         flat = reduce_output.reshape(-1).float()
         source = torch.cat([flat, flat.new_zeros(1)])
@@ -148,6 +153,16 @@ class LoCoAllReduceHook:
         self.stats.bytes_uncompressed += (
             2 * (replicas - 1) * numel * reduce_output.element_size() // replicas
         )
+        self.stats.reductions += 1
+
+    def _plain_all_reduce(self, reduce_output: torch.Tensor) -> None:
+        """The stock HSDP step, for units too small to gain from the codec."""
+        replicas = self.replicate_group.size()
+        dist.all_reduce(reduce_output, group=self.replicate_group)
+        reduce_output.mul_(self.out_scale())
+        plain = 2 * (replicas - 1) * reduce_output.numel() * reduce_output.element_size()
+        self.stats.bytes_sent += plain // replicas
+        self.stats.bytes_uncompressed += plain // replicas
         self.stats.reductions += 1
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:

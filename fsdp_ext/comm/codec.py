@@ -50,6 +50,15 @@ position (a codec may widen it to the position's whole group), never to a finite
 **Determinism.** Decoding is a pure function of the payload bytes: every rank that decodes
 the same bytes gets the same values (HSDP replicas stay bit-identical).
 
+**Never more bytes than the plain collective.** A codec's payload carries scales and pads
+rows to whole groups, so for a small row (a norm's weight, a bias, a small model at a large
+group size) it can exceed the values' own bytes. Every collective of ``fsdp_ext.comm`` asks
+:func:`choose_wire` before it encodes: a unit whose payload would not be smaller than its
+plain bytes in the collective's dtype is sent as is, uncompressed. The choice depends on the
+sizes, the dtype and the codec's settings only, so every rank makes the same one without
+talking; the handles expose it per unit (``CommHandle.wire_choices``,
+``WeightGatherHandle.wire_choices``), so a cost model can count it.
+
 **header().** Plain values (str, int, float, bool, None) that saved feedback must match to be
 reused as is after a resume. A mismatch in one of :attr:`Codec.format_keys` means the saved
 buffers cannot even be read (the load is refused); any other mismatch only makes them stale
@@ -66,7 +75,7 @@ from typing import ClassVar
 
 import torch
 
-__all__ = ["Codec", "Feedback"]
+__all__ = ["Codec", "Feedback", "WireChoice", "choose_wire"]
 
 
 @dataclass
@@ -172,3 +181,37 @@ def _stretches(codec: Codec, segments: Sequence[int]) -> Iterator[tuple[tuple, t
         yield (start, numel), (at, width)
         start += numel
         at += width
+
+
+@dataclass(frozen=True)
+class WireChoice:
+    """What one rank's row of one unit costs on the wire, encoded and plain, and which is sent.
+
+    ``payload_bytes``: the codec's payload (codes, scales, padding); ``plain_bytes``: the
+    same values in the collective's dtype. ``compressed`` is True only where the payload is
+    strictly smaller.
+    """
+
+    compressed: bool
+    payload_bytes: int
+    plain_bytes: int
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes of the row actually sent."""
+        return self.payload_bytes if self.compressed else self.plain_bytes
+
+
+def choose_wire(codec: Codec, segments: Sequence[int], element_size: int) -> WireChoice:
+    """Encode a row made of ``segments`` (elements each, encoded separately) only if that
+    sends fewer bytes than the plain row of ``element_size``-byte values.
+
+    A pure function of sizes and settings: every rank of a collective gets the same answer.
+    """
+    if element_size <= 0 or any(n < 0 for n in segments):
+        raise ValueError(
+            f"element_size must be > 0 and segments >= 0, got {element_size} and {list(segments)}"
+        )
+    payload = codec.unit_payload_bytes([n for n in segments if n])  # what encode_unit sends
+    plain = sum(segments) * element_size
+    return WireChoice(payload < plain, payload, plain)

@@ -68,6 +68,23 @@ def quantized_reduce_scatter_into(
     return (chunks.shape[0] - 1) * payload.shape[1]
 
 
+def plain_reduce_scatter_into(
+    output: torch.Tensor, chunks: torch.Tensor, group: dist.ProcessGroup, *, out_scale: float
+) -> int:
+    """:func:`quantized_reduce_scatter_into` without the codec, for units whose payload
+    would be larger than their values (:func:`~fsdp_ext.comm.codec.choose_wire`): the rows
+    go as they are, and are summed as ``decode_reduce`` sums them (float32, row order, one
+    multiplication by ``out_scale``). Returns the bytes sent to peers."""
+    rows = chunks.contiguous()
+    received = torch.empty_like(rows)
+    dist.all_to_all_single(received, rows, group=group)
+    total = torch.zeros(rows.shape[1], dtype=torch.float32, device=rows.device)
+    for row in received:
+        total += row.float()
+    output.copy_(total * torch.tensor(out_scale, dtype=torch.float32))
+    return (rows.shape[0] - 1) * rows.shape[1] * rows.element_size()
+
+
 def quantized_reduce_scatter(
     chunks: torch.Tensor,
     group: dist.ProcessGroup,

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_ext._torch import ReduceScatter
-from fsdp_ext.comm.codec import Codec
+from fsdp_ext.comm.codec import Codec, WireChoice, choose_wire
 from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.error_feedback import ErrorFeedback, ErrorSubset
 from fsdp_ext.comm.hierarchical import (
@@ -19,12 +19,16 @@ from fsdp_ext.comm.hierarchical import (
     node_local_reduce_scatter,
 )
 from fsdp_ext.comm.layout import ParamLayout
-from fsdp_ext.comm.quantized_exchange import quantized_reduce_scatter_into
+from fsdp_ext.comm.quantized_exchange import (
+    plain_reduce_scatter_into,
+    quantized_reduce_scatter_into,
+)
 from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.stats import CommStats
-from fsdp_ext.comm.unit import UnitBinding
+from fsdp_ext.comm.unit import UnitBinding, reduce_dtype_of
 
 ReduceOp = dist.ReduceOp
+WIRE_DTYPES = {torch.float16: torch.float32}  # reduce dtype -> what the rows travel in
 
 
 def reduce_op_scale(op: object, world_size: int) -> float:
@@ -47,9 +51,10 @@ class LoCoReduceScatter(ReduceScatter):
     keeps the error of each of the unit's trainable parameters, and maps every reduction's
     columns to them, so a parameter left out of a reduction (no gradient) neither receives
     nor corrupts anyone's error. Each rank's chunk is padded to whole codec groups, so a
-    quantisation group never straddles two ranks. The wire format is ``config.codec``'s.
-    FSDP calls it only when the shard group has more than one rank. fp16 gradients are
-    computed in fp32.
+    quantisation group never straddles two ranks. The wire format is ``config.codec``'s,
+    except for a unit whose payload would not be smaller than its values (:attr:`wire`):
+    those go as they are. FSDP calls it only when the shard group has more than one rank.
+    fp16 gradients are computed in fp32.
     """
 
     def __init__(
@@ -68,6 +73,25 @@ class LoCoReduceScatter(ReduceScatter):
         self._node_groups = node_groups
         self.unit: UnitBinding | None = None
         self._anonymous: ParamLayout | None = None
+        self._wire_cache: dict[tuple[int, torch.dtype], WireChoice] = {}
+
+    def wire_for(self, shard: int, dtype: torch.dtype) -> WireChoice:
+        """Encoded or plain for rows of ``shard`` elements in ``dtype`` (sizes only, so every
+        rank of the group chooses alike)."""
+        key = (shard, dtype)
+        if key not in self._wire_cache:
+            size = torch.empty((), dtype=dtype).element_size()
+            self._wire_cache[key] = choose_wire(self.codec, [shard], size)
+        return self._wire_cache[key]
+
+    @property
+    def wire(self) -> WireChoice:
+        """The bound unit's choice when all its parameters have gradients (in its reduce
+        dtype; fp16 travels as fp32)."""
+        if self.unit is None:
+            raise ValueError("this LoCoReduceScatter serves no unit yet: bind or install it")
+        dtype = reduce_dtype_of(self.unit.group)
+        return self.wire_for(self.unit.layout.width, WIRE_DTYPES.get(dtype, dtype))
 
     def bind(self, unit: UnitBinding) -> None:
         """Serve ``unit`` (and only it): its parameter layout keys the error buffer."""
@@ -155,6 +179,10 @@ class LoCoReduceScatter(ReduceScatter):
         if chunks.shape[0] == 1:
             output_tensor.copy_(chunks[0].float() * out_scale)
             sent = 0
+        elif not self.wire_for(shard, chunks.dtype).compressed:
+            sent = plain_reduce_scatter_into(
+                output_tensor, chunks, exchange_group, out_scale=out_scale
+            )
         else:
             feedback = None
             if self.feedback is not None:

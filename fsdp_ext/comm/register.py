@@ -19,7 +19,7 @@ from fsdp_ext._torch import (
     trainable_fsdp_params,
 )
 from fsdp_ext.comm.all_reduce_hook import LoCoAllReduceHook
-from fsdp_ext.comm.codec import Codec
+from fsdp_ext.comm.codec import Codec, WireChoice
 from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.hierarchical import NodeGroups, all_shard_groups, build_node_groups
 from fsdp_ext.comm.reduce_scatter import LoCoReduceScatter
@@ -109,6 +109,12 @@ class CommHandle:
     def reduce_scatters(self) -> dict[str, LoCoReduceScatter]:
         """The reduce-scatter installed on each unit, by the names of :attr:`units`."""
         return {fqn: unit.reduce_scatter for fqn, unit in self._units.items()}
+
+    @property
+    def wire_choices(self) -> dict[str, WireChoice]:
+        """Per unit: its gradient rows' payload and plain bytes, and whether they are
+        encoded (units whose payload would be larger go plain); see ``weights`` for qwZ."""
+        return {fqn: unit.reduce_scatter.wire for fqn, unit in self._units.items()}
 
     def reset_stats(self) -> None:
         for unit in self._units.values():

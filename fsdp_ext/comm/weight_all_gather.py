@@ -20,7 +20,11 @@ Which gathers are quantised:
   gather from the node-local copy) never: that copy holds the forward's dequantised
   weights already, and re-quantising them would change what forward computed with;
 - a unit whose all-gather is not in a float dtype (mixed parameter dtypes make FSDP gather
-  bytes) is gathered as is.
+  bytes) is gathered as is;
+- a unit whose payload (codes, scales, padding to whole groups) would not be smaller than
+  its plain bytes (a lone norm, biases, a small model at a large group size) is gathered as
+  is: :func:`~fsdp_ext.comm.codec.choose_wire`, per unit, the same on every rank
+  (:attr:`QuantizedWeightAllGather.wire`).
 """
 
 from __future__ import annotations
@@ -36,11 +40,12 @@ from fsdp_ext._torch import (
     FSDPParamGroup,
     all_gather_into,
     fsdp_params,
+    gather_dtype,
     gathering_for_backward,
     padded_shard_numel,
     shard_process_group,
 )
-from fsdp_ext.comm.codec import Codec
+from fsdp_ext.comm.codec import Codec, WireChoice, choose_wire
 from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.weight_config import QuantizedAllGather
 
@@ -90,7 +95,25 @@ class QuantizedWeightAllGather(AllGather):
         self.fqn = fqn
         self._group = group
         self._segment_cache: dict[int, tuple[int, ...]] = {}
+        self._wire_cache: dict[tuple[int, torch.dtype], WireChoice] = {}
         self.stats = WeightGatherStats()
+
+    @property
+    def wire(self) -> WireChoice:
+        """This unit's choice for its shard-group gathers: every parameter's padded shard in
+        the dtype FSDP gathers (the mixed-precision param dtype, else the parameter's)."""
+        params = fsdp_params(self._group)
+        n = sum(padded_shard_numel(p) for p in params)
+        dtype = gather_dtype(self._group, params[0]) if params else torch.float32
+        return self.wire_for(n, dtype)
+
+    def wire_for(self, n: int, dtype: torch.dtype) -> WireChoice:
+        """Encoded or plain for a flat input of ``n`` elements in ``dtype`` (sizes only)."""
+        key = (n, dtype)
+        if key not in self._wire_cache:
+            size = torch.empty((), dtype=dtype).element_size()
+            self._wire_cache[key] = choose_wire(self.codec, self._segments(n), size)
+        return self._wire_cache[key]
 
     def allocate(
         self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
@@ -114,6 +137,8 @@ class QuantizedWeightAllGather(AllGather):
             return "full_precision"
         if not self.config.backward and gathering_for_backward(self._group):
             return "full_precision"
+        if not self.wire_for(input_tensor.numel(), input_tensor.dtype).compressed:
+            return "full_precision"  # the payload would be larger than the values
         return "quantized"
 
     def __call__(

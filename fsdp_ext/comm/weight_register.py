@@ -12,6 +12,7 @@ from fsdp_ext._torch import (
     param_groups,
     shard_process_group,
 )
+from fsdp_ext.comm.codec import WireChoice
 from fsdp_ext.comm.weight_all_gather import QuantizedWeightAllGather, WeightGatherStats
 from fsdp_ext.comm.weight_config import QuantizedAllGather
 
@@ -40,6 +41,17 @@ class WeightGatherHandle:
         for _, comm in self._comms.values():
             total.add(comm.stats)
         return total
+
+    @property
+    def all_gathers(self) -> dict[str, QuantizedWeightAllGather]:
+        """The all-gather installed on each unit, by the names of :attr:`units`."""
+        return {fqn: comm for fqn, (_, comm) in self._comms.items()}
+
+    @property
+    def wire_choices(self) -> dict[str, WireChoice]:
+        """Per unit: its gather's payload and plain bytes per rank, and whether it is
+        encoded (units whose payload would be larger go plain)."""
+        return {fqn: comm.wire for fqn, (_, comm) in self._comms.items()}
 
     def reset_stats(self) -> None:
         for _, comm in self._comms.values():

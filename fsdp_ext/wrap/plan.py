@@ -21,8 +21,9 @@ from fsdp_ext.wrap.units import (
     Layout,
     WrapPlan,
     build_plan,
-    default_units,
     fsdp_unsharded_bytes,
+    keep_last_unit,
+    per_block_units,
     unit_groups,
     unit_reshard_after_forward,
 )
@@ -83,7 +84,7 @@ def plan_units(
     threshold = None
     if isinstance(auto_wrap_policy, GranularityPolicy):
         if auto_wrap_policy.threshold is None:
-            units, threshold = default_units(module, infos)
+            units, threshold = per_block_units(module, infos)
         else:
             threshold = auto_wrap_policy.threshold
             units = granularity_units(module, threshold, infos)
@@ -94,19 +95,26 @@ def plan_units(
     if isinstance(auto_wrap_policy, CustomPolicy):
         overrides = run_fsdp1_policy(auto_wrap_policy, module)
     raf = [unit_reshard_after_forward(g, reshard_after_forward, overrides) for g in groups]
-    return build_plan(
-        module,
-        groups,
-        infos,
-        layout,
-        param_dtype=param_dtype,
-        threshold=threshold,
-        policy=_describe(auto_wrap_policy, threshold),
-        raf=raf,
-        fsdp_sizes=fsdp_sizes,
-        world_size=world,
-        default_raf=reshard_after_forward,
-    )
+
+    def plan_with(settings: list[bool | int | None]) -> WrapPlan:
+        return build_plan(
+            module,
+            groups,
+            infos,
+            layout,
+            param_dtype=param_dtype,
+            threshold=threshold,
+            policy=_describe(auto_wrap_policy, threshold),
+            raf=settings,
+            fsdp_sizes=fsdp_sizes,
+            world_size=world,
+            default_raf=reshard_after_forward,
+        )
+
+    plan = plan_with(raf)
+    if threshold is not None and auto_wrap_policy.threshold is None:
+        plan = keep_last_unit(plan, raf, groups, reshard_after_forward, plan_with)
+    return plan
 
 
 def _describe(policy: object, threshold: int | None) -> str:

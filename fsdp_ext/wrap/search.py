@@ -39,7 +39,9 @@ from fsdp_ext.wrap.units import (
     WrapPlan,
     build_plan,
     default_units,
+    keep_last_unit,
     make_atoms,
+    per_block_units,
     root_reshard_after_forward,
     spans_for,
     unit_groups,
@@ -129,20 +131,32 @@ def plan_for_budget(
     root_raf = root_reshard_after_forward(root, reshard_after_forward)
     common = dict(param_dtype=param_dtype, fsdp_sizes=fsdp_sizes, world_size=world_size)
     block_units, block_threshold = default_units(root, infos)
-    # What GranularityPolicy() builds (one unit per block, the leftovers at the blocks'
-    # granularity), so the printout compares the budget plan with the default.
-    block_groups = unit_groups(root, block_units)
-    baseline = build_plan(
-        root,
-        block_groups,
-        infos,
-        layout,
-        threshold=block_threshold,
-        policy="GranularityPolicy()",
-        raf=[unit_reshard_after_forward(g, reshard_after_forward, {}) for g in block_groups],
-        cost_model=model,
-        default_raf=reshard_after_forward,
-        **common,
+    # What GranularityPolicy() builds (one unit per block, the leftovers in the root, the
+    # last unit kept where that costs no peak), so the printout compares the budget plan
+    # with the default.
+    default_groups = unit_groups(root, per_block_units(root, infos)[0])
+    default_raf = [unit_reshard_after_forward(g, reshard_after_forward, {}) for g in default_groups]
+
+    def default_plan(settings: list[bool | int | None]) -> WrapPlan:
+        return build_plan(
+            root,
+            default_groups,
+            infos,
+            layout,
+            threshold=block_threshold,
+            policy="GranularityPolicy()",
+            raf=settings,
+            cost_model=model,
+            default_raf=reshard_after_forward,
+            **common,
+        )
+
+    baseline = keep_last_unit(
+        default_plan(default_raf),
+        default_raf,
+        default_groups,
+        reshard_after_forward,
+        default_plan,
     )
     granularities = sorted(
         {i.granularity for i in infos.values() if i.granularity is not None}, reverse=True

@@ -12,6 +12,7 @@ Imports run one way: tree -> policy -> cost/peak -> units -> search -> plan -> a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -45,7 +46,9 @@ __all__ = [
     "build_plan",
     "default_units",
     "fsdp_unsharded_bytes",
+    "keep_last_unit",
     "make_atoms",
+    "per_block_units",
     "root_reshard_after_forward",
     "spans_for",
     "unit_groups",
@@ -383,6 +386,44 @@ def default_units(
     sizes = [infos[b].granularity for b in blocks if infos[b].numel]
     threshold = max((g for g in sizes if g is not None), default=0)
     return granularity_units(root, threshold, infos, ancestors), threshold
+
+
+def per_block_units(
+    root: nn.Module, infos: dict[nn.Module, ModuleInfo]
+) -> tuple[list[nn.Module], int]:
+    """``GranularityPolicy()``'s units: one per repeated block, the leftovers in the root.
+
+    A leftover unit (the embeddings, a lone final norm, the output layer) costs its hooks,
+    three collectives' latency and a second all-gather of its bytes every step, and buys
+    only memory: the root holds it unsharded. Without a memory budget there is nothing to
+    buy, so the leftovers stay in the root, as in the per-block wrap; a budget
+    (``memory_budget_bytes``) weighs them as units again. Without repeated blocks every
+    indivisible module stays a unit (:func:`default_units`).
+    """
+    units, threshold = default_units(root, infos)
+    blocks, _ = repeated_blocks(root)
+    if not blocks:
+        return units, threshold
+    inside = {m for b in blocks for m in b.modules()}
+    return [u for u in units if u in inside], threshold
+
+
+def keep_last_unit(
+    plan: WrapPlan,
+    raf: list[bool | int | None],
+    groups: list[Group],
+    default: bool | int | None,
+    plan_with: Callable[[list[bool | int | None]], WrapPlan],
+) -> WrapPlan:
+    """The default plan keeps its last unit gathered after forward (its backward comes
+    next, so a backward all-gather is saved) where the estimated peak does not grow and the
+    caller left ``reshard_after_forward`` unset. ``plan_with(raf)`` builds a plan."""
+    if default is not None or not groups or raf[-1] is not None:
+        return plan
+    if any(isinstance(m, FSDPModule) for m in groups[-1]):
+        return plan
+    kept = plan_with([*raf[:-1], False])
+    return kept if kept.peak_bytes <= plan.peak_bytes else plan
 
 
 def unit_reshard_after_forward(
