@@ -41,6 +41,7 @@ from examples.config import (
     TrainConfig,
     check_world,
     comm_config,
+    decide_comm,
     node_size,
     parse_args,
     run_record,
@@ -278,6 +279,9 @@ def train(cfg: TrainConfig) -> dict:
     model = Transformer(cfg.model).to(device)
     dims = ParallelDims(world, ep=cfg.ep, pp=cfg.pp)
     dims.build_mesh(device.type)
+    cfg = decide_comm(cfg, model, world)  # --comm auto: measured, decided on rank 0
+    if cfg.auto is not None and rank == 0 and (cfg.explain or cfg.verbose):
+        print(cfg.auto.explain() if cfg.explain else cfg.auto.summary(), flush=True)
     par = parallelize(model, cfg, dims)
     params = [p for part in par.parts for p in part.parameters()]
     optimizer = torch.optim.AdamW(
@@ -352,6 +356,7 @@ def train(cfg: TrainConfig) -> dict:
         "world_size": world,
         "comm_stats": None if par.comm is None else asdict(par.comm.stats),
         "weight_stats": None if par.weights is None else asdict(par.weights.stats),
+        "comm_auto": None if cfg.auto is None else cfg.auto.choice.name,
     }
 
 
@@ -432,8 +437,11 @@ def main(argv: list[str] | None = None) -> dict | None:
                 "tokens_per_s": _rounded(summary["tokens_per_s"]),
                 "step_ms": _rounded(summary["step_ms"], 1),
                 "wall_s": _rounded(wall_s, 1),
+                "comm_auto": summary["comm_auto"],
                 "config": {
-                    k: v for k, v in asdict(cfg).items() if k not in ("verbose", "nproc_per_node")
+                    k: v
+                    for k, v in asdict(cfg).items()
+                    if k not in ("verbose", "nproc_per_node", "auto")
                 },
             }
             print(json.dumps(result), flush=True)
