@@ -63,13 +63,14 @@ CONFIGS = {
     "loco_flat": ["--comm", "loco"],
     "loco_hier": ["--comm", "loco", "--intra-node-size", NODE_SIZE],
     "zeropp": ["--zeropp"],
+    "auto": ["--comm", "auto"],
 }
 HIERARCHICAL = {"loco_hier"}  # pointless with one rank per node (same as flat)
 FP32_COMPUTE = ("stock_fp32", "q4", "loco_flat", "loco_hier")  # same model compute, fp32
 KINDS = ("all_gather", "reduce_scatter", "other")
 RATES_MBIT = [50, 100, 200, 400, 1000]
-QUICK_PLAN = {"2x2": [50, 200, 1000], "4x1": [200]}
-FULL_PLAN = {"2x2": RATES_MBIT, "4x1": RATES_MBIT}
+QUICK_PLAN = {"2x2": [50, 200, 1000], "3x2": [100]}
+FULL_PLAN = {"2x2": RATES_MBIT, "3x2": RATES_MBIT, "4x1": RATES_MBIT}
 # A real cluster the calibration compares with: 8 x H100 per node (bf16 dense peak), an 8B
 # model at 40 % MFU, 16k tokens per GPU and step, sharded over all GPUs like the lab's job.
 REFERENCE = {
@@ -110,16 +111,24 @@ def resolve_configs(names: list[str], ranks_per_node: int) -> tuple[dict, list[s
 
 # ------------------------------------------------------------------ one job
 def run_job(
-    lab: Cluster, configs: dict, common: list[str], timeout: float, repeats: int, shift: int
+    lab: Cluster,
+    configs: dict,
+    common: list[str],
+    timeout: float,
+    repeats: int,
+    shift: int,
+    rotate: bool = True,
 ) -> dict[str, list[list[dict]]]:
-    """Every configuration ``repeats`` times in one torchrun job, the order rotated by
-    ``shift`` and again on each repeat; returns name -> one list of rank records per run."""
+    """Every configuration in one torchrun job; returns name -> one list of rank records per
+    run. ``rotate``: all built side by side and trained a step each in turn (the order
+    rotated step by step: load drift hits every configuration alike); else one after
+    another, ``repeats`` times, the order rotated by ``shift`` and again on each repeat."""
     names = list(configs)
     runs = []
-    for repeat in range(repeats):
+    for repeat in range(1 if rotate else repeats):
         k = (shift + repeat) % len(names)
         runs += [[name, configs[name]] for name in names[k:] + names[:k]]
-    spec = json.dumps({"common": common, "runs": runs})
+    spec = json.dumps({"common": common, "runs": runs, "rotate": rotate})
     result = lab.run([str(RANK_PROGRAM), spec], timeout=timeout)
     if result.returncode != 0:
         tails = [e[-1500:] for e in result.rank_stderr if e.strip()]
@@ -190,6 +199,7 @@ def summarize(records: list[dict], nodes: int, ranks_per_node: int, warmup: int)
         ),
         "val_loss": by_rank[0]["val_loss"],
         "final_loss": by_rank[0]["final_loss"],
+        "comm_auto": by_rank[0].get("comm_auto"),
     }
     stats = [r["comm_stats"] for r in by_rank]
     if stats[0] is not None:
@@ -245,6 +255,26 @@ def calibration(compute_ms: float, link_bytes: float, rates: list[int]) -> dict:
             "comm_to_compute": round(ratio, 3),
             "equivalent_node_gbit": round(mbit * 1e6 * ref_rate / lab_rate / 1e9),
         }
+    return out
+
+
+def auto_keys(rows: list[dict]) -> dict:
+    """Per layout and rate: ``auto``'s step time over the best fixed configuration's, its
+    choice, and which fixed configuration was best."""
+    out = {}
+    for layout, mbit in dict.fromkeys((r["layout"], r["rate_mbit"]) for r in rows):
+        here = [r for r in rows if r["layout"] == layout and r["rate_mbit"] == mbit]
+        auto = next((r for r in here if r["config"] == "auto"), None)
+        fixed = [r for r in here if r["config"] != "auto"]
+        if auto is None or not fixed:
+            continue
+        best = min(fixed, key=lambda r: r["step_ms"])
+        out[f"auto_over_best_{layout}_{mbit}"] = round(auto["step_ms"] / best["step_ms"], 4)
+        out[f"auto_choice_{layout}_{mbit}"] = auto["comm_auto"]
+        out[f"best_fixed_{layout}_{mbit}"] = best["config"]
+    ratios = [v for k, v in out.items() if k.startswith("auto_over_best_")]
+    if ratios:
+        out["auto_over_best_max"] = max(ratios)
     return out
 
 
@@ -345,6 +375,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--repeats", type=int, default=None, help="runs per configuration, fastest kept (2; 1)"
     )
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="run the configurations one after another (with --repeats) instead of in "
+        "step-by-step rotation",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="per lab job, seconds")
     p.add_argument(
         "--nice",
@@ -366,7 +402,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = a.steps or (6 if a.quick else 12)
     warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
     val_batches = a.val_batches or (1 if a.quick else 4)
-    repeats = a.repeats or (1 if a.quick else 2)
+    repeats = 1 if not a.sequential else a.repeats or (1 if a.quick else 2)
     names = a.configs.split(",")
     t_start = time.perf_counter()
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -385,6 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
 
     rows, missing_all = [], set()
+    loads: dict[str, list[float]] = {}  # 1-minute load average before and after each job
     compute: dict[str, float] = {}
     for index, (layout, rates) in enumerate(plan.items()):
         nodes, rpn = (int(x) for x in layout.split("x"))
@@ -393,7 +430,9 @@ def main(argv: list[str] | None = None) -> dict:
         if index == 0:  # compute time: every rank on one node, no link at all
             with Cluster(1, nodes * rpn, "1gbit", storage=False, timeout=a.timeout) as lab:
                 # the calibration's compute time: never fewer than two repeats
-                records = run_job(lab, configs, common, a.timeout, max(2, repeats), 0)
+                records = run_job(
+                    lab, configs, common, a.timeout, max(2, repeats), 0, not a.sequential
+                )
             for name, runs in records.items():
                 compute[name] = min(
                     statistics.median(
@@ -404,7 +443,9 @@ def main(argv: list[str] | None = None) -> dict:
         with Cluster(nodes, rpn, f"{rates[0]}mbit", storage=False, timeout=a.timeout) as lab:
             for shift, mbit in enumerate(rates, start=1):
                 lab.set_link(f"{mbit}mbit")
-                records = run_job(lab, configs, common, a.timeout, repeats, shift)
+                load_before = os.getloadavg()[0]
+                records = run_job(lab, configs, common, a.timeout, repeats, shift, not a.sequential)
+                loads[f"{layout}_{mbit}"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
                 for name, runs in records.items():
                     row = {"layout": layout, "config": name, "rate_mbit": mbit}
                     row.update(fastest([summarize(r, nodes, rpn, warmup) for r in runs]))
@@ -528,6 +569,9 @@ def main(argv: list[str] | None = None) -> dict:
             if layout != main_layout
         },
         "wall_s": round(time.perf_counter() - t_start),
+        "rotate": not a.sequential,
+        "load_per_job": loads,
+        **auto_keys(rows),
     }
     if a.plot:
         plot(rows, compute, Path(a.plot))
