@@ -248,3 +248,47 @@ def test_train_comm_auto_explains_and_keeps_the_users_flags(tmp_path):
     assert len(chosen) == 1 and "weights=int8 " in chosen[0]
     result = json.loads(out.strip().splitlines()[-1])
     assert result["comm_auto"].startswith("weights=int8 ") and result["steps"] == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--explain"], "--explain: only with --comm auto, got --comm loco"),
+        (["--comm", "auto", "--pp", "2", "--n-layers", "2"], "--comm: auto is not under --pp"),
+        (["--comm", "auto", "--zeropp"], "--zeropp: it is --comm loco --qwz --hpz; drop --comm"),
+    ],
+)
+def test_auto_flags_refuse_in_one_line(argv, needle, capsys):
+    from examples.config import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=4)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
+
+
+def test_hpz_given_on_one_node_is_refused_before_any_collective():
+    from examples.config import ConfigError, TrainConfig, decide_comm
+
+    cfg = TrainConfig(comm="auto", hpz=True, intra_node_size=2, verbose=False)
+    with pytest.raises(ConfigError, match="--hpz: needs ranks on more than one node"):
+        decide_comm(cfg, None, 2)
+
+
+def test_auto_keys_compare_auto_with_the_best_fixed_configuration():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from cluster import auto_keys
+
+    rows = [
+        {"layout": "2x2", "rate_mbit": 50, "config": "stock_fp32", "step_ms": 6000.0},
+        {"layout": "2x2", "rate_mbit": 50, "config": "zeropp", "step_ms": 600.0},
+        {"layout": "2x2", "rate_mbit": 50, "config": "auto", "step_ms": 615.0, "comm_auto": "x"},
+        {"layout": "3x2", "rate_mbit": 1000, "config": "q4", "step_ms": 400.0},
+        {"layout": "3x2", "rate_mbit": 1000, "config": "zeropp", "step_ms": 500.0},
+        {"layout": "3x2", "rate_mbit": 1000, "config": "auto", "step_ms": 380.0, "comm_auto": "y"},
+    ]
+    keys = auto_keys(rows)
+    assert keys["auto_over_best_2x2_50"] == 1.025 and keys["auto_choice_2x2_50"] == "x"
+    assert keys["auto_over_best_3x2_1000"] == 0.95 and keys["best_fixed_3x2_1000"] == "q4"
+    assert keys["auto_over_best_max"] == 1.025

@@ -137,13 +137,13 @@ def _probe_codecs(sample: int) -> dict[str, CodecSpeed]:
     dist.barrier()  # every rank at once: ranks sharing cores slow each other
     out = {}
     for key in CODEC_KEYS:
-        per_call = _time_call(tiny[key], 5)
+        per_call = _time_call(tiny[key], 3)
         whole = _time_call(large[key], 2)
         out[key] = CodecSpeed(per_call=per_call, per_element=max(whole - per_call, 0) / sample)
     return out
 
 
-def measure(node_size: int, *, target_s: float = 0.1, codec_sample: int = 1 << 20) -> Measurements:
+def measure(node_size: int, *, target_s: float = 0.1, codec_sample: int = 1 << 18) -> Measurements:
     """Measure this job's hops and codecs (collective: call on every rank of the default
     group, whose ranks ``g`` sit on node ``g // node_size``). Each rank returns its own view;
     :func:`~fsdp_ext.comm.auto.decide.auto_config` combines them."""
