@@ -10,6 +10,7 @@ rate and configuration:
   loco_flat    4-bit LoCo (--comm loco)
   loco_hier    4-bit LoCo across nodes, full precision inside a node (hierarchical)
   zeropp       the ZeRO++ stack (--zeropp), included when examples/train.py accepts it
+  auto         --comm auto: measures the links and codecs at startup and picks (docs/comm.md)
 
 Per layout (nodes x ranks per node), rate and configuration: step ms (median after the
 warm-up steps, from an optimizer post-step hook on rank 0), link bytes per step and node
@@ -19,13 +20,16 @@ algorithms checked against the counter), CommStats' 4-bit bytes against the coun
 the validation loss. A one-node run of every configuration (all ranks on one loopback)
 gives this machine's compute time per step, for the calibration in docs/cluster.md.
 
-All configurations of one rate run in one torchrun job, one after another (same processes,
-same lab), so they are compared side by side; the order rotates from rate to rate, and with
---repeats each configuration runs again later in the job and the fastest repeat is kept
-(other work on the machine only ever adds time).
+All configurations of one rate run in one torchrun job (same processes, same lab), built
+side by side and trained one step each in turn, the order rotated step by step, so load
+from other work on the machine slows every configuration alike (benchmarks/comm.py
+--step-time does the same). --sequential runs them one after another instead, the order
+rotated from rate to rate, and with --repeats each runs again later in the job and the
+fastest repeat is kept. Per layout and rate, auto_over_best_<layout>_<rate> is auto's step
+time over the best fixed configuration's, auto_choice_<layout>_<rate> what it chose.
 
-    python benchmarks/cluster.py --quick     # 2x2 at 50/200/1000 Mbit/s, 4x1 at 200 (< 10 min)
-    python benchmarks/cluster.py             # 2x2 and 4x1 at 50/100/200/400/1000 Mbit/s
+    python benchmarks/cluster.py --quick     # 2x2 at 50/200/1000 Mbit/s, 3x2 at 100 (< 10 min)
+    python benchmarks/cluster.py             # 2x2, 3x2 and 4x1 at 50/100/200/400/1000 Mbit/s
 
 Needs root and the lab's packages (make lab); the last line is one JSON object.
 """
@@ -200,6 +204,7 @@ def summarize(records: list[dict], nodes: int, ranks_per_node: int, warmup: int)
         "val_loss": by_rank[0]["val_loss"],
         "final_loss": by_rank[0]["final_loss"],
         "comm_auto": by_rank[0].get("comm_auto"),
+        "comm_auto_probe_s": by_rank[0].get("comm_auto_probe_s"),
     }
     stats = [r["comm_stats"] for r in by_rank]
     if stats[0] is not None:
@@ -271,6 +276,8 @@ def auto_keys(rows: list[dict]) -> dict:
         best = min(fixed, key=lambda r: r["step_ms"])
         out[f"auto_over_best_{layout}_{mbit}"] = round(auto["step_ms"] / best["step_ms"], 4)
         out[f"auto_choice_{layout}_{mbit}"] = auto["comm_auto"]
+        if auto.get("comm_auto_probe_s") is not None:
+            out[f"auto_probe_s_{layout}_{mbit}"] = round(auto["comm_auto_probe_s"], 2)
         out[f"best_fixed_{layout}_{mbit}"] = best["config"]
     ratios = [v for k, v in out.items() if k.startswith("auto_over_best_")]
     if ratios:
@@ -366,7 +373,7 @@ def parse_plan(text: str) -> dict[str, list[int]]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="2x2 at 50/200/1000, 4x1 at 200")
+    p.add_argument("--quick", action="store_true", help="2x2 at 50/200/1000, 3x2 at 100")
     p.add_argument("--plan", type=parse_plan, default=None, help='e.g. "2x2:50,200 4x1:200"')
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated")
     p.add_argument("--steps", type=int, default=None, help="per run (12; 6 with --quick)")
