@@ -85,6 +85,7 @@ REFERENCE = {
     "tokens_per_gpu": 16384,
 }
 MACHINE = "2 CPU cores, gloo over veth"
+BATCH = 16  # examples/train.py's default global batch
 
 
 # ------------------------------------------------------------------ configurations
@@ -111,6 +112,12 @@ def resolve_configs(names: list[str], ranks_per_node: int) -> tuple[dict, list[s
         else:
             missing.append(name)
     return configs, missing
+
+
+def batch_for(world: int) -> list[str]:
+    """train.py's global batch of 16 sequences, or the next multiple of a world size that
+    does not divide it (18 on 3 x 2 ranks: 3 per rank against 4 on 2 x 2)."""
+    return [] if BATCH % world == 0 else ["--batch-size", str(-(-BATCH // world) * world)]
 
 
 # ------------------------------------------------------------------ one job
@@ -434,11 +441,12 @@ def main(argv: list[str] | None = None) -> dict:
         nodes, rpn = (int(x) for x in layout.split("x"))
         configs, missing = resolve_configs(names, rpn)
         missing_all.update(missing)
+        layout_common = common + batch_for(nodes * rpn)
         if index == 0:  # compute time: every rank on one node, no link at all
             with Cluster(1, nodes * rpn, "1gbit", storage=False, timeout=a.timeout) as lab:
                 # the calibration's compute time: never fewer than two repeats
                 records = run_job(
-                    lab, configs, common, a.timeout, max(2, repeats), 0, not a.sequential
+                    lab, configs, layout_common, a.timeout, max(2, repeats), 0, not a.sequential
                 )
             for name, runs in records.items():
                 compute[name] = min(
@@ -451,7 +459,9 @@ def main(argv: list[str] | None = None) -> dict:
             for shift, mbit in enumerate(rates, start=1):
                 lab.set_link(f"{mbit}mbit")
                 load_before = os.getloadavg()[0]
-                records = run_job(lab, configs, common, a.timeout, repeats, shift, not a.sequential)
+                records = run_job(
+                    lab, configs, layout_common, a.timeout, repeats, shift, not a.sequential
+                )
                 loads[f"{layout}_{mbit}"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
                 for name, runs in records.items():
                     row = {"layout": layout, "config": name, "rate_mbit": mbit}
