@@ -201,6 +201,7 @@ def summarize(records: list[dict], nodes: int, ranks_per_node: int, warmup: int)
     total_model = [sum(m.values()) for m in model]
     out = {
         "step_ms": statistics.median(intervals),
+        "step_ms_each": intervals,
         "train_step_ms": by_rank[0]["train_step_ms"],
         "link_bytes_per_step": statistics.mean(counter),
         "link_bytes_per_step_by_node": counter,
@@ -270,9 +271,11 @@ def calibration(compute_ms: float, link_bytes: float, rates: list[int]) -> dict:
     return out
 
 
-def auto_keys(rows: list[dict]) -> dict:
-    """Per layout and rate: ``auto``'s step time over the best fixed configuration's, its
-    choice, and which fixed configuration was best."""
+def auto_keys(rows: list[dict], paired: bool = True) -> dict:
+    """Per layout and rate: ``auto``'s step time over the best fixed configuration's (the
+    one with the lowest median step), its choice, and which fixed configuration was best.
+    The ratio is the median of the step-by-step ratios: under rotation, step i of every
+    configuration ran in the same round, so load that drifts between rounds cancels."""
     out = {}
     for layout, mbit in dict.fromkeys((r["layout"], r["rate_mbit"]) for r in rows):
         here = [r for r in rows if r["layout"] == layout and r["rate_mbit"] == mbit]
@@ -281,7 +284,13 @@ def auto_keys(rows: list[dict]) -> dict:
         if auto is None or not fixed:
             continue
         best = min(fixed, key=lambda r: r["step_ms"])
-        out[f"auto_over_best_{layout}_{mbit}"] = round(auto["step_ms"] / best["step_ms"], 4)
+        mine, theirs = auto.get("step_ms_each", []), best.get("step_ms_each", [])
+        if paired and mine and len(mine) == len(theirs):
+            ratio = statistics.median(x / y for x, y in zip(mine, theirs, strict=True))
+        else:  # --sequential: no rounds to pair
+            ratio = auto["step_ms"] / best["step_ms"]
+        out[f"auto_over_best_{layout}_{mbit}"] = round(ratio, 4)
+        out[f"auto_over_best_medians_{layout}_{mbit}"] = round(auto["step_ms"] / best["step_ms"], 4)
         out[f"auto_choice_{layout}_{mbit}"] = auto["comm_auto"]
         if auto.get("comm_auto_probe_s") is not None:
             out[f"auto_probe_s_{layout}_{mbit}"] = round(auto["comm_auto_probe_s"], 2)
@@ -588,7 +597,7 @@ def main(argv: list[str] | None = None) -> dict:
         "wall_s": round(time.perf_counter() - t_start),
         "rotate": not a.sequential,
         "load_per_job": loads,
-        **auto_keys(rows),
+        **auto_keys(rows, paired=not a.sequential),
     }
     if a.plot:
         plot(rows, compute, Path(a.plot))

@@ -23,7 +23,7 @@ from fsdp_ext.comm.auto import (
     predict,
     slowest,
 )
-from fsdp_ext.testing import RankError, run_distributed
+from fsdp_ext.testing import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 KEYS = ("loco_encode", "q4_encode", "grad_decode", "weight_encode", "weight_decode")
@@ -213,14 +213,18 @@ def test_the_probe_measures_the_hops_and_codecs():
 
 
 def _bad_hpz():
-    return auto_config([[1 << 20]], node_size=2, measurements=_measurements(50), hpz=True)
+    try:
+        auto_config([[1 << 20]], node_size=2, measurements=_measurements(50), hpz=True)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def test_a_bad_choice_raises_on_every_rank():
-    """Rank 0 cannot decide (hpZ on one node): every rank raises, none waits for it."""
-    with pytest.raises(RankError, match="no candidate has") as exc:
-        run_distributed(_bad_hpz, 2, timeout=60)
-    assert {exc.value.rank, *exc.value.also_failed} == {0, 1}
+    """Rank 0 cannot decide (hpZ on one node): every rank raises its message, none waits
+    for a decision (nor dies of a broken connection)."""
+    for message in run_distributed(_bad_hpz, 2, timeout=60):
+        assert message is not None and "no candidate has" in message
 
 
 # ------------------------------------------------------------------ the main job
