@@ -94,6 +94,15 @@ def test_cost_model_matches_the_hand_formula(link_mbit):
         assert got == pytest.approx(_hand_formula(c, m), rel=1e-9), c.name
 
 
+def test_layout_payload_sizes_are_the_codecs():
+    from fsdp_ext.comm import LoCoConfig, QuantizedAllGather, make_codec
+
+    q4, q8 = make_codec("absmax", LoCoConfig()), make_codec("int8_blockwise", QuantizedAllGather())
+    for n in (1, 100, 128, 1000, 65537, 1 << 20):
+        assert LAYOUT.q4_bytes(n) == q4.payload_bytes(n)
+        assert LAYOUT.q8_bytes(n) == q8.payload_bytes(n)
+
+
 def test_candidates_cover_each_collective_and_hop():
     names = {c.name for c in candidates(LAYOUT)}
     assert len(names) == 25  # 5 weight settings x 5 gradient settings

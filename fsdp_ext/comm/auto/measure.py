@@ -40,19 +40,15 @@ def _slowest(seconds: float) -> float:
     return float(t)
 
 
-def _timed_gather(group: dist.ProcessGroup | None, nbytes: int, reps: int = 1) -> float:
-    """Slowest rank's best time of an all-gather of ``nbytes`` per rank on ``group``
-    (None: this rank is in no group of the hop and only keeps step)."""
+def _timed_gather(group: dist.ProcessGroup, nbytes: int, reps: int = 1) -> float:
+    """Slowest rank's best time of an all-gather of ``nbytes`` per rank on ``group``."""
     best = float("inf")
     src = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-    out = None
-    if group is not None:
-        out = torch.empty(src.numel() * group.size(), dtype=torch.float32)
+    out = torch.empty(src.numel() * group.size(), dtype=torch.float32)
     for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
-        if group is not None:
-            all_gather_into(out, src, group=group)
+        all_gather_into(out, src, group=group)
         best = min(best, time.perf_counter() - t0)
     return _slowest(best)
 
