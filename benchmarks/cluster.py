@@ -295,7 +295,7 @@ def auto_keys(rows: list[dict], paired: bool = True) -> dict:
         if auto.get("comm_auto_probe_s") is not None:
             out[f"auto_probe_s_{layout}_{mbit}"] = round(auto["comm_auto_probe_s"], 2)
         out[f"best_fixed_{layout}_{mbit}"] = best["config"]
-    ratios = [v for k, v in out.items() if k.startswith("auto_over_best_")]
+    ratios = [v for k, v in out.items() if k.startswith("auto_over_best_") and "medians" not in k]
     if ratios:
         out["auto_over_best_max"] = max(ratios)
     return out

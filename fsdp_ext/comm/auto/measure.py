@@ -3,10 +3,11 @@
 **Links.** Timed gloo all-gathers on the real groups: the intra-node groups (each node's
 ranks) and the inter-node groups (one rank per node, same local index), every group of a
 hop at once, as FSDP's traffic shares the links. The size doubles until one gather takes
-``target_s``; bandwidth is the slope between the last two sizes (bytes per node link, or
-per rank stream inside a node), so a fixed cost per call and a token bucket's burst both
-cancel; latency is the time of a 4-byte gather divided by its ring steps. Every timing is
-the slowest rank's (an all-reduce of the maximum), so every rank takes the same branches.
+``target_s`` and ten times a 4-byte gather; bandwidth is the slope between the last two
+sizes (bytes per node link, or per rank stream inside a node), so a fixed cost per call and
+a token bucket's burst both cancel; latency is the time of a 4-byte gather divided by its
+ring steps. Every timing is the slowest rank's (an all-reduce of the maximum), so every
+rank takes the same branches.
 
 **Codecs.** The real codecs (4-bit LoCo and q4 encode, 4-bit decode-reduce, int8 weight
 encode and decode) on a large and a tiny sample, on every rank at once (ranks sharing a
@@ -56,13 +57,17 @@ def _timed_gather(group: dist.ProcessGroup, nbytes: int, reps: int = 1) -> float
 def _probe_hop(group, group_size: int, streams: int, target_s: float) -> Hop:
     """Bandwidth (bytes/s on the shared link: ``streams`` gathers share it) and latency."""
     steps = group_size - 1
-    latency = _timed_gather(group, 4, reps=3) / steps
+    tiny = _timed_gather(group, 4, reps=3)
+    latency = tiny / steps
+    # the bytes must outweigh the fixed cost (on a loaded machine a call alone takes tens
+    # of ms) before the slope says anything about bandwidth
+    enough = max(target_s, 10 * tiny)
     sizes, times = [], []
     nbytes = MIN_BYTES
     while True:
         sizes.append(nbytes)
-        times.append(_timed_gather(group, nbytes))
-        if times[-1] >= target_s or nbytes >= MAX_BYTES:
+        times.append(_timed_gather(group, nbytes, reps=1 if nbytes < MAX_BYTES // 8 else 2))
+        if times[-1] >= enough or nbytes >= MAX_BYTES:
             break
         nbytes *= 2
     if len(sizes) >= 2 and times[-1] > times[-2]:
