@@ -423,6 +423,7 @@ def decide_comm(cfg: TrainConfig, model: torch.nn.Module, world_size: int) -> Tr
         fixed["hpz"] = True
     elif cfg.ep > 1:  # torch cannot reshard expert-parallel experts to a node
         fixed["hpz"] = False
+    fixed.update(_decided_before(cfg))
     plan = plan_units(model, WRAP_POLICIES[cfg.wrap])
     decision = auto_config(
         unit_sizes(model, [u.members for u in plan.units if u.fqn]),
@@ -434,14 +435,25 @@ def decide_comm(cfg: TrainConfig, model: torch.nn.Module, world_size: int) -> Tr
     return replace(cfg, auto=decision, hpz=decision.choice.hpz)
 
 
+def _decided_before(cfg: TrainConfig) -> dict:
+    """On --resume, the choice --comm auto made when the run started (its run record): the
+    checkpoints hold that codec's state, so the resumed run keeps it, measured or not."""
+    record = cfg.checkpoint_root / RUN_RECORD
+    if not cfg.resume or not record.is_file():
+        return {}
+    return json.loads(record.read_text()).get("comm_auto") or {}
+
+
 def run_record(cfg: TrainConfig, world_size: int) -> dict:
-    """What a resume must keep: the model's shape, the codec and, with it, the ranks."""
+    """What a resume must keep: the model's shape, the codec and, with it, the ranks
+    (under --comm auto, what it chose)."""
     return {
         "model": asdict(cfg.model),
         "comm": cfg.comm,
         "world_size": world_size,
         "pp": cfg.pp,
         "intra_node_size": node_size(cfg, world_size),
+        "comm_auto": None if cfg.auto is None else asdict(cfg.auto.choice),
     }
 
 

@@ -305,3 +305,27 @@ def test_auto_keys_compare_auto_with_the_best_fixed_configuration():
     assert keys["auto_over_best_2x2_50"] == 1.025 and keys["auto_choice_2x2_50"] == "x"
     assert keys["auto_over_best_3x2_1000"] == 0.95 and keys["best_fixed_3x2_1000"] == "q4"
     assert keys["auto_over_best_max"] == 1.025
+
+
+def test_a_resume_keeps_the_choice_the_run_started_with(tmp_path):
+    """The run record holds auto's choice; decide_comm on --resume fixes every part to it."""
+    from dataclasses import replace
+
+    from examples.config import RUN_RECORD, TrainConfig, _decided_before, run_record
+
+    cfg = TrainConfig(comm="auto", out=str(tmp_path), verbose=False)
+    decided = replace(cfg, auto=choose(LAYOUT, _measurements(50), UNITS))
+    record = run_record(decided, 4)
+    assert record["comm_auto"] == {
+        "weights": "qwz",
+        "hpz": True,
+        "gradients": "loco",
+        "hierarchical": True,
+    }
+    cfg.checkpoint_root.mkdir(parents=True)
+    (cfg.checkpoint_root / RUN_RECORD).write_text(json.dumps(record))
+    assert _decided_before(cfg) == {}  # a fresh run measures and chooses
+    fixed = _decided_before(replace(cfg, resume=True))
+    assert choose(LAYOUT, _measurements(100_000, 50), UNITS, fixed=fixed).choice == (
+        decided.auto.choice
+    )
