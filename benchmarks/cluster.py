@@ -10,6 +10,7 @@ rate and configuration:
   loco_flat    4-bit LoCo (--comm loco)
   loco_hier    4-bit LoCo across nodes, full precision inside a node (hierarchical)
   zeropp       the ZeRO++ stack (--zeropp), included when examples/train.py accepts it
+  auto         --comm auto: measures the links and codecs at startup and picks (docs/comm.md)
 
 Per layout (nodes x ranks per node), rate and configuration: step ms (median after the
 warm-up steps, from an optimizer post-step hook on rank 0), link bytes per step and node
@@ -19,13 +20,16 @@ algorithms checked against the counter), CommStats' 4-bit bytes against the coun
 the validation loss. A one-node run of every configuration (all ranks on one loopback)
 gives this machine's compute time per step, for the calibration in docs/cluster.md.
 
-All configurations of one rate run in one torchrun job, one after another (same processes,
-same lab), so they are compared side by side; the order rotates from rate to rate, and with
---repeats each configuration runs again later in the job and the fastest repeat is kept
-(other work on the machine only ever adds time).
+All configurations of one rate run in one torchrun job (same processes, same lab), built
+side by side and trained one step each in turn, the order rotated step by step, so load
+from other work on the machine slows every configuration alike (benchmarks/comm.py
+--step-time does the same). --sequential runs them one after another instead, the order
+rotated from rate to rate, and with --repeats each runs again later in the job and the
+fastest repeat is kept. Per layout and rate, auto_over_best_<layout>_<rate> is auto's step
+time over the best fixed configuration's, auto_choice_<layout>_<rate> what it chose.
 
-    python benchmarks/cluster.py --quick     # 2x2 at 50/200/1000 Mbit/s, 4x1 at 200 (< 10 min)
-    python benchmarks/cluster.py             # 2x2 and 4x1 at 50/100/200/400/1000 Mbit/s
+    python benchmarks/cluster.py --quick     # 2x2 at 50/200/1000 Mbit/s, 3x2 at 100 (< 10 min)
+    python benchmarks/cluster.py             # 2x2, 3x2 and 4x1 at 50/100/200/400/1000 Mbit/s
 
 Needs root and the lab's packages (make lab); the last line is one JSON object.
 """
@@ -63,13 +67,14 @@ CONFIGS = {
     "loco_flat": ["--comm", "loco"],
     "loco_hier": ["--comm", "loco", "--intra-node-size", NODE_SIZE],
     "zeropp": ["--zeropp"],
+    "auto": ["--comm", "auto"],
 }
 HIERARCHICAL = {"loco_hier"}  # pointless with one rank per node (same as flat)
 FP32_COMPUTE = ("stock_fp32", "q4", "loco_flat", "loco_hier")  # same model compute, fp32
 KINDS = ("all_gather", "reduce_scatter", "other")
 RATES_MBIT = [50, 100, 200, 400, 1000]
-QUICK_PLAN = {"2x2": [50, 200, 1000], "4x1": [200]}
-FULL_PLAN = {"2x2": RATES_MBIT, "4x1": RATES_MBIT}
+QUICK_PLAN = {"2x2": [50, 200, 1000], "3x2": [100]}
+FULL_PLAN = {"2x2": RATES_MBIT, "3x2": RATES_MBIT, "4x1": RATES_MBIT}
 # A real cluster the calibration compares with: 8 x H100 per node (bf16 dense peak), an 8B
 # model at 40 % MFU, 16k tokens per GPU and step, sharded over all GPUs like the lab's job.
 REFERENCE = {
@@ -80,6 +85,7 @@ REFERENCE = {
     "tokens_per_gpu": 16384,
 }
 MACHINE = "2 CPU cores, gloo over veth"
+BATCH = 16  # examples/train.py's default global batch
 
 
 # ------------------------------------------------------------------ configurations
@@ -108,18 +114,32 @@ def resolve_configs(names: list[str], ranks_per_node: int) -> tuple[dict, list[s
     return configs, missing
 
 
+def batch_for(world: int) -> list[str]:
+    """train.py's global batch of 16 sequences, or the next multiple of a world size that
+    does not divide it (18 on 3 x 2 ranks: 3 per rank against 4 on 2 x 2)."""
+    return [] if BATCH % world == 0 else ["--batch-size", str(-(-BATCH // world) * world)]
+
+
 # ------------------------------------------------------------------ one job
 def run_job(
-    lab: Cluster, configs: dict, common: list[str], timeout: float, repeats: int, shift: int
+    lab: Cluster,
+    configs: dict,
+    common: list[str],
+    timeout: float,
+    repeats: int,
+    shift: int,
+    rotate: bool = True,
 ) -> dict[str, list[list[dict]]]:
-    """Every configuration ``repeats`` times in one torchrun job, the order rotated by
-    ``shift`` and again on each repeat; returns name -> one list of rank records per run."""
+    """Every configuration in one torchrun job; returns name -> one list of rank records per
+    run. ``rotate``: all built side by side and trained a step each in turn (the order
+    rotated step by step: load drift hits every configuration alike); else one after
+    another, ``repeats`` times, the order rotated by ``shift`` and again on each repeat."""
     names = list(configs)
     runs = []
-    for repeat in range(repeats):
+    for repeat in range(1 if rotate else repeats):
         k = (shift + repeat) % len(names)
         runs += [[name, configs[name]] for name in names[k:] + names[:k]]
-    spec = json.dumps({"common": common, "runs": runs})
+    spec = json.dumps({"common": common, "runs": runs, "rotate": rotate})
     result = lab.run([str(RANK_PROGRAM), spec], timeout=timeout)
     if result.returncode != 0:
         tails = [e[-1500:] for e in result.rank_stderr if e.strip()]
@@ -181,6 +201,7 @@ def summarize(records: list[dict], nodes: int, ranks_per_node: int, warmup: int)
     total_model = [sum(m.values()) for m in model]
     out = {
         "step_ms": statistics.median(intervals),
+        "step_ms_each": intervals,
         "train_step_ms": by_rank[0]["train_step_ms"],
         "link_bytes_per_step": statistics.mean(counter),
         "link_bytes_per_step_by_node": counter,
@@ -190,6 +211,8 @@ def summarize(records: list[dict], nodes: int, ranks_per_node: int, warmup: int)
         ),
         "val_loss": by_rank[0]["val_loss"],
         "final_loss": by_rank[0]["final_loss"],
+        "comm_auto": by_rank[0].get("comm_auto"),
+        "comm_auto_probe_s": by_rank[0].get("comm_auto_probe_s"),
     }
     stats = [r["comm_stats"] for r in by_rank]
     if stats[0] is not None:
@@ -245,6 +268,36 @@ def calibration(compute_ms: float, link_bytes: float, rates: list[int]) -> dict:
             "comm_to_compute": round(ratio, 3),
             "equivalent_node_gbit": round(mbit * 1e6 * ref_rate / lab_rate / 1e9),
         }
+    return out
+
+
+def auto_keys(rows: list[dict], paired: bool = True) -> dict:
+    """Per layout and rate: ``auto``'s step time over the best fixed configuration's (the
+    one with the lowest median step), its choice, and which fixed configuration was best.
+    The ratio is the median of the step-by-step ratios: under rotation, step i of every
+    configuration ran in the same round, so load that drifts between rounds cancels."""
+    out = {}
+    for layout, mbit in dict.fromkeys((r["layout"], r["rate_mbit"]) for r in rows):
+        here = [r for r in rows if r["layout"] == layout and r["rate_mbit"] == mbit]
+        auto = next((r for r in here if r["config"] == "auto"), None)
+        fixed = [r for r in here if r["config"] != "auto"]
+        if auto is None or not fixed:
+            continue
+        best = min(fixed, key=lambda r: r["step_ms"])
+        mine, theirs = auto.get("step_ms_each", []), best.get("step_ms_each", [])
+        if paired and mine and len(mine) == len(theirs):
+            ratio = statistics.median(x / y for x, y in zip(mine, theirs, strict=True))
+        else:  # --sequential: no rounds to pair
+            ratio = auto["step_ms"] / best["step_ms"]
+        out[f"auto_over_best_{layout}_{mbit}"] = round(ratio, 4)
+        out[f"auto_over_best_medians_{layout}_{mbit}"] = round(auto["step_ms"] / best["step_ms"], 4)
+        out[f"auto_choice_{layout}_{mbit}"] = auto["comm_auto"]
+        if auto.get("comm_auto_probe_s") is not None:
+            out[f"auto_probe_s_{layout}_{mbit}"] = round(auto["comm_auto_probe_s"], 2)
+        out[f"best_fixed_{layout}_{mbit}"] = best["config"]
+    ratios = [v for k, v in out.items() if k.startswith("auto_over_best_") and "medians" not in k]
+    if ratios:
+        out["auto_over_best_max"] = max(ratios)
     return out
 
 
@@ -336,7 +389,7 @@ def parse_plan(text: str) -> dict[str, list[int]]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="2x2 at 50/200/1000, 4x1 at 200")
+    p.add_argument("--quick", action="store_true", help="2x2 at 50/200/1000, 3x2 at 100")
     p.add_argument("--plan", type=parse_plan, default=None, help='e.g. "2x2:50,200 4x1:200"')
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated")
     p.add_argument("--steps", type=int, default=None, help="per run (12; 6 with --quick)")
@@ -344,6 +397,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--val-batches", type=int, default=None, help="(4; 1 with --quick)")
     p.add_argument(
         "--repeats", type=int, default=None, help="runs per configuration, fastest kept (2; 1)"
+    )
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="run the configurations one after another (with --repeats) instead of in "
+        "step-by-step rotation",
     )
     p.add_argument("--timeout", type=float, default=1800, help="per lab job, seconds")
     p.add_argument(
@@ -366,7 +425,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = a.steps or (6 if a.quick else 12)
     warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
     val_batches = a.val_batches or (1 if a.quick else 4)
-    repeats = a.repeats or (1 if a.quick else 2)
+    repeats = 1 if not a.sequential else a.repeats or (1 if a.quick else 2)
     names = a.configs.split(",")
     t_start = time.perf_counter()
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -385,15 +444,19 @@ def main(argv: list[str] | None = None) -> dict:
     ]
 
     rows, missing_all = [], set()
+    loads: dict[str, list[float]] = {}  # 1-minute load average before and after each job
     compute: dict[str, float] = {}
     for index, (layout, rates) in enumerate(plan.items()):
         nodes, rpn = (int(x) for x in layout.split("x"))
         configs, missing = resolve_configs(names, rpn)
         missing_all.update(missing)
+        layout_common = common + batch_for(nodes * rpn)
         if index == 0:  # compute time: every rank on one node, no link at all
             with Cluster(1, nodes * rpn, "1gbit", storage=False, timeout=a.timeout) as lab:
                 # the calibration's compute time: never fewer than two repeats
-                records = run_job(lab, configs, common, a.timeout, max(2, repeats), 0)
+                records = run_job(
+                    lab, configs, layout_common, a.timeout, max(2, repeats), 0, not a.sequential
+                )
             for name, runs in records.items():
                 compute[name] = min(
                     statistics.median(
@@ -404,7 +467,11 @@ def main(argv: list[str] | None = None) -> dict:
         with Cluster(nodes, rpn, f"{rates[0]}mbit", storage=False, timeout=a.timeout) as lab:
             for shift, mbit in enumerate(rates, start=1):
                 lab.set_link(f"{mbit}mbit")
-                records = run_job(lab, configs, common, a.timeout, repeats, shift)
+                load_before = os.getloadavg()[0]
+                records = run_job(
+                    lab, configs, layout_common, a.timeout, repeats, shift, not a.sequential
+                )
+                loads[f"{layout}_{mbit}"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
                 for name, runs in records.items():
                     row = {"layout": layout, "config": name, "rate_mbit": mbit}
                     row.update(fastest([summarize(r, nodes, rpn, warmup) for r in runs]))
@@ -528,6 +595,9 @@ def main(argv: list[str] | None = None) -> dict:
             if layout != main_layout
         },
         "wall_s": round(time.perf_counter() - t_start),
+        "rotate": not a.sequential,
+        "load_per_job": loads,
+        **auto_keys(rows, paired=not a.sequential),
     }
     if a.plot:
         plot(rows, compute, Path(a.plot))

@@ -155,10 +155,115 @@ def link_counters() -> dict[str, int] | None:
     return {k: int((base / f"{k}_bytes").read_text()) for k in ("tx", "rx")}
 
 
+def _snapshot(wire: WireModel, elapsed: float) -> dict:
+    return {"t": elapsed, "link": link_counters(), "cross": dict(wire.cross)}
+
+
+def _advance(total: dict, before: dict, after: dict) -> dict:
+    """``total`` moved on by what happened between two snapshots."""
+    out = {"t": total["t"] + after["t"] - before["t"], "cross": dict(total["cross"])}
+    for kind in KINDS:
+        out["cross"][kind] += after["cross"][kind] - before["cross"][kind]
+    out["link"] = None
+    if total["link"] is not None:
+        out["link"] = {
+            k: total["link"][k] + after["link"][k] - before["link"][k] for k in total["link"]
+        }
+    return out
+
+
+def rotate(spec: dict, wire: WireModel) -> None:
+    """Every configuration built side by side in this process group (``--comm auto``
+    measures and decides while the others sit idle), then trained one step each in turn,
+    the order rotated step by step, so load from other work on the machine slows every
+    configuration alike. Per configuration, its own steps' time, link bytes and wrapped
+    collectives are summed into the same record ``main`` prints (``steps``: cumulative)."""
+    import dataclasses
+
+    import examples.train as train
+    from examples.config import decide_comm, parse_args
+    from examples.data import get_batch, load_corpus
+    from examples.model import Transformer
+    from fsdp_ext import ParallelDims, clip_grad_norm_
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    jobs = {}
+    for name, args in spec["runs"]:
+        cfg = parse_args([*spec["common"], *args], world_size=world)
+        cfg = dataclasses.replace(cfg, verbose=False)
+        torch.manual_seed(cfg.seed)
+        model = Transformer(cfg.model)
+        dims = ParallelDims(world, ep=cfg.ep, pp=cfg.pp)
+        dims.build_mesh("cpu")
+        cfg = decide_comm(cfg, model, world)
+        par = train.parallelize(model, cfg, dims)
+        params = [p for part in par.parts for p in part.parameters()]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, train.lr_lambda(cfg))
+        jobs[name] = (cfg, par, params, opt, sched)
+    corpus = load_corpus()
+    names = list(jobs)
+    cfg0 = jobs[names[0]][0]
+    local = cfg0.batch_size // world
+
+    def batch(data, seed, step):
+        x, y = get_batch(
+            data, seed=seed, step=step, batch_size=cfg0.batch_size, seq_len=cfg0.seq_len
+        )
+        return x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+
+    start = time.perf_counter()
+    totals = {name: [_snapshot(wire, 0.0)] for name in names}
+    losses = {name: [] for name in names}
+    for step in range(cfg0.steps):
+        x, y = batch(corpus.train, cfg0.seed, step)
+        for name in names[step % len(names) :] + names[: step % len(names)]:
+            cfg, par, params, opt, sched = jobs[name]
+            dist.barrier()
+            before = _snapshot(wire, time.perf_counter() - start)
+            losses[name].append(par.train_step(x, y))
+            clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            dist.barrier()  # the step ends when its slowest rank is done
+            after = _snapshot(wire, time.perf_counter() - start)
+            totals[name].append(_advance(totals[name][-1], before, after))
+    for index, name in enumerate(names):
+        cfg, par, *_ = jobs[name]
+        with torch.no_grad():
+            val = [
+                par.eval_step(*batch(corpus.val, cfg.seed + 1, i)) for i in range(cfg.val_batches)
+            ]
+        steps = totals[name][1:]
+        record = {
+            "config": name,
+            "run": index,
+            "rank": rank,
+            "node": int(os.environ["GROUP_RANK"]),
+            "steps": steps,
+            "val_loss": sum(val) / len(val),
+            "final_loss": losses[name][-1],
+            "train_step_ms": None,
+            "comm_stats": None if par.comm is None else dataclasses.asdict(par.comm.stats),
+            "comm_auto": None if cfg.auto is None else cfg.auto.choice.name,
+            "comm_auto_predicted_ms": None if cfg.auto is None else cfg.auto.predicted_ms(),
+            "comm_auto_probe_s": None if cfg.auto is None else cfg.auto.measurements.probe_s,
+        }
+        print(RECORD_TAG + json.dumps(record), flush=True)
+
+
 def main(spec_json: str) -> None:
     spec = json.loads(spec_json)
     model = WireModel(int(os.environ["LOCAL_WORLD_SIZE"]))
     wrap_collectives(model)  # before fsdp_ext binds any collective by name
+    if spec.get("rotate"):
+        dist.init_process_group("gloo")
+        try:
+            rotate(spec, model)
+        finally:
+            dist.destroy_process_group()
+        return
     steps: list[dict] = []
 
     def after_step(optimizer, args, kwargs) -> None:
@@ -186,6 +291,7 @@ def main(spec_json: str) -> None:
                 "final_loss": summary["losses"][-1],
                 "train_step_ms": summary["step_ms"],
                 "comm_stats": summary["comm_stats"],
+                "comm_auto": summary.get("comm_auto"),
             }
             print(RECORD_TAG + json.dumps(record), flush=True)
     finally:

@@ -20,10 +20,19 @@ from typing import Any
 import torch
 
 from examples.model import Block, ModelConfig
-from fsdp_ext import GranularityPolicy, LoCoConfig, QuantizedAllGather
+from fsdp_ext import (
+    AutoDecision,
+    GranularityPolicy,
+    LoCoConfig,
+    QuantizedAllGather,
+    auto_config,
+    plan_units,
+    unit_sizes,
+)
 from fsdp_ext.checkpoint import checkpoint_steps, step_name
 
 __all__ = [
+    "AUTO",
     "COMMS",
     "DTYPES",
     "RESUME_MODES",
@@ -35,6 +44,7 @@ __all__ = [
     "check_run_dir",
     "check_world",
     "comm_config",
+    "decide_comm",
     "parse_args",
     "run_record",
     "weights_config",
@@ -44,6 +54,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WRAP_POLICIES = {"granularity": GranularityPolicy(), "block": {Block}}
 # gradient reduce-scatter: stock fp32, 4-bit without error feedback (qgZ), 4-bit LoCo
 COMMS = {"default": None, "q4": LoCoConfig(error_feedback=False), "loco": LoCoConfig()}
+AUTO = "auto"  # --comm auto: measured at startup, see decide_comm
 RUN_RECORD = "run.json"  # what a run's checkpoints are bound to (see run_record)
 RESUME_MODES = ("auto", "always", "never")
 
@@ -110,8 +121,12 @@ class TrainConfig:
     )
     comm: str = _arg(
         "loco",
-        "gradient reduce-scatter: stock fp32, 4-bit (qgZ) or 4-bit LoCo",
-        choices=tuple(COMMS),
+        "gradient reduce-scatter: stock fp32, 4-bit (qgZ) or 4-bit LoCo; 'auto' measures the "
+        "links and codecs at startup and picks gradients, --qwz and --hpz (those given win)",
+        choices=(*COMMS, AUTO),
+    )
+    explain: bool = _arg(
+        False, "with --comm auto: print the measurements and each candidate's predicted ms"
     )
     comm_group_size: int = _arg(
         128, "values per scale of the 4-bit codecs of --comm q4 / loco (a power of two)", low=32
@@ -164,6 +179,7 @@ class TrainConfig:
     out: str = _arg("runs/train", "output directory: checkpoints/, loss.png")
     seed: int = _arg(0, "seed of the initial weights and of the batch order")
     verbose: bool = True
+    auto: AutoDecision | None = None  # --comm auto's decision, set by decide_comm
 
     @property
     def checkpoint_root(self) -> Path:
@@ -234,12 +250,20 @@ class TrainConfig:
         k = self.intra_node_size
         if k is not None and k != "auto" and (not isinstance(k, int) or k < 1):
             raise ConfigError("--intra-node-size", f"must be an int >= 1 or 'auto', got {k!r}")
-        if k is not None and COMMS[self.comm] is None and not self.hpz:
+        if k is not None and self.comm != AUTO and COMMS[self.comm] is None and not self.hpz:
             raise ConfigError(
                 "--intra-node-size",
                 "only the 4-bit codecs and --hpz work by node; --comm default sends full "
                 "precision everywhere: drop --intra-node-size, or pass --comm q4, --comm loco "
                 "or --hpz",
+            )
+        if self.explain and self.comm != AUTO:
+            raise ConfigError("--explain", f"only with --comm auto, got --comm {self.comm}")
+        if self.comm == AUTO and self.pp > 1:
+            raise ConfigError(
+                "--comm",
+                "auto is not under --pp (the pipeline builds its own units); pick "
+                "--comm default, q4 or loco",
             )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device", "cuda was asked for but no CUDA device is available")
@@ -359,7 +383,11 @@ def node_size(cfg: TrainConfig, world_size: int) -> int | None:
     """Ranks per node of --intra-node-size (under --hpz 'auto' by default); 'auto' reads the
     launcher's LOCAL_WORLD_SIZE (our own launch is one node; a single process is a node of
     one)."""
-    k = cfg.intra_node_size if cfg.intra_node_size is not None or not cfg.hpz else "auto"
+    if cfg.auto is not None:
+        return cfg.auto.layout.node_size
+    k = cfg.intra_node_size
+    if k is None and (cfg.hpz or cfg.comm == AUTO):
+        k = "auto"
     if k != "auto":
         return k
     if cfg.nproc_per_node is not None and "RANK" not in os.environ:
@@ -401,7 +429,9 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
 
 def comm_config(cfg: TrainConfig, world_size: int) -> LoCoConfig | None:
     """--comm's codec at --comm-group-size, by node under --intra-node-size (None: the stock
-    reduce-scatter)."""
+    reduce-scatter; under --comm auto, what it chose)."""
+    if cfg.comm == AUTO:
+        return _decided(cfg).gradient_config()
     config = COMMS[cfg.comm]
     if config is not None and cfg.comm_group_size != config.group_size:
         config = replace(config, group_size=cfg.comm_group_size)
@@ -412,20 +442,72 @@ def comm_config(cfg: TrainConfig, world_size: int) -> LoCoConfig | None:
 
 def weights_config(cfg: TrainConfig) -> QuantizedAllGather | None:
     """--qwz's int8 parameter all-gather (None: the stock all-gather)."""
+    if cfg.comm == AUTO:
+        return _decided(cfg).weight_config()
     if not cfg.qwz:
         return None
     return QuantizedAllGather(group_size=cfg.qwz_group_size, backward=not cfg.qwz_forward_only)
 
 
+def _decided(cfg: TrainConfig) -> AutoDecision:
+    if cfg.auto is None:
+        raise RuntimeError("--comm auto: call decide_comm(cfg, model, world_size) first")
+    return cfg.auto
+
+
+def decide_comm(cfg: TrainConfig, model: torch.nn.Module, world_size: int) -> TrainConfig:
+    """--comm auto: measure the links and codecs, decide on rank 0, broadcast (collective:
+    every rank calls it, before sharding, since hpZ is a sharding choice). --qwz,
+    --qwz-forward-only and --hpz fix their part; the rest is chosen. Returns the settings
+    with the decision in them (unchanged for another --comm)."""
+    if cfg.comm != AUTO:
+        return cfg
+    k = node_size(cfg, world_size)
+    if cfg.hpz and k in (1, world_size):
+        raise ConfigError(
+            "--hpz",
+            "needs ranks on more than one node and nodes of more than one rank; nodes here "
+            f"hold {k} of {world_size} ranks",
+        )
+    fixed: dict = {}
+    if cfg.qwz:
+        fixed["weights"] = "qwz_forward" if cfg.qwz_forward_only else "qwz"
+    if cfg.hpz:
+        fixed["hpz"] = True
+    elif cfg.ep > 1:  # torch cannot reshard expert-parallel experts to a node
+        fixed["hpz"] = False
+    fixed.update(_decided_before(cfg))
+    plan = plan_units(model, WRAP_POLICIES[cfg.wrap])
+    decision = auto_config(
+        unit_sizes(model, [u.members for u in plan.units if u.fqn]),
+        node_size=k,
+        param_dtype=DTYPES[cfg.param_dtype],
+        weight_group_size=cfg.qwz_group_size,
+        **fixed,
+    )
+    return replace(cfg, auto=decision, hpz=decision.choice.hpz)
+
+
+def _decided_before(cfg: TrainConfig) -> dict:
+    """On --resume, the choice --comm auto made when the run started (its run record): the
+    checkpoints hold that codec's state, so the resumed run keeps it, measured or not."""
+    record = cfg.checkpoint_root / RUN_RECORD
+    if cfg.resume_mode() == "never" or not record.is_file():
+        return {}
+    return json.loads(record.read_text()).get("comm_auto") or {}
+
+
 def run_record(cfg: TrainConfig, world_size: int) -> dict:
-    """What a resume must keep (the model's shape, the codec, the pp degree), and the world
-    the run started on (for the record: a resume may run on another)."""
+    """What a resume must keep (the model's shape, the codec, the pp degree; under --comm
+    auto, what it chose), and the world the run started on (for the record: a resume may run
+    on another)."""
     return {
         "model": asdict(cfg.model),
         "comm": cfg.comm,
         "world_size": world_size,
         "pp": cfg.pp,
         "intra_node_size": node_size(cfg, world_size),
+        "comm_auto": None if cfg.auto is None else asdict(cfg.auto.choice),
     }
 
 

@@ -40,6 +40,7 @@ from examples.config import (
     TrainConfig,
     check_world,
     comm_config,
+    decide_comm,
     node_size,
     parse_args,
     run_record,
@@ -252,6 +253,9 @@ def train(cfg: TrainConfig) -> dict:
     model = Transformer(cfg.model).to(device)
     dims = ParallelDims(world, ep=cfg.ep, pp=cfg.pp)
     dims.build_mesh(device.type)
+    cfg = decide_comm(cfg, model, world)  # --comm auto: measured, decided on rank 0
+    if cfg.auto is not None and rank == 0 and (cfg.explain or cfg.verbose):
+        print(cfg.auto.explain() if cfg.explain else cfg.auto.summary(), flush=True)
     par = parallelize(model, cfg, dims)
     params = [p for part in par.parts for p in part.parameters()]
     optimizer = torch.optim.AdamW(
@@ -336,6 +340,7 @@ def _train_loop(cfg, par, params, optimizer, scheduler, ckpt, mode, dims, device
         "world_size": world,
         "comm_stats": None if par.comm is None else asdict(par.comm.stats),
         "weight_stats": None if par.weights is None else asdict(par.weights.stats),
+        "comm_auto": None if cfg.auto is None else cfg.auto.choice.name,
     }
 
 
@@ -374,7 +379,7 @@ def init_distributed(cfg: TrainConfig) -> None:
 
 
 LAUNCHER_FLAGS = ("--nproc-per-node", "--max-restarts")  # torchrun's, not the workers'
-NOT_RECORDED = ("verbose", "nproc_per_node", "max_restarts")  # not in the run's JSON line
+NOT_RECORDED = ("verbose", "nproc_per_node", "max_restarts", "auto")  # not in the run's JSON line
 
 
 def launch(argv: list[str], cfg: TrainConfig) -> None:
@@ -446,6 +451,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 "tokens_per_s": _rounded(summary["tokens_per_s"]),
                 "step_ms": _rounded(summary["step_ms"], 1),
                 "wall_s": _rounded(wall_s, 1),
+                "comm_auto": summary["comm_auto"],
                 "config": {k: v for k, v in asdict(cfg).items() if k not in NOT_RECORDED},
             }
             print(json.dumps(result), flush=True)

@@ -23,14 +23,17 @@ from fsdp_ext.checkpoint import (
     verify_checkpoint,
 )
 from fsdp_ext.comm import (
+    AutoDecision,
     CommHandle,
     CommStats,
     LoCoConfig,
     LoCoReduceScatter,
     QuantizedAllGather,
     WeightGatherHandle,
+    auto_config,
     register_comm_hook,
     register_weight_all_gather,
+    unit_sizes,
 )
 from fsdp_ext.moe import (
     AllToAllStats,
@@ -65,6 +68,7 @@ from fsdp_ext.wrap import (
 
 __all__ = [
     "AllToAllStats",
+    "AutoDecision",
     "CheckpointBusyError",
     "CheckpointIntegrityError",
     "CheckpointPathError",
@@ -95,6 +99,7 @@ __all__ = [
     "WrapPlan",
     "all_to_all_stats",
     "apply_expert_parallel",
+    "auto_config",
     "build_pipeline",
     "calibrate_cost_model",
     "clip_grad_norm_",
@@ -111,5 +116,6 @@ __all__ = [
     "set_aux_loss_scale",
     "shard_moe_model",
     "split_stages",
+    "unit_sizes",
     "verify_checkpoint",
 ]

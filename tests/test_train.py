@@ -165,7 +165,7 @@ def test_bad_settings_name_their_flag(argv, world, needle, capsys):
         ({"model": replace(TINY.model, num_experts=1)}, "--num-experts: 1 is fewer than"),
         ({"comm": "default", "intra_node_size": 2}, "--intra-node-size: only the 4-bit"),
         ({"pp": 2, "microbatches": 1}, "--microbatches: 1F1B over --pp 2 stages"),
-        ({"comm": "q8"}, r"--comm: must be one of \['default', 'q4', 'loco'\], got 'q8'"),
+        ({"comm": "q8"}, r"--comm: must be one of \['default', 'q4', 'loco', 'auto'\], got 'q8'"),
     ],
 )
 def test_train_config_checks_itself(change, needle):

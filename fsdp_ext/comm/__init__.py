@@ -1,5 +1,5 @@
 """Compressed communication for FSDP2: 4-/8-bit LoCo reduce-scatter and HSDP hook, int8
-parameter all-gather (qwZ).
+parameter all-gather (qwZ), and ``auto_config``, which picks among them.
 
 Every wire format is a :class:`Codec` (``fsdp_ext/comm/codec.py``), named in
 :data:`fsdp_ext.comm.registry.CODECS` or added with :func:`register_codec`.
@@ -7,6 +7,7 @@ Every wire format is a :class:`Codec` (``fsdp_ext/comm/codec.py``), named in
 
 from fsdp_ext.comm.absmax_codec import AbsmaxCodec
 from fsdp_ext.comm.all_reduce_hook import LoCoAllReduceHook
+from fsdp_ext.comm.auto import AutoDecision, auto_config, unit_sizes
 from fsdp_ext.comm.codec import Codec, Feedback, WireChoice, choose_wire
 from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.reduce_scatter import LoCoReduceScatter
@@ -19,6 +20,7 @@ from fsdp_ext.comm.weight_register import WeightGatherHandle, register_weight_al
 
 __all__ = [
     "AbsmaxCodec",
+    "AutoDecision",
     "Codec",
     "CommHandle",
     "CommStats",
@@ -31,9 +33,11 @@ __all__ = [
     "WeightGatherHandle",
     "WeightGatherStats",
     "WireChoice",
+    "auto_config",
     "choose_wire",
     "make_codec",
     "register_codec",
     "register_comm_hook",
     "register_weight_all_gather",
+    "unit_sizes",
 ]

@@ -1,0 +1,33 @@
+"""``--comm auto``: measure the links and codecs at startup, predict each way to communicate,
+pick the fastest (the same on every rank). See docs/comm.md#comm-auto."""
+
+from fsdp_ext.comm.auto.cost import (
+    Candidate,
+    CodecSpeed,
+    Hop,
+    Layout,
+    Measurements,
+    Prediction,
+    candidates,
+    predict,
+)
+from fsdp_ext.comm.auto.decide import AutoDecision, auto_config, choose, slowest
+from fsdp_ext.comm.auto.measure import measure
+from fsdp_ext.comm.auto.units import unit_sizes
+
+__all__ = [
+    "AutoDecision",
+    "Candidate",
+    "CodecSpeed",
+    "Hop",
+    "Layout",
+    "Measurements",
+    "Prediction",
+    "auto_config",
+    "candidates",
+    "choose",
+    "measure",
+    "predict",
+    "slowest",
+    "unit_sizes",
+]

@@ -1,0 +1,339 @@
+"""The cost model of ``--comm auto``: predicted communication time per step of each candidate.
+
+A candidate picks, per collective and per hop, how FSDP2's traffic travels:
+
+- the **weight all-gather**: the parameter dtype (stock) or int8 (qwZ), forward and
+  backward or forward only;
+- **hpZ**: the backward all-gather stays inside the node (each unit keeps its post-forward
+  copy sharded over the node's ranks);
+- the **gradient reduce-scatter**: fp32 (stock), 4-bit without error feedback (q4) or 4-bit
+  LoCo, either flat (over every rank) or hierarchical (fp32 inside the node, 4-bit across);
+- the **HSDP all-reduce** (with replicas): it follows the gradient codec, as
+  ``register_comm_hook(replicate_group=...)`` installs one codec on both.
+
+The time of one collective is ``bytes / bandwidth + latency x messages`` on its slowest hop,
+plus the codec's time (``per_call x calls + per_element x elements``), each from a
+:class:`Measurements` taken at startup (:mod:`fsdp_ext.comm.auto.measure`). The collectives
+follow gloo's algorithms as measured in the lab (docs/cluster.md): a ring all-gather (W - 1
+steps of one shard), the reduce-scatter as a ring all-reduce of the whole input (2 (W - 1)
+steps of one shard), a direct all-to-all (one round, every peer at once). Nodes hold
+consecutive ranks. A unit whose 4-bit or int8 payload would not be smaller than its raw
+bytes is sent raw, with no codec time (the codecs' "never more bytes than fp32" rule).
+
+Compute is the same for every candidate and not predicted: the figures are the
+communication and codec milliseconds a step adds, which is what the choice compares.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Candidate",
+    "CodecSpeed",
+    "Hop",
+    "Layout",
+    "Measurements",
+    "Prediction",
+    "candidates",
+    "predict",
+]
+
+WEIGHTS = ("stock", "qwz", "qwz_forward")
+GRADIENTS = ("stock", "q4", "loco")
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One hop's link: ``bandwidth`` in bytes/s (inter-node: the node's link, each way, shared
+    by the node's ranks; intra-node: one rank's stream with every rank busy) and ``latency``,
+    seconds per message (one step of a ring, one round of an all-to-all)."""
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0 or not math.isfinite(self.bandwidth):
+            raise ValueError(f"Hop.bandwidth must be a finite number > 0, got {self.bandwidth!r}")
+        if not self.latency >= 0 or not math.isfinite(self.latency):
+            raise ValueError(f"Hop.latency must be a finite number >= 0, got {self.latency!r}")
+
+
+@dataclass(frozen=True)
+class CodecSpeed:
+    """Seconds of one codec call on ``n`` elements: ``per_call + per_element * n``."""
+
+    per_call: float
+    per_element: float
+
+    def seconds(self, elements: float, calls: int = 1) -> float:
+        return calls * self.per_call + elements * self.per_element
+
+
+CODEC_KEYS = ("loco_encode", "q4_encode", "grad_decode", "weight_encode", "weight_decode")
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What the startup probe measured: the two hops (None where a layout has no such hop)
+    and the codecs' speeds by :data:`CODEC_KEYS`, plus the 4-/8-bit payload sizes."""
+
+    intra: Hop | None
+    inter: Hop | None
+    codecs: dict[str, CodecSpeed]
+    probe_s: float = 0.0  # how long measuring took
+
+    def __post_init__(self) -> None:
+        missing = [k for k in CODEC_KEYS if k not in self.codecs]
+        if missing:
+            raise ValueError(f"Measurements.codecs lacks {missing}; it needs {list(CODEC_KEYS)}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The job's shape: ``world`` ranks, ``node_size`` per node (consecutive ranks), FSDP's
+    shard group of ``world / replicas`` ranks (``replicas > 1``: HSDP), the parameter dtype's
+    bytes, and the codecs' payload sizes as functions of a row's element count."""
+
+    world: int
+    node_size: int
+    replicas: int = 1
+    param_bytes: int = FP32
+    grad_group_size: int = 128
+    weight_group_size: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("world", "node_size", "replicas"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Layout.{name} must be an int >= 1, got {v!r}")
+        if self.world % self.node_size or self.world % self.replicas:
+            raise ValueError(
+                f"Layout: node_size {self.node_size} and replicas {self.replicas} must divide "
+                f"world {self.world}"
+            )
+        if self.param_bytes not in (2, 4):
+            raise ValueError(f"Layout.param_bytes must be 2 or 4, got {self.param_bytes!r}")
+
+    @property
+    def shard(self) -> int:
+        return self.world // self.replicas
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.node_size
+
+    def q4_bytes(self, n: int) -> int:
+        """4-bit payload of a row of ``n``: packed codes plus one fp32 scale per group."""
+        groups = -(-n // self.grad_group_size)
+        return groups * (self.grad_group_size // 2 + FP32)
+
+    def q8_bytes(self, n: int) -> int:
+        groups = -(-n // self.weight_group_size)
+        return groups * (self.weight_group_size + FP32)
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One way to communicate (see the module docstring)."""
+
+    weights: str = "stock"
+    hpz: bool = False
+    gradients: str = "stock"
+    hierarchical: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"Candidate.weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.gradients not in GRADIENTS:
+            raise ValueError(
+                f"Candidate.gradients must be one of {GRADIENTS}, got {self.gradients!r}"
+            )
+        if self.hierarchical and self.gradients == "stock":
+            raise ValueError("Candidate.hierarchical needs 4-bit gradients (q4 or loco)")
+        if self.hpz and self.weights == "qwz_forward":
+            raise ValueError("Candidate: hpZ keeps backward gathers in the node; use qwz")
+
+    @property
+    def lossy_parts(self) -> int:
+        """How much of the training signal is quantised (ties go to fewer): weights in int8
+        count 2 (forward and backward) or 1, gradients 2 for q4 (no error feedback), 1 for
+        LoCo, halved when only the inter-node hop is quantised."""
+        w = {"stock": 0, "qwz": 2, "qwz_forward": 1}[self.weights]
+        g = {"stock": 0, "q4": 2, "loco": 1}[self.gradients]
+        return 2 * w + (g if self.hierarchical else 2 * g)
+
+    @property
+    def name(self) -> str:
+        w = {"stock": "weights=param", "qwz": "weights=int8", "qwz_forward": "weights=int8/fwd"}
+        parts = [w[self.weights], "hpZ" if self.hpz else "noHPZ"]
+        grads = "fp32" if self.gradients == "stock" else self.gradients
+        parts.append(f"grads={grads}" + ("/hier" if self.hierarchical else ""))
+        return " ".join(parts)
+
+
+@dataclass
+class Prediction:
+    """Seconds per step of one candidate, by collective, and the total."""
+
+    candidate: Candidate
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    def add(self, key: str, seconds: float) -> None:
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+
+
+def candidates(layout: Layout) -> list[Candidate]:
+    """Every candidate that differs on this layout: no hpZ or hierarchical mode where a node
+    holds one rank or the shard group one node."""
+    spans_nodes = layout.nodes > 1 and layout.node_size > 1
+    out = []
+    for weights in WEIGHTS:
+        for hpz in (False, True) if spans_nodes else (False,):
+            if hpz and weights == "qwz_forward":
+                continue
+            for gradients in GRADIENTS:
+                for hier in (False, True) if spans_nodes and gradients != "stock" else (False,):
+                    out.append(Candidate(weights, hpz, gradients, hier))
+    return out
+
+
+# ---------------------------------------------------------------- gloo's collectives
+
+
+class _Net:
+    """Times of gloo's collectives on one layout's hops."""
+
+    def __init__(self, layout: Layout, m: Measurements):
+        self.layout, self.m = layout, m
+
+    def _hop(self, spans_nodes: bool) -> Hop:
+        hop = self.m.inter if spans_nodes else self.m.intra
+        if hop is None:
+            raise ValueError(
+                f"Measurements lack the {'inter' if spans_nodes else 'intra'}-node hop this "
+                f"layout needs ({self.layout})"
+            )
+        return hop
+
+    def ring(self, steps: int, message: float, ranks: int, per_node: int) -> float:
+        """``steps`` ring steps of ``message`` bytes on a group of ``ranks`` ranks with
+        ``per_node`` of them on each node (consecutive ranks: one stream crosses each node
+        link; every intra-node edge runs beside it)."""
+        if ranks <= 1:
+            return 0.0
+        if ranks > per_node:  # crosses nodes: the node link is the slowest edge
+            hop = self._hop(True)
+            seconds = message / hop.bandwidth
+            if per_node > 1:
+                seconds = max(seconds, message / self._hop(False).bandwidth)
+            return steps * (seconds + hop.latency)
+        hop = self._hop(False)
+        return steps * (message / hop.bandwidth + hop.latency)
+
+    def all_to_all(self, row: float, ranks: int, per_node: int, streams: int = 1) -> float:
+        """Direct all-to-all of ``row`` bytes to each peer; ``streams`` such groups share
+        each node link at once."""
+        if ranks <= 1:
+            return 0.0
+        if ranks > per_node:
+            hop = self._hop(True)
+            link = streams * per_node * (ranks - per_node) * row / hop.bandwidth
+            inside = (per_node - 1) * row / self._hop(False).bandwidth if per_node > 1 else 0.0
+            return max(link, inside) + hop.latency
+        hop = self._hop(False)
+        return (ranks - 1) * row / hop.bandwidth + hop.latency
+
+
+def _shard(numel: int, ranks: int) -> int:
+    return -(-numel // ranks)
+
+
+def predict(
+    candidate: Candidate,
+    layout: Layout,
+    m: Measurements,
+    units: Sequence[Sequence[int]],
+    *,
+    root: int | None = 0,
+) -> Prediction:
+    """Seconds per step of ``candidate``: ``units`` lists each FSDP unit's parameter sizes
+    (elements); unit ``root`` (None: none) stays unsharded after forward, so it is gathered
+    once per step, the others twice (forward and backward)."""
+    net, lay, pred = _Net(layout, m), layout, Prediction(candidate)
+    w, k = lay.shard, min(lay.node_size, lay.shard)
+    codec = m.codecs
+    for index, params in enumerate(units):
+        params = [p for p in params if p > 0]
+        if not params:
+            continue
+        # FSDP pads each parameter to a multiple of the shard group, and a weight codec
+        # encodes each parameter's shard on its own (no group straddles two parameters)
+        shards = [_shard(p, w) for p in params]
+        s = sum(shards)
+        gathers = 1 if index == root else 2
+        raw = s * lay.param_bytes
+        q8 = sum(lay.q8_bytes(x) for x in shards)
+        for g in range(gathers):
+            backward = g == 1
+            if backward and candidate.hpz:  # inside the node, the forward's values, unquantised
+                node_part = _shard(s * w, k) * lay.param_bytes
+                pred.add("weights_intra", net.ring(k - 1, node_part, k, k))
+                continue
+            quantised = candidate.weights == "qwz" or (
+                candidate.weights == "qwz_forward" and not backward
+            )
+            if quantised and q8 < raw:
+                pred.add("weights", net.ring(w - 1, q8, w, k))
+                pred.add(
+                    "weights_codec",
+                    codec["weight_encode"].seconds(s, len(params))
+                    + codec["weight_decode"].seconds(s * w, len(params)),
+                )
+            else:
+                pred.add("weights", net.ring(w - 1, raw, w, k))
+        _gradients(pred, net, lay, codec, candidate, s)
+    return pred
+
+
+def _gradients(pred, net, lay: Layout, codec, candidate: Candidate, s: int) -> None:
+    """One unit's gradient reduce-scatter (shard ``s`` per rank) and HSDP all-reduce."""
+    w, k = lay.shard, min(lay.node_size, lay.shard)
+    nodes = max(1, w // k)
+    encode = codec["loco_encode" if candidate.gradients == "loco" else "q4_encode"]
+    decode = codec["grad_decode"]
+    q4 = lay.q4_bytes(s)
+    compressed = candidate.gradients != "stock" and q4 < s * FP32
+    if not compressed or w == 1:
+        # gloo reduces and scatters by a ring all-reduce of the whole input
+        pred.add("grads", net.ring(2 * (w - 1), s * FP32, w, k))
+    elif candidate.hierarchical and nodes > 1:
+        # one fp32 reduce-scatter per node block inside the node, then 4-bit across nodes
+        pred.add("grads_intra", nodes * net.ring(2 * (k - 1), s * FP32, k, k))
+        pred.add("grads", net.all_to_all(q4, nodes, 1, streams=k))
+        pred.add("grads_codec", encode.seconds(nodes * s) + decode.seconds(nodes * s))
+    else:
+        pred.add("grads", net.all_to_all(q4, w, k))
+        pred.add("grads_codec", encode.seconds(w * s) + decode.seconds(w * s))
+    r = lay.replicas
+    if r > 1:  # HSDP: replicas hold consecutive shard groups, so they sit on other nodes
+        per_node = max(1, lay.node_size // w)
+        part = _shard(s, r)
+        if compressed and lay.q4_bytes(part) < part * FP32:
+            # the hook: a 4-bit reduce-scatter, then a 4-bit all-gather of the reduced part
+            q4p = lay.q4_bytes(part)
+            pred.add("all_reduce", net.all_to_all(q4p, r, per_node))
+            pred.add("all_reduce", net.ring(r - 1, q4p, r, per_node))
+            pred.add(
+                "all_reduce_codec",
+                encode.seconds(s) + decode.seconds(s) + codec["q4_encode"].seconds(part),
+            )
+        else:
+            pred.add("all_reduce", net.ring(2 * (r - 1), part * FP32, r, per_node))

@@ -1,0 +1,331 @@
+"""--comm auto: the cost model against a hand formula, the choices it makes on synthetic
+links, the same decision on every rank, the user's flags winning, and the main job with it."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_ext.comm.auto import (
+    Candidate,
+    CodecSpeed,
+    Hop,
+    Layout,
+    Measurements,
+    auto_config,
+    candidates,
+    choose,
+    measure,
+    predict,
+    slowest,
+)
+from fsdp_ext.testing import run_distributed
+
+REPO = Path(__file__).resolve().parent.parent
+KEYS = ("loco_encode", "q4_encode", "grad_decode", "weight_encode", "weight_decode")
+MBIT = 1e6 / 8  # bytes/s per Mbit/s
+
+
+def _measurements(link_mbit: float, ns_per_element: float = 2.0, per_call_us: float = 20.0):
+    codec = CodecSpeed(per_call_us * 1e-6, ns_per_element * 1e-9)
+    return Measurements(
+        intra=Hop(2e9, 30e-6),
+        inter=Hop(link_mbit * MBIT, 200e-6),
+        codecs=dict.fromkeys(KEYS, codec),
+    )
+
+
+# a model of four 1M-parameter units (one parameter each), plus a root with none
+UNITS = [[0]] + [[1 << 20]] * 4
+LAYOUT = Layout(world=4, node_size=2)  # 2 nodes x 2 ranks
+
+
+def _hand_formula(c: Candidate, m: Measurements) -> float:
+    """Seconds per step, written out from bytes / bandwidth + latency x messages + codec
+    time, for UNITS on LAYOUT (W = 4 ranks, k = 2 per node, N = 2 nodes). A ring over all
+    ranks moves each step over a node link and, beside it, inside the nodes: the slower wins."""
+    w, k, n = 4, 2, 2
+    p = 1 << 20
+    s = p // w  # shard per rank
+    x, i = m.inter, m.intra
+    q4 = math.ceil(s / 128) * (64 + 4)  # 4-bit codes + one fp32 scale per 128
+    q8 = math.ceil(s / 256) * (256 + 4)  # int8 codes + one fp32 scale per 256
+    enc_w, dec_w = m.codecs["weight_encode"], m.codecs["weight_decode"]
+    enc_g = m.codecs["loco_encode" if c.gradients == "loco" else "q4_encode"]
+    dec_g = m.codecs["grad_decode"]
+
+    def ring_step(nbytes):
+        return max(nbytes / x.bandwidth, nbytes / i.bandwidth) + x.latency
+
+    total = 0.0
+    for backward in (False, True):
+        if backward and c.hpz:
+            # inside the node: k - 1 ring steps of the node-local shard p / k, fp32
+            total += (k - 1) * (p / k * 4 / i.bandwidth + i.latency)
+        elif c.weights == "qwz" or (c.weights == "qwz_forward" and not backward):
+            total += (w - 1) * ring_step(q8)
+            total += enc_w.per_call + s * enc_w.per_element + dec_w.per_call + p * dec_w.per_element
+        else:
+            total += (w - 1) * ring_step(s * 4)
+    if c.gradients == "stock":  # gloo: a ring all-reduce of the whole input
+        total += 2 * (w - 1) * ring_step(s * 4)
+    elif c.hierarchical:
+        total += n * 2 * (k - 1) * (s * 4 / i.bandwidth + i.latency)  # fp32 in each node
+        total += k * (n - 1) * q4 / x.bandwidth + x.latency  # k ranks' 4-bit rows share it
+        total += enc_g.per_call + n * s * enc_g.per_element
+        total += dec_g.per_call + n * s * dec_g.per_element
+    else:
+        # direct, to every peer: the node's k ranks send to w - k remote ones over the link
+        total += max(k * (w - k) * q4 / x.bandwidth, (k - 1) * q4 / i.bandwidth) + x.latency
+        total += enc_g.per_call + w * s * enc_g.per_element
+        total += dec_g.per_call + w * s * dec_g.per_element
+    return 4 * total  # four units
+
+
+@pytest.mark.parametrize("link_mbit", [50, 1000, 100_000])
+def test_cost_model_matches_the_hand_formula(link_mbit):
+    m = _measurements(link_mbit)
+    for c in candidates(LAYOUT):
+        got = predict(c, LAYOUT, m, UNITS).total
+        assert got == pytest.approx(_hand_formula(c, m), rel=1e-9), c.name
+
+
+def test_layout_payload_sizes_are_the_codecs():
+    from fsdp_ext.comm import LoCoConfig, QuantizedAllGather, make_codec
+
+    q4, q8 = make_codec("absmax", LoCoConfig()), make_codec("int8_blockwise", QuantizedAllGather())
+    for n in (1, 100, 128, 1000, 65537, 1 << 20):
+        assert LAYOUT.q4_bytes(n) == q4.payload_bytes(n)
+        assert LAYOUT.q8_bytes(n) == q8.payload_bytes(n)
+
+
+def test_candidates_cover_each_collective_and_hop():
+    names = {c.name for c in candidates(LAYOUT)}
+    assert len(names) == 25  # 5 weight settings x 5 gradient settings
+    one_node = candidates(Layout(world=4, node_size=4))
+    assert not any(c.hpz or c.hierarchical for c in one_node) and len(one_node) == 9
+
+
+def test_slow_link_chooses_zeropp():
+    d = choose(LAYOUT, _measurements(50), UNITS)
+    assert d.choice == Candidate("qwz", True, "loco", True)
+    assert d.hpz_node_size == 2
+    assert d.weight_config().backward and d.gradient_config().intra_node_size == 2
+    assert d.gradient_config().error_feedback
+
+
+def test_fast_link_with_slow_codec_chooses_stock():
+    # 100 Gbit/s and a codec at 50 ns per element: nothing is worth encoding
+    d = choose(LAYOUT, _measurements(100_000, ns_per_element=50), UNITS)
+    assert d.choice.weights == "stock" and d.choice.gradients == "stock"
+    assert d.gradient_config() is None and d.weight_config() is None
+    # hpZ quantises nothing: it stays where its node-local backward gather is the faster
+    assert d.choice.hpz == (
+        d.predicted_ms(Candidate(hpz=True)) < d.predicted_ms(Candidate(hpz=False))
+    )
+
+
+def test_ties_go_to_the_least_quantised():
+    # q4 and LoCo cost the same here: LoCo (error feedback) wins the tie
+    d = choose(LAYOUT, _measurements(50), UNITS)
+    q4 = Candidate("qwz", True, "q4", True)
+    assert d.predicted_ms(q4) == pytest.approx(d.predicted_ms())
+    # a tolerance of 0 still takes the exact minimum
+    assert choose(LAYOUT, _measurements(50), UNITS, tolerance=0.0).choice.gradients == "loco"
+
+
+def test_a_unit_whose_payload_exceeds_fp32_goes_raw():
+    """The codecs' rule, counted: a 64-element unit's int8 payload (64 + 4 B) is not smaller
+    than... its fp32 bytes per rank (16 x 4 B): it is gathered raw, with no codec time."""
+    tiny = [[0], [64]]
+    m = _measurements(50)
+    raw = predict(Candidate(), LAYOUT, m, tiny)
+    qwz = predict(Candidate("qwz"), LAYOUT, m, tiny)
+    assert qwz.seconds["weights"] == raw.seconds["weights"]
+    assert "weights_codec" not in qwz.seconds
+    loco = predict(Candidate(gradients="loco"), LAYOUT, m, tiny)
+    assert loco.seconds["grads"] == raw.seconds["grads"] and "grads_codec" not in loco.seconds
+
+
+def test_the_root_is_gathered_once():
+    m = _measurements(50)
+    once = predict(Candidate(), LAYOUT, m, [[1 << 20]], root=0).seconds["weights"]
+    twice = predict(Candidate(), LAYOUT, m, [[1 << 20]], root=None).seconds["weights"]
+    assert twice == pytest.approx(2 * once)
+
+
+def test_fixed_choices_win_and_bad_ones_are_named():
+    m = _measurements(50)
+    d = choose(LAYOUT, m, UNITS, fixed={"weights": "stock", "hpz": False})
+    assert d.choice.weights == "stock" and not d.choice.hpz
+    assert d.choice.gradients == "loco" and d.choice.hierarchical
+    with pytest.raises(ValueError, match="no candidate has"):
+        choose(Layout(world=2, node_size=2), m, UNITS, fixed={"hpz": True})
+
+
+def test_explain_shows_every_candidate_and_the_choice():
+    d = choose(LAYOUT, _measurements(50), UNITS)
+    text = d.explain()
+    assert text.count("\n->") == 1 and f"->{d.choice.name}" in text
+    assert all(c.name in text for c in candidates(LAYOUT))
+    assert "inter-node link" in text and "6.2 MB/s" in text
+    assert f"chosen: {d.choice.name}" in text
+
+
+# ------------------------------------------------------------------ on real gloo ranks
+
+
+def _decide(views):
+    import torch.distributed as dist
+
+    me = views[dist.get_rank()]
+    d = auto_config(UNITS, node_size=2, measurements=me)
+    fixed = auto_config(UNITS, node_size=2, measurements=me, weights="stock", hpz=False)
+    return d, fixed
+
+
+def test_every_rank_gets_rank_0s_decision_from_the_slowest_view():
+    """Each rank passes deliberately different measurements; rank 1 alone sees a slow link
+    (on its own it would choose ZeRO++, the others stock). Every rank returns the same
+    decision: the one made from the slowest view of each measurement."""
+    views = [_measurements(100_000, ns_per_element=50)] * 4
+    views[1] = _measurements(50, ns_per_element=50)
+    views[2] = _measurements(100_000, ns_per_element=60, per_call_us=40)
+    alone = [choose(LAYOUT, v, UNITS).choice for v in views]
+    assert alone[0].weights == alone[0].gradients == "stock"
+    assert alone[1].weights == "qwz" and alone[1].gradients == "loco"
+    results = run_distributed(_decide, 4, views)
+    expected = choose(LAYOUT, slowest(views), UNITS)
+    for d, fixed in results:
+        assert d.choice == expected.choice == alone[1]
+        assert [p.total for p in d.predictions] == [p.total for p in expected.predictions]
+        assert d.measurements.inter.bandwidth == 50 * MBIT
+        assert d.measurements.codecs["weight_encode"].per_call == pytest.approx(40e-6)
+        assert fixed.choice.weights == "stock" and not fixed.choice.hpz
+
+
+def _probe():
+    m = measure(1, target_s=0.02, codec_sample=1 << 16)
+    return m
+
+
+def test_the_probe_measures_the_hops_and_codecs():
+    """Two ranks, one per node: an inter-node hop (loopback here) and the codecs."""
+    for m in run_distributed(_probe, 2):
+        assert m.intra is None and m.inter.bandwidth > 1e6 and m.inter.latency > 0
+        assert all(m.codecs[k].per_element > 0 for k in KEYS)
+        assert 0 < m.probe_s < 30
+
+
+def _bad_hpz():
+    try:
+        auto_config([[1 << 20]], node_size=2, measurements=_measurements(50), hpz=True)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_bad_choice_raises_on_every_rank():
+    """Rank 0 cannot decide (hpZ on one node): every rank raises its message, none waits
+    for a decision (nor dies of a broken connection)."""
+    for message in run_distributed(_bad_hpz, 2, timeout=60):
+        assert message is not None and "no candidate has" in message
+
+
+# ------------------------------------------------------------------ the main job
+
+
+def test_train_comm_auto_explains_and_keeps_the_users_flags(tmp_path):
+    """2 gloo ranks as 2 nodes of 1 (--intra-node-size 1), --qwz given: auto chooses the
+    rest, --explain prints the table, and the job trains with int8 weights."""
+    args = ["--nproc-per-node", "2", "--comm", "auto", "--explain", "--qwz"]
+    args += ["--intra-node-size", "1", "--steps", "2", "--val-batches", "1", "--batch-size", "4"]
+    args += ["--seq-len", "32", "--dim", "32", "--n-layers", "1", "--n-heads", "2"]
+    args += ["--hidden-dim", "64", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "train.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "comm auto: 2 ranks, 1 per node, 2 nodes" in out
+    assert "fixed by the user: weights=qwz" in out
+    chosen = [line for line in out.splitlines() if line.startswith("->")]
+    assert len(chosen) == 1 and "weights=int8 " in chosen[0]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["comm_auto"].startswith("weights=int8 ") and result["steps"] == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--explain"], "--explain: only with --comm auto, got --comm loco"),
+        (["--comm", "auto", "--pp", "2", "--n-layers", "2"], "--comm: auto is not under --pp"),
+        (["--comm", "auto", "--zeropp"], "--zeropp: it is --comm loco --qwz --hpz; drop --comm"),
+    ],
+)
+def test_auto_flags_refuse_in_one_line(argv, needle, capsys):
+    from examples.config import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=4)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
+
+
+def test_hpz_given_on_one_node_is_refused_before_any_collective():
+    from examples.config import ConfigError, TrainConfig, decide_comm
+
+    cfg = TrainConfig(comm="auto", hpz=True, intra_node_size=2, verbose=False)
+    with pytest.raises(ConfigError, match="--hpz: needs ranks on more than one node"):
+        decide_comm(cfg, None, 2)
+
+
+def test_auto_keys_compare_auto_with_the_best_fixed_configuration():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from cluster import auto_keys
+
+    rows = [
+        {"layout": "2x2", "rate_mbit": 50, "config": "stock_fp32", "step_ms": 6000.0},
+        {"layout": "2x2", "rate_mbit": 50, "config": "zeropp", "step_ms": 600.0},
+        {"layout": "2x2", "rate_mbit": 50, "config": "auto", "step_ms": 615.0, "comm_auto": "x"},
+        {"layout": "3x2", "rate_mbit": 1000, "config": "q4", "step_ms": 400.0},
+        {"layout": "3x2", "rate_mbit": 1000, "config": "zeropp", "step_ms": 500.0},
+        {"layout": "3x2", "rate_mbit": 1000, "config": "auto", "step_ms": 380.0, "comm_auto": "y"},
+    ]
+    keys = auto_keys(rows)
+    assert keys["auto_over_best_2x2_50"] == 1.025 and keys["auto_choice_2x2_50"] == "x"
+    assert keys["auto_over_best_3x2_1000"] == 0.95 and keys["best_fixed_3x2_1000"] == "q4"
+    assert keys["auto_over_best_max"] == 1.025
+
+
+def test_a_resume_keeps_the_choice_the_run_started_with(tmp_path):
+    """The run record holds auto's choice; decide_comm on --resume fixes every part to it."""
+    from dataclasses import replace
+
+    from examples.config import RUN_RECORD, TrainConfig, _decided_before, run_record
+
+    cfg = TrainConfig(comm="auto", out=str(tmp_path), verbose=False)
+    decided = replace(cfg, auto=choose(LAYOUT, _measurements(50), UNITS))
+    record = run_record(decided, 4)
+    assert record["comm_auto"] == {
+        "weights": "qwz",
+        "hpz": True,
+        "gradients": "loco",
+        "hierarchical": True,
+    }
+    cfg.checkpoint_root.mkdir(parents=True)
+    (cfg.checkpoint_root / RUN_RECORD).write_text(json.dumps(record))
+    assert _decided_before(cfg) == {}  # a fresh run measures and chooses
+    fixed = _decided_before(replace(cfg, resume=True))
+    assert choose(LAYOUT, _measurements(100_000, 50), UNITS, fixed=fixed).choice == (
+        decided.auto.choice
+    )
