@@ -4,7 +4,7 @@ got a gradient since the unit's last reduction.
 FSDP2 gives the comm only the flat input, not the parameters in it, so each unsharded
 parameter gets a post-accumulate-grad hook that marks it present. The hooks are attached
 after FSDP's own pre-forward (which creates the unsharded parameters on first use).
-Reads FSDP2's per-unit state (``FSDPParamGroup``), the same on torch 2.11 and 2.13.
+Reads FSDP2's per-unit state (``FSDPParamGroup``) through the accessors of ``fsdp_ext._torch``.
 """
 
 from __future__ import annotations
