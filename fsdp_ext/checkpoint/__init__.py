@@ -15,11 +15,12 @@ from fsdp_ext.checkpoint.manifest import (
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner, item_nbytes, spread_plans
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
 from fsdp_ext.checkpoint.verify import CheckpointReport, verify_checkpoint
-from fsdp_ext.checkpoint.versions import remove_checkpoint
+from fsdp_ext.checkpoint.versions import CheckpointExistsError, remove_checkpoint
 from fsdp_ext.checkpoint.writer import SpreadFileSystemWriter
 
 __all__ = [
     "CheckpointBusyError",
+    "CheckpointExistsError",
     "CheckpointFS",
     "CheckpointIntegrityError",
     "CheckpointPathError",
