@@ -481,3 +481,20 @@ def test_sigkill_at_every_step_of_a_prune_leaves_nothing_after_the_next_save(
             gone_at = k
         assert entries(root) == sorted(step_2), (k, ops[k], entries(root))
     assert gone_at is not None and gone_at < len(ops) - 2  # kills after the removal were met
+
+
+def test_a_directory_checkpoint_on_a_filesystem_that_cannot_swap_is_saved_in_place(
+    tmp_path, monkeypatch
+):
+    """A checkpoint directory copied to storage without RENAME_EXCHANGE (here: forced) is
+    overwritten in place, metadata last; the files of the save it replaced go after."""
+    path = tmp_path / "ckpt"
+    save(path, seed=0)
+    before = set(verify_checkpoint(path).files)
+    monkeypatch.setenv("FSDP_EXT_CHECKPOINT_SWAP", "0")
+    save(path, seed=1)
+    report = verify_checkpoint(path)
+    assert report.ok and loads(path, seed=1) and not path.is_symlink()
+    assert not before & set(report.files)
+    assert entries(path) == sorted([".metadata", ".manifest.json", *report.files])
+    assert entries(tmp_path) == ["ckpt"]

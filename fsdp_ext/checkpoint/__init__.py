@@ -32,7 +32,7 @@ from fsdp_ext.checkpoint.planner import SpreadSavePlanner, item_nbytes, spread_p
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
 from fsdp_ext.checkpoint.resume import checkpoint_steps, latest_intact, load_intact, step_name
 from fsdp_ext.checkpoint.verify import CheckpointReport, verify_checkpoint
-from fsdp_ext.checkpoint.versions import remove_checkpoint
+from fsdp_ext.checkpoint.versions import CheckpointExistsError, remove_checkpoint
 from fsdp_ext.checkpoint.writer import SpreadFileSystemWriter
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "LEASE_ENV",
     "RUN_ID_ENV",
     "CheckpointBusyError",
+    "CheckpointExistsError",
     "CheckpointFS",
     "CheckpointIntegrityError",
     "CheckpointPathError",

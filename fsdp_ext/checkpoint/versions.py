@@ -331,22 +331,22 @@ def sweep_directory(fs: CheckpointFS, parent: Path, *, skip: str | None = None) 
             release(fs, target, owner)
 
 
-def sweep_in_place(fs: CheckpointFS, target: Path, keep: Manifest | None) -> None:
+def sweep_in_place(
+    fs: CheckpointFS, target: Path, keep: Manifest | None, replaced: Manifest | None = None
+) -> None:
     """In an in-place checkpoint, remove our data files that ``keep`` (the manifest now
-    committed) does not list, and a killed save's bookkeeping; call only under the lock."""
+    committed) does not list: those named with a save id, and those ``replaced`` (the
+    previous manifest of ours at this path) lists; and a killed save's bookkeeping. Call
+    only under the lock."""
     listed = set(keep.files) if keep is not None else set()
+    earlier = set(replaced.files) if replaced is not None else set()
     for name in fs.listdir(target):
         if name in listed:
             continue
-        ours = _IN_PLACE_FILE.match(name) or _DONE.match(name)
+        ours = _IN_PLACE_FILE.match(name) or _DONE.match(name) or name in earlier
         bookkeeping = name in (PLAN_NAME, METADATA_TEMP, MANIFEST_TEMP)
         if (ours or bookkeeping) and fs.kind(target / name) == FILE:
             fs.unlink(target / name)
-
-
-def current_version(fs: CheckpointFS, target: Path, *, overwrite: bool = True) -> str | None:
-    """The version ``target`` links to, or None (kept for callers of the link layout)."""
-    return inspect_target(fs, target, overwrite=overwrite).version
 
 
 def remove_checkpoint(path, fs: CheckpointFS | None = None) -> None:

@@ -102,6 +102,7 @@ class _Save:
     previous: str | None  # where the previous checkpoint is after the publish (manifest)
     expected: dict  # every file each rank will write (also in the plan record)
     layout: str  # versions.SWAP, LINKED or IN_PLACE
+    replaced: Manifest | None  # in place: the manifest of ours the save replaces
 
 
 def rank_done_name(rank: int) -> str:
@@ -254,7 +255,8 @@ class SpreadFileSystemWriter(FileSystemWriter):
                 fs.remove_tree(staging)
             release(fs, target, owner)
             raise
-        self._save = _Save(target, staging, save_id, owner, previous, expected, layout)
+        replaced = found.manifest if layout == IN_PLACE else None
+        self._save = _Save(target, staging, save_id, owner, previous, expected, layout, replaced)
         return out
 
     def _assign_files(self, rank: int, plan: SavePlan, staging: str, tag: str | None) -> _RankFiles:
@@ -380,7 +382,8 @@ class SpreadFileSystemWriter(FileSystemWriter):
         try:
             manifest = self._complete(save, metadata, results)
             if save.layout == IN_PLACE:
-                sweep_in_place(self.fs, save.target, manifest)  # earlier saves' files
+                # earlier saves' files
+                sweep_in_place(self.fs, save.target, manifest, save.replaced)
             else:
                 publish(
                     self.fs,
