@@ -104,6 +104,7 @@ def measure_load(path: Path, files: int, numel: int, which: str, env: dict) -> d
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        cwd=env["PYTHONPATH"],  # python -c puts the working directory first on sys.path
     )
     try:
         _expect(proc, "ready")
@@ -134,6 +135,7 @@ def run_shape(files: int, file_mb: int, root: Path, env: dict) -> dict:
         check=True,
         timeout=TIMEOUT_S,
         env=env,
+        cwd=env["PYTHONPATH"],  # python -c puts the working directory first on sys.path
     )
     bound = float(
         subprocess.run(
@@ -141,6 +143,7 @@ def run_shape(files: int, file_mb: int, root: Path, env: dict) -> dict:
             check=True,
             timeout=TIMEOUT_S,
             env=env,
+            cwd=env["PYTHONPATH"],  # python -c puts the working directory first on sys.path
             capture_output=True,
             text=True,
         ).stdout

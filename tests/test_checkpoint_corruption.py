@@ -150,6 +150,6 @@ def test_verify_never_raises_and_names_a_file(saved, kind):
             manifest.write_bytes(pristine_manifest)
     # damage to what a checksum covers is always caught; the records of an unfinished save
     # make it unfinished whatever they say
-    if kind in ("metadata", "data", "plan record", "done record"):
+    if kind in ("metadata", "manifest", "data", "plan record", "done record"):
         assert rejected == N
     assert rejected > N // 2

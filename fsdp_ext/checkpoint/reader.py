@@ -583,7 +583,9 @@ class VerifiedFileSystemReader(FileSystemReader):
                 planner.load_bytes(item, io.BytesIO(stream.read()))
             else:
                 self._copy_loaded(
-                    torch.load(io.BytesIO(stream.read()), weights_only=True), item, planner
+                    torch.load(io.BytesIO(stream.read()), map_location="cpu", weights_only=True),
+                    item,
+                    planner,
                 )
             return
         if item.type == LoadItemType.BYTE_IO:
