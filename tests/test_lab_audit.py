@@ -14,10 +14,11 @@ import pytest
 
 from fsdp_ext.lab import Cluster, clean_stale, parse_rate
 from fsdp_ext.lab.cleanup import lab_runs
-from fsdp_ext.lab.launcher import Job, node_env
+from fsdp_ext.lab.cli import _status_cause
+from fsdp_ext.lab.launcher import LOST, Job, node_env
 from fsdp_ext.lab.names import RunNames, owner_alive, process_start_time
 from fsdp_ext.lab.network import Topology
-from tests.lab_helpers import alive, require_lab
+from tests.lab_helpers import PROGRAMS, alive, require_lab
 
 
 @pytest.mark.parametrize(
@@ -136,3 +137,17 @@ def test_storage_link_has_its_own_rate_and_counts_writes_as_sent():
         assert target.stat().st_size == 4 << 20  # on the storage's disk
         assert moved.storage_tx >= 4 << 20
         assert moved.storage_rx < (4 << 20) // 10
+        # a job's processes never outlive it, whatever session they put themselves in
+        # (mutant: no kill_marked after the job)
+        result = lab.run([str(PROGRAMS / "orphan.py"), str(lab.shared_dir)], timeout=120)
+        assert result.returncode == 0, result.output[-2000:]
+        orphans = [int(p.read_text()) for p in lab.shared_dir.glob("orphan*.pid")]
+        assert len(orphans) == 2 and alive(orphans) == []
+        assert any("outlived its torchruns" in p for p in result.problems)
+
+
+@pytest.mark.parametrize(("code", "name"), [(247, "SIGKILL"), (-9, "SIGKILL"), (241, "SIGTERM")])
+def test_an_exit_status_from_a_signal_names_it(code, name):
+    """torchrun exits with its worker's -9, which reads 247: the lab names SIGKILL."""
+    assert f"killed by {name}" in _status_cause(code)
+    assert _status_cause(1) == "" and "took down a node" in _status_cause(LOST)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from fsdp_ext.lab.cleanup import KILL_WAIT_S, clean_stale, remove_run
+from fsdp_ext.lab.cleanup import JOB_MARK, KILL_WAIT_S, clean_stale, kill_marked, remove_run
 from fsdp_ext.lab.counters import NodeBytes, read_node_bytes
 from fsdp_ext.lab.faults import (
     Fault,
@@ -299,6 +299,7 @@ class Cluster:
         base = dict(os.environ if env is None else env)
         job_env = node_env(base, self.topology, self.ranks_per_node)
         logdir = self.names.workdir / "logs" / f"job{time.monotonic_ns()}"
+        job_env[JOB_MARK] = logdir.name
         logdir.mkdir(parents=True)
         argvs = [
             torchrun_argv(
@@ -331,6 +332,7 @@ class Cluster:
             raise
         finally:
             injector.end()
+            left = kill_marked(self.topology.node_namespaces, logdir.name)
         seconds = time.monotonic() - start
         after = self.link_bytes()
         logs = [
@@ -339,6 +341,8 @@ class Cluster:
             for local in range(self.ranks_per_node)
         ]
         problems += injector.errors + ([job.doomed] if job.doomed else [])
+        if left:
+            problems.append(f"processes of the job outlived its torchruns, killed: {left}")
         return LabResult(
             returncode=returncode,
             output="".join(job.output),
