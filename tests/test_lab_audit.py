@@ -151,3 +151,32 @@ def test_an_exit_status_from_a_signal_names_it(code, name):
     """torchrun exits with its worker's -9, which reads 247: the lab names SIGKILL."""
     assert f"killed by {name}" in _status_cause(code)
     assert _status_cause(1) == "" and "took down a node" in _status_cause(LOST)
+
+
+RUN = ["run", "--nodes", "2", "--link", "1gbit"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--link-down", "1"], "argument --link-down: needs --for T"),
+        (["--for", "3"], "argument --for: only with --link-down"),
+        (["--kill-node", "1"], "one of --kill-after S or --kill-on TEXT"),
+        (["--kill-after", "5"], "no fault to strike"),
+        (["--kill-node", "2", "--kill-after", "5"], "kill-node: node must be from 0 to 1, got 2"),
+        (["--kill-rank", "2", "--kill-after", "5"], "kill-rank: rank must be from 0 to 1, got 2"),
+        (["--min-nodes", "1"], "min_nodes needs max_restarts >= 1"),
+        (["--max-restarts", "1", "--min-nodes", "3"], "min_nodes must be an int from 1 to 2"),
+        (["--no-storage", "--storage-down", "0", "--kill-after", "1"], "storage-down needs"),
+    ],
+)
+def test_bad_elastic_and_fault_flags_fail_in_one_line_before_anything_is_built(
+    extra, match, capsys
+):
+    from fsdp_ext.lab.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([*RUN, *extra, "--", "x.py"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert match in err[-1] and "Traceback" not in "".join(err), err

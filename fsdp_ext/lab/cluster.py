@@ -44,6 +44,7 @@ from fsdp_ext.lab.storage import StorageServer, mount_shared, start_sshd
 __all__ = ["DEFAULT_TIMEOUT_S", "Cluster", "LabResult"]
 
 DEFAULT_TIMEOUT_S = 900.0
+QUIET_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -247,6 +248,20 @@ class Cluster:
         """Each node's interface counters now (absolute; subtract two readings)."""
         return read_node_bytes(self.topology)
 
+    def quiet_link_bytes(self) -> list[NodeBytes]:
+        """Every node's counters at a moment no frame is on its way: the nodes are read one
+        after the other, so a frame sent between two reads would count as sent on one end
+        and not yet received on the other. Read until two readings agree (2 s at most)."""
+        reading = self.link_bytes()
+        deadline = time.monotonic() + QUIET_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            again = self.link_bytes()
+            if again == reading:
+                break
+            reading = again
+        return reading
+
     def set_link(self, rate: str | int) -> None:
         """Change the cap of every node link (both ends) without rebuilding the lab."""
         bits = parse_rate(rate, name="link")
@@ -315,7 +330,7 @@ class Cluster:
             for node in range(self.nodes)
         ]
         commands = [self.node_command(node, argv) for node, argv in enumerate(argvs)]
-        before = self.link_bytes()
+        before = self.quiet_link_bytes()
         start = time.monotonic()
         job = start_job(commands, job_env, logdir, echo=echo, elastic=elastic.on)
         survivors = elastic.min_nodes or self.nodes
@@ -334,7 +349,7 @@ class Cluster:
             injector.end()
             left = kill_marked(self.topology.node_namespaces, logdir.name)
         seconds = time.monotonic() - start
-        after = self.link_bytes()
+        after = self.quiet_link_bytes()
         logs = [
             rank_logs(logdir / f"node{node}", local)
             for node in range(self.nodes)
