@@ -159,7 +159,7 @@ RUN = ["run", "--nodes", "2", "--link", "1gbit"]
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        (["--link-down", "1"], "argument --link-down: needs --for T"),
+        (["--link-down", "1", "--kill-after", "1"], "argument --link-down: needs --for T"),
         (["--for", "3"], "argument --for: only with --link-down"),
         (["--kill-node", "1"], "one of --kill-after S or --kill-on TEXT"),
         (["--kill-after", "5"], "no fault to strike"),
