@@ -63,9 +63,13 @@ from fsdp_ext import (
     register_weight_all_gather,
     shard_moe_model,
 )
-from fsdp_ext.checkpoint import exit_with_launcher
-from fsdp_ext.checkpoint.lock import LEASE_ENV, RUN_ID_ENV
-from fsdp_ext.checkpoint.ownership import LAUNCHER_PID_ENV, claim
+from fsdp_ext.checkpoint import (
+    LAUNCHER_PID_ENV,
+    LEASE_ENV,
+    RUN_ID_ENV,
+    claim,
+    exit_with_launcher,
+)
 
 __all__ = [
     "WRAP_POLICIES",

@@ -21,8 +21,11 @@ from fsdp_ext import Checkpointer, DirectoryOwnedError, latest_intact
 from fsdp_ext.checkpoint import (
     CheckpointBusyError,
     CheckpointFS,
+    CheckpointPrunedError,
     checkpoint_steps,
     load_intact,
+    read_lease,
+    remove_checkpoint,
     step_name,
 )
 from fsdp_ext.checkpoint.lock import LockOwner, acquire, lock_path
@@ -110,6 +113,8 @@ def test_a_corrupt_newest_is_skipped_named_kept_and_not_counted(tmp_path, where)
         text = target.read_text()
         _flip(target, text.index('"checksum": "') + len('"checksum": "') + 2)
     before = sorted(p.name for p in newest.iterdir())
+    with pytest.warns(UserWarning, match="skipping .*step-0000003"):
+        assert latest_intact(root) == (2, root / "step-0000002")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step, got = resume_into_fresh(root)
@@ -214,7 +219,8 @@ def test_a_dead_host_lets_go_within_its_lease(tmp_path, capfd):
         t0 = time.monotonic()
         with pytest.raises(DirectoryOwnedError, match="on host node-b"):
             claim(root, lease_s=lease)
-        assert time.monotonic() - t0 < lease + 1.5
+        refused_s = time.monotonic() - t0
+        assert refused_s < lease + 1.5
         with pytest.raises(CheckpointBusyError, match="on host node-b"):
             acquire(CheckpointFS(), root / "step-0000005", LockOwner.here("save-a"))
     finally:
@@ -226,6 +232,15 @@ def test_a_dead_host_lets_go_within_its_lease(tmp_path, capfd):
     waited = time.monotonic() - t0
     assert waited <= lease + 1.5, waited
     assert "for its lease (3 s) to expire" in capfd.readouterr().err
+    print(
+        json.dumps(
+            {
+                "lease_s": lease,
+                "refused_live_s": round(refused_s, 2),
+                "took_over_dead_s": round(waited, 2),
+            }
+        )
+    )
     with pytest.warns(UserWarning, match="on host node-b.*lease expired"):
         acquire(CheckpointFS(), root / "step-0000005", LockOwner.here("save-a"))
     assert json.loads(os.readlink(lock_path(root / "step-0000005")))["save_id"] == "save-a"
@@ -255,7 +270,9 @@ def test_the_same_run_takes_over_from_a_dead_host_at_once(tmp_path, monkeypatch)
     with pytest.warns(UserWarning, match="earlier attempt of this run \\(run-42\\) on host node-b"):
         mine = claim(root, lease_s=lease)
         acquire(CheckpointFS(), root / "step-0000005", LockOwner.here("save-a"))
-    assert time.monotonic() - t0 < 10  # not the 60 s lease
+    took = time.monotonic() - t0
+    assert took < 10  # not the 60 s lease
+    print(json.dumps({"lease_s": lease, "same_run_took_over_s": round(took, 2)}))
     mine.release()
 
 
@@ -282,6 +299,45 @@ def test_unlock_prints_who_held_it(tmp_path):
 
 
 # ----------------------------------------------------------------------- loads racing a prune
+
+
+def test_a_prune_skips_a_checkpoint_being_read_and_a_read_skips_one_being_pruned(tmp_path):
+    root = tmp_path / "ckpts"
+    save_steps(root, [1, 2, 3])
+    model, opt = tiny(0)
+    with Checkpointer(root, model=model, optimizer=opt, keep=1) as ckpt:
+        with read_lease(root / "step-0000001"):
+            with pytest.raises(CheckpointBusyError, match=f"being read by .*pid {os.getpid()}"):
+                remove_checkpoint(root / "step-0000001")
+            with pytest.warns(UserWarning, match="being read"):
+                assert ckpt.prune() == [root / "step-0000002"]
+        assert ckpt.prune() == [root / "step-0000001"]  # the reader is done: a later prune
+    # a remover holding the lock: a reader backs off with an error that says so
+    code = (
+        "import sys, time; from pathlib import Path; "
+        "from fsdp_ext.checkpoint.fs import CheckpointFS; "
+        "from fsdp_ext.checkpoint.lock import LockOwner, acquire; "
+        "acquire(CheckpointFS(), Path(sys.argv[1]), LockOwner.here('remove-test')); "
+        "print('held', flush=True); time.sleep(600)"
+    )
+    remover = subprocess.Popen(
+        [sys.executable, "-c", code, str(root / "step-0000003")],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert remover.stdout.readline().strip() == "held"
+        with (
+            pytest.raises(CheckpointPrunedError, match="is being pruned"),
+            read_lease(root / "step-0000003"),
+        ):
+            pass
+    finally:
+        remover.kill()
+        remover.wait(30)
+    assert not list(root.glob(".step-*.read-*"))  # every read lease was given back
+
 
 SAVER = """
 import os, sys, torch
@@ -340,6 +396,7 @@ def race(tmp_path: Path, loads: int) -> dict:
 
 def test_loads_racing_a_keep_1_job_never_fail_misleadingly(tmp_path):
     counts = race(tmp_path, loads=25)
+    print(json.dumps({k: v if k != "errors" else len(v) for k, v in counts.items()}))
     assert counts["errors"] == [] and counts["loaded"] >= 20 and counts["saves"] >= 5, counts
 
 

@@ -166,3 +166,38 @@ def test_a_dead_host_holding_a_lock_is_resumed_here(tmp_path, same_run):
             }
         )
     )
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def test_workers_die_with_their_launcher(tmp_path):
+    """SIGKILL of the launcher (torchrun's agent) ends its workers: no orphan trains on."""
+    proc = job(tmp_path / "run", "--steps", "100000", "--ckpt-every", "5")
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith("step") or (not line and proc.poll() is not None):
+                break
+        workers = _children(proc.pid)
+        assert len(workers) == 2, (workers, proc.stderr.read()[-2000:] if proc.poll() else "")
+    finally:
+        proc.kill()
+        proc.wait(30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
+        time.sleep(0.05)
+    alive = [w for w in workers if Path(f"/proc/{w}").exists()]
+    zombies = [w for w in alive if " Z " in Path(f"/proc/{w}/stat").read_text()]
+    assert alive == zombies, f"workers {alive} outlived their launcher"

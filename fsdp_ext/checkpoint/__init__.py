@@ -7,7 +7,13 @@ Everything is used through the stock ``dcp.save`` / ``dcp.async_save`` / ``dcp.l
 from fsdp_ext.checkpoint.checkpointer import Checkpointer, ModelOptimizerState
 from fsdp_ext.checkpoint.fs import CheckpointFS
 from fsdp_ext.checkpoint.layers import default_layer_key
-from fsdp_ext.checkpoint.lock import CheckpointPrunedError, read_lease, unlock
+from fsdp_ext.checkpoint.lock import (
+    LEASE_ENV,
+    RUN_ID_ENV,
+    CheckpointPrunedError,
+    read_lease,
+    unlock,
+)
 from fsdp_ext.checkpoint.manifest import (
     CheckpointBusyError,
     CheckpointIntegrityError,
@@ -15,7 +21,13 @@ from fsdp_ext.checkpoint.manifest import (
     CheckpointSpaceError,
     UnsafeCheckpointError,
 )
-from fsdp_ext.checkpoint.ownership import DirectoryOwnedError, exit_with_launcher
+from fsdp_ext.checkpoint.ownership import (
+    LAUNCHER_PID_ENV,
+    DirectoryOwnedError,
+    Ownership,
+    claim,
+    exit_with_launcher,
+)
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner, item_nbytes, spread_plans
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
 from fsdp_ext.checkpoint.resume import checkpoint_steps, latest_intact, load_intact, step_name
@@ -24,6 +36,9 @@ from fsdp_ext.checkpoint.versions import remove_checkpoint
 from fsdp_ext.checkpoint.writer import SpreadFileSystemWriter
 
 __all__ = [
+    "LAUNCHER_PID_ENV",
+    "LEASE_ENV",
+    "RUN_ID_ENV",
     "CheckpointBusyError",
     "CheckpointFS",
     "CheckpointIntegrityError",
@@ -34,12 +49,14 @@ __all__ = [
     "Checkpointer",
     "DirectoryOwnedError",
     "ModelOptimizerState",
+    "Ownership",
     "SafeLoadPlanner",
     "SpreadFileSystemWriter",
     "SpreadSavePlanner",
     "UnsafeCheckpointError",
     "VerifiedFileSystemReader",
     "checkpoint_steps",
+    "claim",
     "default_layer_key",
     "exit_with_launcher",
     "item_nbytes",

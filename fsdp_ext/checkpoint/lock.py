@@ -310,14 +310,13 @@ def take(
     owner: LockOwner,
     *,
     what: str,
-    wait: bool = True,
 ) -> LockOwner | None:
     """Create the lock link ``path`` for ``owner``, breaking it if its holder is gone.
 
     Returns None when taken, or the live holder: on this machine at once, on another when
     its heartbeat moves while this waits for its lease. ``what`` names the guarded thing in
     messages. A holder on another machine whose heartbeat
-    stands still is waited for (at most its lease, plus a second), unless ``wait`` is False.
+    stands still is waited for (at most its lease, plus a second).
     """
     mine = owner.encode()
     seen: tuple[str, float] | None = None  # (record, mtime) when first seen
@@ -343,7 +342,7 @@ def take(
             )
         reason = held.stale_reason(time.time() - mtime)
         if reason is None:
-            if held.on_this_machine() or not wait:
+            if held.on_this_machine():
                 return held
             if seen is not None and seen[0] == text and mtime != seen[1]:
                 return held  # its heartbeat moved: alive
