@@ -180,3 +180,27 @@ def test_bad_elastic_and_fault_flags_fail_in_one_line_before_anything_is_built(
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert match in err[-1] and "Traceback" not in "".join(err), err
+
+
+def test_a_lab_started_under_another_tmpdir_is_found_by_the_cleanup(monkeypatch, tmp_path):
+    """The run's directory (with its ssh keys) does not follow $TMPDIR, so the stale
+    cleanup of any later lab finds it (mutant: tempfile.gettempdir() as the root)."""
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read $TMPDIR
+    names = RunNames(_dead_pid(), "c0ffee")
+    assert names.workdir.parent == Path("/tmp")
+    names.workdir.mkdir()
+    try:
+        (names.workdir / "ssh").mkdir()
+        monkeypatch.delenv("TMPDIR")
+        monkeypatch.setattr(tempfile, "tempdir", None)
+        assert names.run_id in lab_runs()
+        clean_stale()
+        assert not names.workdir.exists()
+    finally:
+        if names.workdir.exists():
+            import shutil
+
+            shutil.rmtree(names.workdir)
