@@ -14,10 +14,11 @@ import pytest
 
 from fsdp_ext.lab import Cluster, clean_stale, parse_rate
 from fsdp_ext.lab.cleanup import lab_runs
-from fsdp_ext.lab.launcher import Job, node_env
+from fsdp_ext.lab.cli import _status_cause
+from fsdp_ext.lab.launcher import LOST, Job, node_env
 from fsdp_ext.lab.names import RunNames, owner_alive, process_start_time
 from fsdp_ext.lab.network import Topology
-from tests.lab_helpers import alive, require_lab
+from tests.lab_helpers import PROGRAMS, alive, require_lab
 
 
 @pytest.mark.parametrize(
@@ -136,3 +137,70 @@ def test_storage_link_has_its_own_rate_and_counts_writes_as_sent():
         assert target.stat().st_size == 4 << 20  # on the storage's disk
         assert moved.storage_tx >= 4 << 20
         assert moved.storage_rx < (4 << 20) // 10
+        # a job's processes never outlive it, whatever session they put themselves in
+        # (mutant: no kill_marked after the job)
+        result = lab.run([str(PROGRAMS / "orphan.py"), str(lab.shared_dir)], timeout=120)
+        assert result.returncode == 0, result.output[-2000:]
+        orphans = [int(p.read_text()) for p in lab.shared_dir.glob("orphan*.pid")]
+        assert len(orphans) == 2 and alive(orphans) == []
+        assert any("outlived its torchruns" in p for p in result.problems)
+
+
+@pytest.mark.parametrize(("code", "name"), [(247, "SIGKILL"), (-9, "SIGKILL"), (241, "SIGTERM")])
+def test_an_exit_status_from_a_signal_names_it(code, name):
+    """torchrun exits with its worker's -9, which reads 247: the lab names SIGKILL."""
+    assert f"killed by {name}" in _status_cause(code)
+    assert _status_cause(1) == "" and "took down a node" in _status_cause(LOST)
+
+
+RUN = ["run", "--nodes", "2", "--link", "1gbit"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--link-down", "1", "--kill-after", "1"], "argument --link-down: needs --for T"),
+        (["--for", "3"], "argument --for: only with --link-down"),
+        (["--kill-node", "1"], "one of --kill-after S or --kill-on TEXT"),
+        (["--kill-after", "5"], "no fault to strike"),
+        (["--kill-node", "2", "--kill-after", "5"], "kill-node: node must be from 0 to 1, got 2"),
+        (["--kill-rank", "2", "--kill-after", "5"], "kill-rank: rank must be from 0 to 1, got 2"),
+        (["--min-nodes", "1"], "min_nodes needs max_restarts >= 1"),
+        (["--max-restarts", "1", "--min-nodes", "3"], "min_nodes must be an int from 1 to 2"),
+        (["--no-storage", "--storage-down", "0", "--kill-after", "1"], "storage-down needs"),
+    ],
+)
+def test_bad_elastic_and_fault_flags_fail_in_one_line_before_anything_is_built(
+    extra, match, capsys
+):
+    from fsdp_ext.lab.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([*RUN, *extra, "--", "x.py"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert match in err[-1] and "Traceback" not in "".join(err), err
+
+
+def test_a_lab_started_under_another_tmpdir_is_found_by_the_cleanup(monkeypatch, tmp_path):
+    """The run's directory (with its ssh keys) does not follow $TMPDIR, so the stale
+    cleanup of any later lab finds it (mutant: tempfile.gettempdir() as the root)."""
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read $TMPDIR
+    names = RunNames(_dead_pid(), "c0ffee")
+    assert names.workdir.parent == Path("/tmp")
+    names.workdir.mkdir()
+    try:
+        (names.workdir / "ssh").mkdir()
+        monkeypatch.delenv("TMPDIR")
+        monkeypatch.setattr(tempfile, "tempdir", None)
+        assert names.run_id in lab_runs()
+        clean_stale()
+        assert not names.workdir.exists()
+    finally:
+        if names.workdir.exists():
+            import shutil
+
+            shutil.rmtree(names.workdir)

@@ -206,3 +206,29 @@ def test_loco_resume_on_fewer_ranks_resets_its_buffers_with_one_warning(tmp_path
     assert "world_size 2 -> 1" in warnings[0]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 16
     assert _logged_losses(proc.stdout) == pytest.approx(straight["losses"][8:], abs=2e-2)
+
+
+def test_our_launcher_hands_max_restarts_to_torchrun(monkeypatch, tmp_path, capsys):
+    """--max-restarts goes to torchrun, not to the workers; under torchrun it is refused
+    in one line naming torchrun's own flag."""
+    from examples.config import parse_args
+    from examples.train import launch
+
+    seen = []
+    monkeypatch.setattr("torch.distributed.run.main", seen.append)
+    argv = ["--nproc-per-node", "2", "--max-restarts", "3", "--out", str(tmp_path)]
+    launch(argv, parse_args(argv))
+    [args] = seen
+    script = args.index(TRAIN)
+    assert {"--standalone", "--nproc-per-node=2", "--max-restarts=3"} <= set(args[:script])
+    assert args[script + 1 :] == ["--out", str(tmp_path)]
+    for rank, needle in (("0", "pass torchrun's own --max-restarts"), (None, "--nproc-per-node")):
+        if rank is not None:
+            monkeypatch.setenv("RANK", rank)
+        else:
+            monkeypatch.delenv("RANK", raising=False)
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--max-restarts", "1", "--out", str(tmp_path)])
+        assert exc.value.code == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert "argument --max-restarts: only with our launcher" in line and needle in line

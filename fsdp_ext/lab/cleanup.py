@@ -19,7 +19,9 @@ from pathlib import Path
 from fsdp_ext.lab.names import ETC_NETNS, PREFIX, RunNames
 from fsdp_ext.lab.system import run_tool
 
-__all__ = ["clean_stale", "lab_runs", "namespace_pids", "remove_run"]
+__all__ = ["JOB_MARK", "clean_stale", "kill_marked", "lab_runs", "namespace_pids", "remove_run"]
+
+JOB_MARK = "FSDP_EXT_LAB_JOB"  # in the environment of every process of one lab job
 
 KILL_WAIT_S = 5.0
 
@@ -65,6 +67,32 @@ def _kill_all(namespaces: list[str]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
+
+
+def _marked(pid: int, mark: str) -> bool:
+    try:
+        return f"{JOB_MARK}={mark}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(
+            b"\0"
+        )
+    except OSError:
+        return False
+
+
+def kill_marked(namespaces: list[str], mark: str) -> list[int]:
+    """SIGKILL the processes of one job left in ``namespaces`` (torchrun starts its workers
+    in sessions of their own, so stopping torchrun's group can leave them running)."""
+    killed = []
+    deadline = time.monotonic() + KILL_WAIT_S
+    while time.monotonic() < deadline:
+        pids = [p for ns in namespaces for p in namespace_pids(ns) if _marked(p, mark)]
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed += pids
+        time.sleep(0.05)
+    return sorted(set(killed))
 
 
 def remove_run(names: RunNames, namespaces: list[str] | None = None) -> None:

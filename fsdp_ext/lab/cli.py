@@ -17,7 +17,7 @@ from fsdp_ext.lab.cleanup import clean_stale
 from fsdp_ext.lab.cluster import DEFAULT_TIMEOUT_S, Cluster, LabResult
 from fsdp_ext.lab.counters import NodeBytes
 from fsdp_ext.lab.faults import Fault
-from fsdp_ext.lab.launcher import RDZV_BACKENDS
+from fsdp_ext.lab.launcher import LOST, RDZV_BACKENDS
 from fsdp_ext.lab.network import MAX_NODES
 from fsdp_ext.lab.rates import parse_rate
 from fsdp_ext.lab.requirements import LabUnavailable, unavailable_reason
@@ -111,6 +111,19 @@ def _report(cluster: Cluster, link_bytes: list[NodeBytes]) -> str:
             )
         lines.append(text + f"; loopback {b.loopback / 1e6:.2f} MB")
     return "\n".join(lines)
+
+
+def _status_cause(code: int) -> str:
+    """What an exit status means when a signal caused it: torchrun exits with its failed
+    worker's status, -9 for SIGKILL, which the shell sees as 256 - 9 = 247."""
+    if code == LOST:
+        return " (the lab took down a node the job could not do without)"
+    number = -code if code < 0 else 256 - code if code > 128 else None
+    try:
+        name = signal.Signals(number).name if number else None
+    except ValueError:
+        name = None
+    return "" if name is None else f" (a process was killed by {name})"
 
 
 def _print_failures(result: LabResult) -> None:
@@ -218,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             elif result.returncode != 0:
                 _print_failures(result)
             print(
-                f"lab: exit status {result.returncode} after {result.seconds:.1f} s",
+                f"lab: exit status {result.returncode}{_status_cause(result.returncode)} "
+                f"after {result.seconds:.1f} s",
                 file=sys.stderr,
             )
             return result.returncode

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from fsdp_ext.lab.cleanup import KILL_WAIT_S, clean_stale, remove_run
+from fsdp_ext.lab.cleanup import JOB_MARK, KILL_WAIT_S, clean_stale, kill_marked, remove_run
 from fsdp_ext.lab.counters import NodeBytes, read_node_bytes
 from fsdp_ext.lab.faults import (
     Fault,
@@ -44,6 +44,7 @@ from fsdp_ext.lab.storage import StorageServer, mount_shared, start_sshd
 __all__ = ["DEFAULT_TIMEOUT_S", "Cluster", "LabResult"]
 
 DEFAULT_TIMEOUT_S = 900.0
+QUIET_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -247,6 +248,20 @@ class Cluster:
         """Each node's interface counters now (absolute; subtract two readings)."""
         return read_node_bytes(self.topology)
 
+    def quiet_link_bytes(self) -> list[NodeBytes]:
+        """Every node's counters at a moment no frame is on its way: the nodes are read one
+        after the other, so a frame sent between two reads would count as sent on one end
+        and not yet received on the other. Read until two readings agree (2 s at most)."""
+        reading = self.link_bytes()
+        deadline = time.monotonic() + QUIET_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            again = self.link_bytes()
+            if again == reading:
+                break
+            reading = again
+        return reading
+
     def set_link(self, rate: str | int) -> None:
         """Change the cap of every node link (both ends) without rebuilding the lab."""
         bits = parse_rate(rate, name="link")
@@ -299,6 +314,7 @@ class Cluster:
         base = dict(os.environ if env is None else env)
         job_env = node_env(base, self.topology, self.ranks_per_node)
         logdir = self.names.workdir / "logs" / f"job{time.monotonic_ns()}"
+        job_env[JOB_MARK] = logdir.name
         logdir.mkdir(parents=True)
         argvs = [
             torchrun_argv(
@@ -314,7 +330,7 @@ class Cluster:
             for node in range(self.nodes)
         ]
         commands = [self.node_command(node, argv) for node, argv in enumerate(argvs)]
-        before = self.link_bytes()
+        before = self.quiet_link_bytes()
         start = time.monotonic()
         job = start_job(commands, job_env, logdir, echo=echo, elastic=elastic.on)
         survivors = elastic.min_nodes or self.nodes
@@ -331,14 +347,17 @@ class Cluster:
             raise
         finally:
             injector.end()
+            left = kill_marked(self.topology.node_namespaces, logdir.name)
         seconds = time.monotonic() - start
-        after = self.link_bytes()
+        after = self.quiet_link_bytes()
         logs = [
             rank_logs(logdir / f"node{node}", local)
             for node in range(self.nodes)
             for local in range(self.ranks_per_node)
         ]
         problems += injector.errors + ([job.doomed] if job.doomed else [])
+        if left:
+            problems.append(f"processes of the job outlived its torchruns, killed: {left}")
         return LabResult(
             returncode=returncode,
             output="".join(job.output),

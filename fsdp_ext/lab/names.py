@@ -1,7 +1,7 @@
 """Names of one lab's resources, unique to the run, and the owner record stale cleanup reads.
 
 Every namespace is called ``fsdplab-<owner pid>-<token>-<role>``, and the run's working
-directory ``<tmp>/fsdplab-<owner pid>-<token>`` holds ``owner.json`` (the owner's pid and
+directory ``/tmp/fsdplab-<owner pid>-<token>`` holds ``owner.json`` (the owner's pid and
 start time). Two labs never share a name, and cleanup can tell a dead lab's leftovers from a
 live lab's resources without touching anything outside the prefix.
 """
@@ -12,7 +12,6 @@ import json
 import os
 import re
 import secrets
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,9 @@ __all__ = ["PREFIX", "RUN_ID", "RunNames", "owner_alive", "process_start_time"]
 PREFIX = "fsdplab"
 RUN_ID = re.compile(rf"^({PREFIX}-(\d+)-([0-9a-f]{{6}}))(?:-.*)?$")
 ETC_NETNS = Path("/etc/netns")  # `ip netns exec NS` bind-mounts /etc/netns/NS/* over /etc
+# not $TMPDIR: a lab started under another TMPDIR must still be found (and its ssh keys
+# removed) by the stale cleanup of a lab started without it
+WORKDIR_ROOT = Path("/tmp")
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class RunNames:
 
     @property
     def workdir(self) -> Path:
-        return Path(tempfile.gettempdir()) / self.run_id
+        return WORKDIR_ROOT / self.run_id
 
     def write_owner(self) -> None:
         """Record who owns the run (pid and start time, so a reused pid is not mistaken)."""
