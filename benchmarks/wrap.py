@@ -332,7 +332,8 @@ def run_hf(names: list[str], steps: int, warmup: int) -> dict:
             row["default"]["median_step_ms"] / row["block"]["median_step_ms"], 3
         )
         # the two steps of one batch run back to back: their ratio sees the same load
-        paired = [d / b for d, b in zip(row["default"]["step_ms"], row["block"]["step_ms"])]
+        steps_ms = zip(row["default"]["step_ms"], row["block"]["step_ms"], strict=True)
+        paired = [d / b for d, b in steps_ms]
         row["default_over_block_paired_median"] = round(statistics.median(paired), 3)
         print(
             f"{name}: {row['params'] / 1e6:.1f}M params, default {row['default']['units']} "
