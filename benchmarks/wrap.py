@@ -265,8 +265,11 @@ def _hf_rank(name: str, steps: int, warmup: int) -> dict:
             "plan": plan,
             "times": [],
             "losses": [],
+            "gathers": 0,
+            "scatters": 0,
         }
     vocab = kwargs["vocab_size"]
+    counter = CollectiveCounter()
 
     def step(run: dict, tokens: torch.Tensor) -> float:
         start = time.perf_counter()
@@ -286,9 +289,13 @@ def _hf_rank(name: str, steps: int, warmup: int) -> dict:
         for policy_name in names[i % 2 :] + names[: i % 2]:
             gc.collect()
             dist.barrier()
+            before = counter.snapshot()
             elapsed = step(runs[policy_name], tokens)
+            after = counter.snapshot()
             if i >= warmup:
                 runs[policy_name]["times"].append(elapsed)
+                runs[policy_name]["gathers"] += after["all_gather"] - before["all_gather"]
+                runs[policy_name]["scatters"] += after["reduce_scatter"] - before["reduce_scatter"]
     gc.enable()
     return {
         policy_name: {
@@ -297,6 +304,8 @@ def _hf_rank(name: str, steps: int, warmup: int) -> dict:
             "params": sum(p.numel() for p in run["model"].parameters()),
             "times": run["times"],
             "losses": run["losses"],
+            "all_gathers_per_step": run["gathers"] / steps,
+            "reduce_scatters_per_step": run["scatters"] / steps,
         }
         for policy_name, run in runs.items()
     }
@@ -315,15 +324,23 @@ def run_hf(names: list[str], steps: int, warmup: int) -> dict:
                 "kept_after_forward": ranks[0][policy_name]["kept_after_forward"],
                 "median_step_ms": round(1000 * statistics.median(per_step), 1),
                 "step_ms": [round(1000 * t, 1) for t in per_step],
+                "all_gathers_per_step": ranks[0][policy_name]["all_gathers_per_step"],
+                "reduce_scatters_per_step": ranks[0][policy_name]["reduce_scatters_per_step"],
             }
         row["losses_identical"] = ranks[0]["default"]["losses"] == ranks[0]["block"]["losses"]
         row["default_over_block"] = round(
             row["default"]["median_step_ms"] / row["block"]["median_step_ms"], 3
         )
+        # the two steps of one batch run back to back: their ratio sees the same load
+        steps_ms = zip(row["default"]["step_ms"], row["block"]["step_ms"], strict=True)
+        paired = [d / b for d, b in steps_ms]
+        row["default_over_block_paired_median"] = round(statistics.median(paired), 3)
         print(
             f"{name}: {row['params'] / 1e6:.1f}M params, default {row['default']['units']} "
             f"{row['default']['median_step_ms']} ms, per-block {row['block']['units']} "
-            f"{row['block']['median_step_ms']} ms, ratio {row['default_over_block']}",
+            f"{row['block']['median_step_ms']} ms, ratio {row['default_over_block']} (paired "
+            f"{row['default_over_block_paired_median']}), all-gathers per step "
+            f"{row['default']['all_gathers_per_step']} vs {row['block']['all_gathers_per_step']}",
             flush=True,
         )
         out[name] = row
