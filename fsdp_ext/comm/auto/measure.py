@@ -54,7 +54,7 @@ def _timed_gather(group: dist.ProcessGroup, nbytes: int, reps: int = 1) -> float
     return _slowest(best)
 
 
-def _probe_hop(group, group_size: int, streams: int, target_s: float) -> Hop:
+def _probe_hop(group, group_size: int, streams: int, target_s: float, budget_s: float) -> Hop:
     """Bandwidth (bytes/s on the shared link: ``streams`` gathers share it) and latency."""
     steps = group_size - 1
     tiny = _timed_gather(group, 4, reps=3)
@@ -67,7 +67,8 @@ def _probe_hop(group, group_size: int, streams: int, target_s: float) -> Hop:
     while True:
         sizes.append(nbytes)
         times.append(_timed_gather(group, nbytes, reps=1 if nbytes < MAX_BYTES // 8 else 2))
-        if times[-1] >= enough or nbytes >= MAX_BYTES:
+        spent = len(times) > 1 and sum(times) >= budget_s  # a loaded machine: stop in time
+        if times[-1] >= enough or nbytes >= MAX_BYTES or spent:
             break
         nbytes *= 2
     if len(sizes) >= 2 and times[-1] > times[-2]:
@@ -144,9 +145,16 @@ def _probe_codecs(sample: int) -> dict[str, CodecSpeed]:
     return out
 
 
-def measure(node_size: int, *, target_s: float = 0.1, codec_sample: int = 1 << 18) -> Measurements:
+def measure(
+    node_size: int,
+    *,
+    target_s: float = 0.1,
+    budget_s: float = 0.6,
+    codec_sample: int = 1 << 18,
+) -> Measurements:
     """Measure this job's hops and codecs (collective: call on every rank of the default
-    group, whose ranks ``g`` sit on node ``g // node_size``). Each rank returns its own view;
+    group, whose ranks ``g`` sit on node ``g // node_size``); each hop's doubling stops once
+    its gathers took ``budget_s``. Each rank returns its own view;
     :func:`~fsdp_ext.comm.auto.decide.auto_config` combines them."""
     world = dist.get_world_size()
     if not isinstance(node_size, int) or node_size < 1 or world % node_size:
@@ -156,8 +164,8 @@ def measure(node_size: int, *, target_s: float = 0.1, codec_sample: int = 1 << 1
     nodes = world // node_size
     intra = inter = None
     if node_size > 1:
-        intra = _probe_hop(intra_group, node_size, 1, target_s)
+        intra = _probe_hop(intra_group, node_size, 1, target_s, budget_s)
     if nodes > 1:
-        inter = _probe_hop(inter_group, nodes, node_size, target_s)
+        inter = _probe_hop(inter_group, nodes, node_size, target_s, budget_s)
     codecs = _probe_codecs(codec_sample)
     return Measurements(intra, inter, codecs, probe_s=time.perf_counter() - t0)
