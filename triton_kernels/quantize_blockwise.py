@@ -139,8 +139,8 @@ def _check_payload(payload: torch.Tensor, num_rows: int, n: int, group_size: int
         payload.dtype != torch.uint8
         or tuple(payload.shape) != want
         or (width > 1 and payload.stride(1) != 1)
-        or (num_rows > 1 and payload.stride(0) % 4)
-        or payload.storage_offset() % 4
+        or (width and num_rows > 1 and payload.stride(0) % 4)
+        or (width and payload.storage_offset() % 4)
     ):
         raise ValueError(
             f"payload must be a uint8 tensor of shape {want} with contiguous rows starting "
