@@ -129,7 +129,7 @@ def measure_load(path: Path, files: int, numel: int, which: str, env: dict) -> d
 
 def run_shape(files: int, file_mb: int, root: Path, env: dict) -> dict:
     numel = file_mb * MB // 4
-    path = root / f"ckpt-{files}x{file_mb}"
+    path = root / f"{files}x{file_mb}" / "ckpt"  # its own directory: removed whole below
     subprocess.run(
         [sys.executable, "-c", SAVER, str(path), str(files), str(numel)],
         check=True,
@@ -150,8 +150,7 @@ def run_shape(files: int, file_mb: int, root: Path, env: dict) -> dict:
     )
     stock = measure_load(path, files, numel, "stock", env)
     ours = measure_load(path, files, numel, "ours", env)
-    shutil.rmtree(path.parent / os.readlink(path))
-    path.unlink()
+    shutil.rmtree(path.parent)
     return {
         "shape": f"{files}x{file_mb}MB",
         "stock_above_destination_mb": stock["above_destination_mb"],
