@@ -116,26 +116,17 @@ def test_other_compiler_flags_get_their_own_library(tmp_path):
     assert "-fno-trapping-math" in runs[0] and "-fno-trapping-math" not in runs[1]
 
 
-SWITCHED_OFF = (
-    "import torch\n"
-    "import triton_kernels.quantize_ef as q\n"
-    "from triton_kernels.cpu_native import native_sender\n"
-    "x = torch.randn(4096, generator=torch.Generator().manual_seed(0))\n"
-    "a = q.quantize_ef_cpu(x, group_size=128)\n"
-    "b = q.quantize_ef_reference(x, group_size=128)\n"
-    "assert all(torch.equal(p, r) for p, r in zip(a, b))\n"
-    "print(native_sender())\n"
-)
+SENDER = "from triton_kernels.cpu_native import native_sender\nprint(native_sender())\n"
 
 
 def test_the_off_switch_never_runs_the_compiler_nor_loads_the_library(tmp_path):
     compiler, log = _compiler(tmp_path)
-    off = _python(SWITCHED_OFF, _env(tmp_path, compiler, FSDP_EXT_NATIVE_CPU="0"))
+    off = _python(SENDER, _env(tmp_path, compiler, FSDP_EXT_NATIVE_CPU="0"))
     assert off == "None"
     assert not log.exists(), "the compiler ran although FSDP_EXT_NATIVE_CPU=0"
     assert not list((tmp_path / "cache").rglob("*.so*"))
     # and on: the same program builds and uses it (so the check above can fail)
-    on = _python(SWITCHED_OFF, _env(tmp_path, compiler))
+    on = _python(SENDER, _env(tmp_path, compiler))
     assert on.startswith("<_FuncPtr object") and log.exists()
 
 
