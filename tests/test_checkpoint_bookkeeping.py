@@ -241,3 +241,29 @@ def test_an_item_beyond_the_end_of_its_file_is_named(tmp_path):
         with pytest.raises(CheckpointException) as err:
             load(path, {"embed": torch.zeros(8, 4)})
         assert expected in str(err.value)
+
+
+def test_a_manifest_of_the_earlier_unsealed_format_still_loads(tmp_path):
+    """Checkpoints of the release before the sealed manifest (format /1, written as plain
+    sorted JSON) must not be lost: they verify and load, with a warning; their data files
+    are still checked (a flipped data byte is named)."""
+    path = tmp_path / "ckpt"
+    dcp.save(state(3), storage_writer=SpreadFileSystemWriter(path), planner=SpreadSavePlanner())
+    manifest_path = version_of(path) / ".manifest.json"
+    body = json.loads(manifest_path.read_text())
+    del body[SELF_CHECKSUM]
+    body["format"] = "fsdp_ext.checkpoint/1"
+    manifest_path.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")  # the old writer
+    with pytest.warns(UserWarning, match="checkpoint/1"):
+        assert verify_checkpoint(path).ok
+    out = {"layers.0.w": torch.zeros(4, 2)}
+    with pytest.warns(UserWarning, match="checkpoint/1"):
+        dcp.load(out, storage_reader=VerifiedFileSystemReader(path), planner=SafeLoadPlanner())
+    assert torch.equal(out["layers.0.w"], state(3)["layers.0.w"])
+    data = next(p for p in version_of(path).iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.warns(UserWarning, match="checkpoint/1"):
+        report = verify_checkpoint(path)
+    assert not report.ok and any(data.name in line for line in report.problems)

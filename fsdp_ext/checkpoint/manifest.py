@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import zlib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -28,7 +29,8 @@ METADATA_NAME = ".metadata"
 PLAN_NAME = ".plan.json"  # written at the start of a save: the files every rank will write
 CHECKSUM = "crc32"
 NO_CHECKSUM = "none"  # SpreadFileSystemWriter(checksums=False): sizes only
-FORMAT = "fsdp_ext.checkpoint/2"  # /1: before the manifest sealed itself
+FORMAT = "fsdp_ext.checkpoint/2"
+LEGACY_FORMAT = "fsdp_ext.checkpoint/1"  # before the manifest sealed itself: still loads
 SELF_CHECKSUM = "manifest_crc32"  # the field that holds the CRC-32 of the rest
 PLAN_CHECKSUM = "plan_crc32"
 # Recorded in Metadata.storage_meta.modules: a checkpoint that says this must have a manifest.
@@ -83,11 +85,30 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str, source: str) -> Manifest:
-        """Parse and check a manifest; anything off raises naming ``source``."""
+        """Parse and check a manifest; anything off raises naming ``source``.
+
+        A manifest of format /1 (written before manifests sealed themselves) still loads, so
+        that no checkpoint of an earlier release is lost: its files and ``.metadata`` are
+        checked by their records as before, only the manifest's own bytes are not covered.
+        """
         try:
-            raw = unseal(text, SELF_CHECKSUM, _MANIFEST_KEYS)
-            if raw["format"] != FORMAT or raw["checksum"] not in (CHECKSUM, NO_CHECKSUM):
-                raise ValueError(f"format {raw['format']!r} / checksum {raw['checksum']!r}")
+            if _legacy_format(text):
+                warnings.warn(
+                    f"{source}: a manifest of format {LEGACY_FORMAT} (an earlier release), "
+                    "which does not cover its own bytes; its files are still checked. A new "
+                    "save writes the sealed format.",
+                    stacklevel=2,
+                )
+                raw = json.loads(text)
+                if not isinstance(raw, dict):
+                    raise TypeError(f"a {type(raw).__name__}, not an object")
+                raw = {"target": "", "save_id": "", "replaces": None, **raw}
+            else:
+                raw = unseal(text, SELF_CHECKSUM, _MANIFEST_KEYS)
+                if raw["format"] != FORMAT:
+                    raise ValueError(f"format {raw['format']!r}")
+            if raw["checksum"] not in (CHECKSUM, NO_CHECKSUM):
+                raise ValueError(f"checksum {raw['checksum']!r}")
             if not isinstance(raw["files"], dict):
                 raise TypeError("files is not an object")
             files = {}
@@ -113,6 +134,16 @@ class Manifest:
             raise CheckpointIntegrityError(
                 f"{source}: not a readable manifest ({type(exc).__name__}: {exc})"
             ) from exc
+
+
+def _legacy_format(text: str) -> bool:
+    """Whether ``text`` is an unsealed manifest of format /1 (no single flipped bit turns
+    the sealed format's name into it: "2" and "1" differ in two bits)."""
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(raw, dict) and raw.get("format") == LEGACY_FORMAT and SELF_CHECKSUM not in raw
 
 
 _MANIFEST_KEYS = frozenset(f.name for f in fields(Manifest))
