@@ -189,7 +189,8 @@ class CompileCase:
     def name(self) -> str:
         values = ",".join(f"{k}={v}" for k, v in self.constexprs.items())
         types = ",".join(f"{k}:{v}" for k, v in self.signature.items() if v.startswith("*"))
-        return f"{self.kernel.__name__}[{values}]({types})"
+        unaligned = "unit" in self.signature and "unit" not in self.aligned
+        return f"{self.kernel.__name__}[{values}]({types})" + (" unaligned" if unaligned else "")
 
 
 def launch_options() -> dict[str, bool]:

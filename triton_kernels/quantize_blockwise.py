@@ -301,8 +301,8 @@ if triton is not None:
         code = tl.load(
             codes_ptr + row * payload_row_stride + code_at, mask=group_ok[:, None], other=0
         )
-        scale_at = scale_ptr + row * (payload_row_stride // 4) + group0 + tl.arange(0, GROUPS)
-        scale = tl.load(scale_at, mask=group_ok, other=0)
+        g = group0 + tl.arange(0, GROUPS)  # int64, so the pointer offsets are too
+        scale = tl.load(scale_ptr + row * (payload_row_stride // 4) + g, mask=group_ok, other=0)
         value = code.to(tl.float32) * scale[:, None]
         out_at = out_ptr + row * out_row_stride + col
         if OUT_KIND == 0:
