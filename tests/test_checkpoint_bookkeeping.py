@@ -175,7 +175,10 @@ def test_the_plan_record_is_sealed(saved):
     plan = unfinished_of(saved) / ".plan.json"
     record = read_plan_record(plan.read_bytes(), str(plan))
     assert plan_record_bytes(record) == plan.read_bytes()
-    assert record["target"] == "ckpt" and record["replaces"] == version_of(saved).name
+    # where the previous checkpoint is once the save publishes: the version the link points
+    # to, or (swap layout) the save's own directory, which the swap hands the old one
+    previous = version_of(saved) if saved.is_symlink() else unfinished_of(saved)
+    assert record["target"] == "ckpt" and record["replaces"] == previous.name
     edited = plan.read_bytes().replace(b'"rank": 0', b'"rank": 1', 1)
     with pytest.raises(CheckpointIntegrityError, match=rf"{plan}: not a readable plan record"):
         read_plan_record(edited, str(plan))

@@ -28,7 +28,6 @@ from fsdp_ext.wrap.cost import CostModel
 from fsdp_ext.wrap.measure import UnshardedBytesTracker
 from fsdp_ext.wrap.node_reshard import node_reshard_for_ranks
 from tests.test_comm_weights import Block, Net, _batch, quantized_copy
-from triton_kernels.quantize_blockwise import payload_row_bytes
 
 WORLD, NODE = 4, 2
 
@@ -230,6 +229,11 @@ def _peak_rank() -> dict:
     return out
 
 
+def _unit_payload(numels: list[int], group: int = 32) -> int:
+    groups = sum(-(-n // group) for n in numels)
+    return groups * group + 4 * (-(-groups // 4) * 4)
+
+
 def test_zeropp_on_two_emulated_nodes():
     """qwZ + hpZ + LoCo hierarchical, 2 nodes x 2 ranks: backward all-gathers never leave
     a node; forward and backward use the same quantised weights; collective bytes match
@@ -241,9 +245,11 @@ def test_zeropp_on_two_emulated_nodes():
         # per step: 3 units gathered in forward over all 4 ranks, again in backward in-node
         assert [ranks_ for ranks_, _ in forward] == [tuple(range(WORLD))] * 9
         assert [ranks_ for ranks_, _ in backward] == [node] * 9
-        # bytes: forward payloads int8 + fp32 scales per 32; backward the fp32 node copy
-        root, b0, b1 = r["numels"]  # per parameter: its own groups, its own scales
-        per_step_fwd = [sum(payload_row_bytes(n, 32) for n in u) for u in (root, b0, b1)]
+        # bytes: forward payloads int8 codes per parameter's own groups of 32, then one fp32
+        # scale per group, the scales padded to a multiple of 4 (16 bytes) per unit;
+        # backward the fp32 node copy
+        root, b0, b1 = r["numels"]
+        per_step_fwd = [_unit_payload(u) for u in (root, b0, b1)]
         per_step_bwd = [WORLD // NODE * sum(u) * 4 for u in (root, b1, b0)]
         assert [b for _, b in forward] == per_step_fwd * 3
         assert [b for _, b in backward] == per_step_bwd * 3

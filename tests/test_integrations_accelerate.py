@@ -320,9 +320,12 @@ def _tiny_edges(checkpoint_dir: str) -> dict:
     return out
 
 
-def test_adapter_edges_on_a_tiny_model(tmp_path):
+def test_adapter_edges_on_a_tiny_model(tmp_path, monkeypatch):
     """The CPU message, a second prepare refused, one return shape, the plugin's
     reshard_after_forward honoured, and LoCo's buffers back after load_state."""
+    # accelerate's own prepare shards without a mesh (its code, not ours): on a GPU machine
+    # its default mesh is CUDA's, as accelerate intends, so no CUDA default mesh is faked here
+    monkeypatch.setenv("FSDP_EXT_DEFAULT_MESH_ON_CUDA", "0")
     runs = run_distributed(_tiny_edges, WORLD, str(tmp_path), timeout=300)
     for run in runs:
         assert "accelerate dropped the FSDP plugin: on CPU it runs DDP" in run["cpu_message"]
