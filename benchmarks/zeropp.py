@@ -119,6 +119,11 @@ def unit_shards(model) -> list[tuple[list[int], bool]]:
     return out
 
 
+def _unit_payload(numels: list[int], group_size: int) -> int:
+    groups = sum(-(-n // group_size) for n in numels)
+    return groups * group_size + 16 * -(-groups // 4)
+
+
 def predicted_bytes(
     shards: list[tuple[list[int], bool]], mode: str, group_size: int
 ) -> dict[str, int]:
@@ -127,11 +132,12 @@ def predicted_bytes(
     Per unit, ``n = sum_i n_i`` its shard (elements; ``n_i`` a parameter's); ``W`` ranks,
     ``r`` per node, ``N = W / r`` nodes. fp32: all-gather ``(W - 1) 4n`` in forward and
     again in backward (the root once: FSDP keeps it gathered), reduce-scatter ``(W - 1) 4n``.
-    ZeRO++: forward all-gather ``(W - 1) sum_i ceil(n_i / G)(G + 4)`` (qwZ: int8 and a scale
-    per G values of one parameter); backward all-gather in the node ``(r - 1) N 4n`` (hpZ:
-    the fp32 node copy; the root too); reduce-scatter in the node ``(r - 1) N 4n`` (LoCo's
-    full-precision stage), then across nodes an all-to-all of ``(N - 1) ceil(n / 128) 68``
-    (4-bit codes and a scale per 128).
+    ZeRO++: forward all-gather ``(W - 1) (g G + 16 ceil(g / 4))`` with ``g = sum_i ceil(n_i /
+    G)`` (qwZ, one payload per unit: int8 codes in groups of one parameter's G values, then
+    an fp32 scale per group, the scales padded to 16 bytes); backward all-gather in the
+    node ``(r - 1) N 4n`` (hpZ: the fp32 node copy; the root too); reduce-scatter in the
+    node ``(r - 1) N 4n`` (LoCo's full-precision stage), then across nodes an all-to-all
+    of ``(N - 1) ceil(n / 128) 68`` (4-bit codes and a scale per 128).
     """
     w, r = WORLD, NODE
     nodes = w // r
@@ -141,7 +147,7 @@ def predicted_bytes(
             "all_gather_inter": gathers,
             "reduce_scatter_inter": sum((w - 1) * 4 * sum(p) for p, _ in shards),
         }
-    payload = sum(-(-n // group_size) * (group_size + 4) for p, _ in shards for n in p)
+    payload = sum(_unit_payload(p, group_size) for p, _ in shards)
     sizes = [sum(p) for p, _ in shards]
     return {
         "all_gather_inter": (w - 1) * payload,
