@@ -373,7 +373,13 @@ def init_distributed(cfg: TrainConfig) -> None:
     if cfg.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ:  # launched by torchrun
-        dist.init_process_group(backend)
+        # torchrun hands every restart attempt the store of the first, with no per-attempt
+        # prefix: a restarted rank's gloo could read a dead rank's address from it and fail
+        # in connectFullMesh ("Connection refused"). Each attempt keys its group apart.
+        store, rank, world = next(dist.rendezvous("env://"))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"fsdp_ext/attempt-{attempt}/", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
