@@ -373,15 +373,25 @@ def init_distributed(cfg: TrainConfig) -> None:
     if cfg.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ:  # launched by torchrun
-        # torchrun hands every restart attempt the store of the first, with no per-attempt
-        # prefix: a restarted rank's gloo could read a dead rank's address from it and fail
-        # in connectFullMesh ("Connection refused"). Each attempt keys its group apart.
         store, rank, world = next(dist.rendezvous("env://"))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"fsdp_ext/attempt-{attempt}/", store)
+        if _one_agent_sharing_its_store():
+            # torchrun hands every restart attempt the store of the first, with no
+            # per-attempt prefix: a restarted rank's gloo could read a dead rank's address
+            # from it and fail in connectFullMesh ("Connection refused"). With one agent,
+            # its restart count names the attempt on every rank; several nodes should run
+            # with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a store per round), as the lab does.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"fsdp_ext/attempt-{attempt}/", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _one_agent_sharing_its_store() -> bool:
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("GROUP_WORLD_SIZE") == "1"
+    )
 
 
 LAUNCHER_FLAGS = ("--nproc-per-node", "--max-restarts")  # torchrun's, not the workers'
