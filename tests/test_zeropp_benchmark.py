@@ -34,7 +34,8 @@ def test_collective_bytes_match_the_formula_in_both_modes():
 def test_formula_by_hand():
     # one unit of 1000 + 24 elements per rank (two parameters), W = 4, r = 2, group 256
     z = predicted_bytes([([976, 24], False)], "zeropp", 256)
-    assert z["all_gather_inter"] == 3 * (4 + 1) * 260  # 4 groups + 1 group, 256 B + a scale
+    # 4 groups + 1 group of 256 int8 codes, then their 5 fp32 scales padded to 8 (32 B)
+    assert z["all_gather_inter"] == 3 * ((4 + 1) * 256 + 8 * 4)
     z = predicted_bytes([([1000], False)], "zeropp", 256)
     assert z["all_gather_intra"] == 1 * 2 * 4000
     assert z["reduce_scatter_intra"] == 1 * 2 * 4000
