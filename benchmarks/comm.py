@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from fsdp_ext.kernels.backend import use_backend  # noqa: E402
 
 import examples.train as train_module  # noqa: E402
 from benchmarks.comm_fidelity import (  # noqa: E402
@@ -66,7 +67,6 @@ from fsdp_ext import (  # noqa: E402
     register_comm_hook,
 )
 from fsdp_ext.testing import run_distributed  # noqa: E402
-from triton_kernels.backend import use_backend  # noqa: E402
 
 MODES = ("default", "q4", "loco")
 TAIL = 20  # the train loss reported is the mean of the last TAIL steps

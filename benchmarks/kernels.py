@@ -20,7 +20,7 @@ times of the sender, ``quantize_ef`` with LoCo's defaults (4-bit, group 128, int
 beta 0.8): the reference's bottleneck; the receiver's ratio is reported next to it, and so
 is the process CPU time per call (user + system), which waiting on a loaded machine does
 not inflate. The fast path's sender is C compiled on this machine
-(``triton_kernels.cpu_native``; ``cpu_codec_compile_s`` is its build time from a cold cache,
+(``fsdp_ext.kernels.cpu_native``; ``cpu_codec_compile_s`` is its build time from a cold cache,
 ``cpu_codec_path`` says whether it ran); the plain-torch path that runs without a C compiler
 (``FSDP_EXT_NATIVE_CPU=0``) is timed in the same alternation (``torch_path_ms``,
 ``torch_path_speedup``). ``--torch-compile`` also measures the alternative, ``torch.compile``
@@ -44,29 +44,29 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-
-from fsdp_ext.comm import Codec, QuantizedAllGather, make_codec  # noqa: E402
-from fsdp_ext.testing import KernelLaunches  # noqa: E402
-from triton_kernels.backend import implementation  # noqa: E402
-from triton_kernels.codec_common import payload_chunk_bytes  # noqa: E402
-from triton_kernels.cpu_native import ENV as NATIVE_ENV  # noqa: E402
-from triton_kernels.cpu_native import build_library, find_compiler, native_sender  # noqa: E402
-from triton_kernels.dequantize_reduce import (  # noqa: E402
+from fsdp_ext.kernels.backend import implementation  # noqa: E402
+from fsdp_ext.kernels.codec_common import payload_chunk_bytes  # noqa: E402
+from fsdp_ext.kernels.cpu_native import ENV as NATIVE_ENV  # noqa: E402
+from fsdp_ext.kernels.cpu_native import build_library, find_compiler, native_sender  # noqa: E402
+from fsdp_ext.kernels.dequantize_reduce import (  # noqa: E402
     dequantize_reduce_from_payload,
     dequantize_reduce_from_payload_cpu,
     dequantize_reduce_from_payload_reference,
 )
-from triton_kernels.permute_indices import permute_indices  # noqa: E402
-from triton_kernels.quantize_blockwise import (  # noqa: E402
+from fsdp_ext.kernels.permute_indices import permute_indices  # noqa: E402
+from fsdp_ext.kernels.quantize_blockwise import (  # noqa: E402
     dequantize_blockwise,
     quantize_blockwise,
     unit_payload_row_bytes,
 )
-from triton_kernels.quantize_ef import (  # noqa: E402
+from fsdp_ext.kernels.quantize_ef import (  # noqa: E402
     quantize_ef_to_payload,
     quantize_ef_to_payload_cpu,
     quantize_ef_to_payload_reference,
 )
+
+from fsdp_ext.comm import Codec, QuantizedAllGather, make_codec  # noqa: E402
+from fsdp_ext.testing import KernelLaunches  # noqa: E402
 
 GROUP, BITS, CHUNKS = 128, 4, 8  # LoCo defaults; 8 ranks' chunks per reduction
 QWZ_GROUP = 256  # QuantizedAllGather's default

@@ -78,7 +78,7 @@ def _interpreter_loop_problem() -> str | None:
 def triton_interpreter() -> None:
     """Skip a test that needs the interpreter, naming the environment's real problem (e.g. a
     GPU image whose Triton 3.6 and NumPy 2.5 do not go together), instead of erroring."""
-    from triton_kernels.backend import interpreter_active
+    from fsdp_ext.kernels.backend import interpreter_active
 
     if not interpreter_active():
         pytest.skip(

@@ -1,7 +1,8 @@
 """The house rules of docs/architecture.md, read from the source by scripts/import_graph.py.
 
 No import cycle (function-local imports included); data flows examples/benchmarks ->
-fsdp_ext -> triton_kernels; a room imports another only through its ``__init__``; nothing
+fsdp_ext -> fsdp_ext.kernels (the folder triton_kernels/); a room imports another only
+through its ``__init__``; nothing
 in the library imports ``integrations``, ``lab`` or ``testing``; benchmarks and examples
 use public names only; every package re-exports one way (``__all__``); and private torch
 names, and reads of FSDP2's internal objects (``group.fsdp_params``, ``group.mp_policy``), appear
@@ -156,7 +157,7 @@ def test_checker_passes_a_clean_tree(tmp_path):
         ),
         (  # kernels importing the library
             {"triton_kernels/k.py": "import fsdp_ext\n"},
-            "triton_kernels.k imports fsdp_ext (an outer layer)",
+            "fsdp_ext.kernels.k imports fsdp_ext (an outer layer)",
         ),
         (  # a benchmark importing a name the package does not export
             {"benchmarks/bench.py": "from fsdp_ext.wrap import b\nfrom fsdp_ext.comm import x\n"},

@@ -7,16 +7,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from tests.codec_cases import error_state, gradients, same
-from triton_kernels.codec_common import (
+from fsdp_ext.kernels.codec_common import (
     TRITON_GROUP_SIZES,
     payload_chunk_bytes,
     qmax,
 )
-from triton_kernels.dequantize_reduce import (
+from fsdp_ext.kernels.dequantize_reduce import (
     dequantize_reduce,
     dequantize_reduce_from_payload_reference,
     dequantize_reduce_from_payload_triton,
@@ -24,13 +20,17 @@ from triton_kernels.dequantize_reduce import (
     dequantize_reduce_triton,
     dequantize_reference,
 )
-from triton_kernels.quantize_ef import (
+from fsdp_ext.kernels.quantize_ef import (
     quantize_ef,
     quantize_ef_reference,
     quantize_ef_to_payload_reference,
     quantize_ef_to_payload_triton,
     quantize_ef_triton,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.codec_cases import error_state, gradients, same
 
 # numpy, under the Triton interpreter, warns on the NaN arithmetic of non-finite groups
 pytestmark = [

@@ -7,34 +7,34 @@ import os
 import subprocess
 import sys
 
+import fsdp_ext.kernels.codec_common as codec_common
+import fsdp_ext.kernels.dequantize_reduce as dequantize_reduce
+import fsdp_ext.kernels.quantize_ef as quantize_ef
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-import triton_kernels.codec_common as codec_common
-import triton_kernels.dequantize_reduce as dequantize_reduce
-import triton_kernels.quantize_ef as quantize_ef
-from fsdp_ext import LoCoConfig, LoCoReduceScatter
-from fsdp_ext.testing import run_distributed
-from tests.codec_cases import error_state, gradients
-from triton_kernels import backend
-from triton_kernels.codec_common import payload_chunk_bytes
-from triton_kernels.cpu_native import ENV as NATIVE_ENV
-from triton_kernels.cpu_native import native_sender
-from triton_kernels.dequantize_reduce import (
+from fsdp_ext.kernels import backend
+from fsdp_ext.kernels.codec_common import payload_chunk_bytes
+from fsdp_ext.kernels.cpu_native import ENV as NATIVE_ENV
+from fsdp_ext.kernels.cpu_native import native_sender
+from fsdp_ext.kernels.dequantize_reduce import (
     dequantize_reduce_cpu,
     dequantize_reduce_from_payload_cpu,
     dequantize_reduce_from_payload_reference,
     dequantize_reduce_reference,
 )
-from triton_kernels.quantize_ef import (
+from fsdp_ext.kernels.quantize_ef import (
     quantize_ef_cpu,
     quantize_ef_reference,
     quantize_ef_to_payload_cpu,
     quantize_ef_to_payload_reference,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fsdp_ext import LoCoConfig, LoCoReduceScatter
+from fsdp_ext.testing import run_distributed
+from tests.codec_cases import error_state, gradients
 
 ERROR_DTYPES = [None, torch.int8, torch.bfloat16, torch.float32]
 MANY = settings(
@@ -286,8 +286,8 @@ def test_a_failed_native_build_warns_once_and_the_torch_path_runs(tmp_path):
     switch, then the plain-torch sender, still bit-exact."""
     code = (
         "import warnings, torch\n"
-        "from triton_kernels.cpu_native import native_sender\n"
-        "from triton_kernels.quantize_ef import quantize_ef_cpu, quantize_ef_reference\n"
+        "from fsdp_ext.kernels.cpu_native import native_sender\n"
+        "from fsdp_ext.kernels.quantize_ef import quantize_ef_cpu, quantize_ef_reference\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    assert native_sender() is None and native_sender() is None\n"

@@ -13,8 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import numpy as np
 import pytest
 import torch
-
-from triton_kernels.codec_common import div_round_half_up, tl, triton
+from fsdp_ext.kernels.codec_common import div_round_half_up, tl, triton
 
 pytestmark = [
     pytest.mark.usefixtures("triton_interpreter"),

@@ -51,7 +51,7 @@ def _python(code: str, env: dict, *, cpuinfo: Path | None = None) -> str:
 
 
 BUILD = (
-    "from triton_kernels.cpu_native import build_library, find_compiler, default_cache_dir\n"
+    "from fsdp_ext.kernels.cpu_native import build_library, find_compiler, default_cache_dir\n"
     "print(build_library(find_compiler(), default_cache_dir()))\n"
 )
 
@@ -106,7 +106,7 @@ def test_other_compiler_flags_get_their_own_library(tmp_path):
     env = _env(tmp_path, compiler)
     plain = _python(BUILD, env)
     other_flags = (
-        "import triton_kernels.cpu_native as n\n"
+        "import fsdp_ext.kernels.cpu_native as n\n"
         "n.FLAGS = tuple(f for f in n.FLAGS if f != '-fno-trapping-math')\n" + BUILD
     )
     changed = _python(other_flags, env)
@@ -116,7 +116,7 @@ def test_other_compiler_flags_get_their_own_library(tmp_path):
     assert "-fno-trapping-math" in runs[0] and "-fno-trapping-math" not in runs[1]
 
 
-SENDER = "from triton_kernels.cpu_native import native_sender\nprint(native_sender())\n"
+SENDER = "from fsdp_ext.kernels.cpu_native import native_sender\nprint(native_sender())\n"
 
 
 def test_the_off_switch_never_runs_the_compiler_nor_loads_the_library(tmp_path):
@@ -133,7 +133,7 @@ def test_the_off_switch_never_runs_the_compiler_nor_loads_the_library(tmp_path):
 def test_the_off_switch_is_read_at_each_call(monkeypatch):
     """A process that loaded the library still honours the switch set later (a test or a
     debugging session turning it off mid-run)."""
-    from triton_kernels.cpu_native import ENV, native_sender
+    from fsdp_ext.kernels.cpu_native import ENV, native_sender
 
     monkeypatch.setenv(ENV, "0")
     assert native_sender() is None

@@ -14,6 +14,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from fsdp_ext.kernels.quantize_blockwise import (
+    dequantize_blockwise_reference,
+    payload_row_bytes,
+    quantize_blockwise_reference,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -22,11 +27,6 @@ import fsdp_ext
 from fsdp_ext.comm import AbsmaxCodec, choose_wire
 from fsdp_ext.comm.blockwise_int8_codec import BlockwiseInt8Codec
 from fsdp_ext.testing import run_distributed
-from triton_kernels.quantize_blockwise import (
-    dequantize_blockwise_reference,
-    payload_row_bytes,
-    quantize_blockwise_reference,
-)
 
 WORLD = 2
 UNITS = ("fc1", "norm", "fc2", "gate")  # and the root, which keeps ``head``

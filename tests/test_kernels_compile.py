@@ -16,10 +16,10 @@ import sys
 
 import pytest
 
-CODEC = ("triton_kernels.quantize_ef", "triton_kernels.dequantize_reduce")
+CODEC = ("fsdp_ext.kernels.quantize_ef", "fsdp_ext.kernels.dequantize_reduce")
 # every kernel on a communication path gets the codec's PTX checks (no FMA, vector loads,
 # 64-bit offsets); the qwZ weight kernels have no multiply-add to contract at all
-PTX_CHECKED = (*CODEC, "triton_kernels.quantize_blockwise")
+PTX_CHECKED = (*CODEC, "fsdp_ext.kernels.quantize_blockwise")
 BROKEN = "tests.kernels_broken"
 
 
@@ -27,8 +27,8 @@ BROKEN = "tests.kernels_broken"
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("compile") / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "triton_kernels.compile_check", "--json", str(path)]
-    cmd += ["--package", "triton_kernels", BROKEN, "--fused-probe"]
+    cmd = [sys.executable, "-m", "fsdp_ext.kernels.compile_check", "--json", str(path)]
+    cmd += ["--package", "fsdp_ext.kernels", BROKEN, "--fused-probe"]
     # its own session, so that a timeout ends its worker processes too, not just itself
     proc = subprocess.Popen(
         cmd,
@@ -53,7 +53,7 @@ def _results(report, modules, fused=False):
 
 
 def test_every_kernel_is_discovered_and_compiled(report):
-    ours = report["packages"]["triton_kernels"]
+    ours = report["packages"]["fsdp_ext.kernels"]
     kernels = {n.rsplit(".", 1)[1] for n in ours["functions"]}
     assert {
         "_quantize_ef_kernel",
@@ -71,14 +71,14 @@ def test_a_kernel_without_compile_case_is_reported(report):
 
 
 def test_every_case_compiles_for_sm80_and_sm90(report):
-    results = _results(report, "triton_kernels")
-    assert len(results) == 2 * report["packages"]["triton_kernels"]["cases"]
+    results = _results(report, "fsdp_ext.kernels")
+    assert len(results) == 2 * report["packages"]["fsdp_ext.kernels"]["cases"]
     for r in results:
         assert r["error"] is None, (r["case"], r["arch"], r["error"])
         assert r["cubin_bytes"] > 0
     by_arch = {arch: {r["case"] for r in results if r["arch"] == arch} for arch in (80, 90)}
     assert by_arch[80] == by_arch[90]
-    assert len(by_arch[80]) == report["packages"]["triton_kernels"]["cases"]
+    assert len(by_arch[80]) == report["packages"]["fsdp_ext.kernels"]["cases"]
 
 
 def _broken(report, kernel):
@@ -119,7 +119,7 @@ def test_receiver_loop_keeps_the_next_chunk_in_flight(report):
     """The receiver's loop over chunks loads chunk c + 1 before it computes with chunk c, so
     no iteration waits on its own load. A loop that computes with the load it just issued
     fails the check."""
-    receivers = [r for r in _results(report, "triton_kernels.dequantize_reduce")]
+    receivers = [r for r in _results(report, "fsdp_ext.kernels.dequantize_reduce")]
     # Left: on sm_80 the PTX still uses the next chunk's scales (4 bytes per group) in the
     # iteration that loads them, for most group sizes (found by this check; docs/kernels.md);
     # sm_90, the H100/H200, is clean

@@ -8,16 +8,15 @@ import itertools
 
 import pytest
 import torch
-
-from triton_kernels.codec_common import TILE_ELEMENTS, TRITON_GROUP_SIZES, payload_chunk_bytes
-from triton_kernels.dequantize_reduce import (
+from fsdp_ext.kernels.codec_common import TILE_ELEMENTS, TRITON_GROUP_SIZES, payload_chunk_bytes
+from fsdp_ext.kernels.dequantize_reduce import (
     dequantize_reduce_from_payload_reference,
     dequantize_reduce_from_payload_triton,
 )
-from triton_kernels.permute_indices import permute_indices_reference, permute_indices_triton
-from triton_kernels.quantize_blockwise import TILE_ELEMENTS as BLOCKWISE_TILE
-from triton_kernels.quantize_blockwise import TRITON_GROUP_SIZES as BLOCKWISE_GROUP_SIZES
-from triton_kernels.quantize_blockwise import (
+from fsdp_ext.kernels.permute_indices import permute_indices_reference, permute_indices_triton
+from fsdp_ext.kernels.quantize_blockwise import TILE_ELEMENTS as BLOCKWISE_TILE
+from fsdp_ext.kernels.quantize_blockwise import TRITON_GROUP_SIZES as BLOCKWISE_GROUP_SIZES
+from fsdp_ext.kernels.quantize_blockwise import (
     dequantize_blockwise_reference,
     dequantize_blockwise_triton,
     payload_row_bytes,
@@ -25,7 +24,7 @@ from triton_kernels.quantize_blockwise import (
     quantize_blockwise_triton,
     unit_payload_row_bytes,
 )
-from triton_kernels.quantize_ef import (
+from fsdp_ext.kernels.quantize_ef import (
     quantize_ef_reference,
     quantize_ef_to_payload_reference,
     quantize_ef_to_payload_triton,

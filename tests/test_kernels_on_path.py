@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_ext.kernels.backend import use_backend
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -22,7 +23,6 @@ from torch.utils._pytree import tree_leaves
 
 from fsdp_ext import LoCoConfig, LoCoReduceScatter, register_comm_hook
 from fsdp_ext.testing import run_distributed
-from triton_kernels.backend import use_backend
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered")]
 BACKENDS = ("reference", "triton")
@@ -67,7 +67,7 @@ class GradientSizedOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = str(func)
-        if func.namespace in ("triton_kernels", "c10d"):
+        if func.namespace in ("fsdp_ext", "c10d"):
             self.kernels.append(name)
         elif not func.is_view and name not in _NO_DATA_OPS and not _inside_collective():
             leaves = tree_leaves((args, kwargs, out))
@@ -202,9 +202,9 @@ def _assert_single_pass(ops, kernels, collective):
     assert ops == [], f"ops outside the kernels over gradient-sized memory: {ops}"
     # the send-side kernel, the exchange, the receive-side kernel, in that order
     assert kernels[-3:] == [
-        "triton_kernels.quantize_ef_to_payload.default",
+        "fsdp_ext.quantize_ef_to_payload.default",
         collective,
-        "triton_kernels.dequantize_reduce_from_payload.default",
+        "fsdp_ext.dequantize_reduce_from_payload.default",
     ], kernels
 
 

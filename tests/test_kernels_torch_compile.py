@@ -1,4 +1,4 @@
-"""The kernels are custom ops (``torch.ops.triton_kernels.*``) with fake implementations, so
+"""The kernels are custom ops (``torch.ops.fsdp_ext.*``) with fake implementations, so
 ``torch.compile(fullgraph=True)`` traces through them without a graph break and the compiled
 function equals eager, in-place updates (error buffers, payload, output) included.
 
@@ -9,12 +9,11 @@ run the Triton kernels (interpreter) inside the compiled graph.
 
 import pytest
 import torch
-
-from triton_kernels.backend import use_backend
-from triton_kernels.codec_common import payload_chunk_bytes
-from triton_kernels.dequantize_reduce import dequantize_reduce, dequantize_reduce_from_payload
-from triton_kernels.permute_indices import permute_indices
-from triton_kernels.quantize_ef import quantize_ef, quantize_ef_to_payload
+from fsdp_ext.kernels.backend import use_backend
+from fsdp_ext.kernels.codec_common import payload_chunk_bytes
+from fsdp_ext.kernels.dequantize_reduce import dequantize_reduce, dequantize_reduce_from_payload
+from fsdp_ext.kernels.permute_indices import permute_indices
+from fsdp_ext.kernels.quantize_ef import quantize_ef, quantize_ef_to_payload
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 

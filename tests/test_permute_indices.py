@@ -2,15 +2,15 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from fsdp_ext.testing import KernelLaunches
-from triton_kernels.permute_indices import (
+from fsdp_ext.kernels.permute_indices import (
     permute_indices,
     permute_indices_reference,
     permute_indices_triton,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsdp_ext.testing import KernelLaunches
 
 
 def _by_hand(counts):

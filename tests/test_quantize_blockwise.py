@@ -7,12 +7,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from fsdp_ext.testing import KernelLaunches
-from triton_kernels.backend import use_backend
-from triton_kernels.quantize_blockwise import (
+from fsdp_ext.kernels.backend import use_backend
+from fsdp_ext.kernels.quantize_blockwise import (
     TILE_ELEMENTS,
     TRITON_GROUP_SIZES,
     dequantize_blockwise,
@@ -25,6 +21,10 @@ from triton_kernels.quantize_blockwise import (
     quantize_blockwise_triton,
     unit_payload_row_bytes,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fsdp_ext.testing import KernelLaunches
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:invalid value encountered"),

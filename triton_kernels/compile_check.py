@@ -8,7 +8,7 @@ FMA instructions, the widths of global loads, the integer width of pointer offse
 divisions per value, whether a loop waits on its own loads, registers and SASS size (the
 last two from Triton's bundled ``cuobjdump``).
 
-Run as ``python -m triton_kernels.compile_check [--arch 80 90] [--json PATH]``. It must run
+Run as ``python -m fsdp_ext.kernels.compile_check [--arch 80 90] [--json PATH]``. It must run
 with ``TRITON_INTERPRET`` unset (the interpreter replaces kernels by Python functions).
 """
 
@@ -123,10 +123,9 @@ def compile_case(case, arch: int, enable_fp_fusion: bool | None = None) -> dict[
     """Compile one case for ``sm_<arch>`` with the launchers' own options (or FP fusion
     forced to ``enable_fp_fusion``); returns facts about its PTX and TTIR."""
     import triton
+    from fsdp_ext.kernels.codec_common import launch_options
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from triton_kernels.codec_common import launch_options
 
     options = {"num_warps": case.num_warps, **launch_options()}
     if enable_fp_fusion is not None:
@@ -211,7 +210,7 @@ def compile_all(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--package", nargs="+", default=["triton_kernels"])
+    parser.add_argument("--package", nargs="+", default=["fsdp_ext.kernels"])
     parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument(

@@ -5,22 +5,21 @@
 chunk order ``w = 0, 1, ...``, so the reference and the kernel agree bit for bit, and a NaN
 scale (a non-finite group on some sender) makes that group non-finite in the output.
 
-Three implementations (chosen by :mod:`triton_kernels.backend`): the torch reference, the
+Three implementations (chosen by :mod:`fsdp_ext.kernels.backend`): the torch reference, the
 Triton kernel, and a fast CPU path, bit-exact with the reference (same operations, same
 order, block by block in cache).
 
 Two entry points share each implementation: :func:`dequantize_reduce` returns a new flat tensor, and
 :func:`dequantize_reduce_from_payload` reads a received all-to-all buffer in place (layout in
-:mod:`triton_kernels.codec_common`) and writes the first ``out.numel()`` values straight into
+:mod:`fsdp_ext.kernels.codec_common`) and writes the first ``out.numel()`` values straight into
 ``out`` (FSDP's reduce-scatter output): one read of the payload, one write of the output.
 """
 
 from __future__ import annotations
 
 import torch
-
-from triton_kernels import backend
-from triton_kernels.codec_common import (
+from fsdp_ext.kernels import backend
+from fsdp_ext.kernels.codec_common import (
     AOT_ALL_STORAGES,
     LITTLE_ENDIAN,
     QMAX,
@@ -202,7 +201,7 @@ def dequantize_reduce_from_payload_cpu(
 
 
 if triton is not None:
-    from triton_kernels.codec_common import bf16_bits_rne
+    from fsdp_ext.kernels.codec_common import bf16_bits_rne
 
     @triton.jit
     def _add_nibbles(acc_lo, acc_hi, byte, scale, OFFSET: tl.constexpr):
@@ -395,7 +394,7 @@ _DEQUANTIZE_REDUCE_FROM_PAYLOAD = {
 
 
 @torch.library.custom_op(
-    "triton_kernels::dequantize_reduce",
+    "fsdp_ext::dequantize_reduce",
     mutates_args=(),
     schema="(Tensor packed, Tensor scales, int group_size, int bits, float out_scale, "
     "ScalarType out_dtype) -> Tensor",
@@ -421,7 +420,7 @@ def _(packed, scales, group_size, bits, out_scale, out_dtype):
 
 
 @torch.library.custom_op(
-    "triton_kernels::dequantize_reduce_from_payload",
+    "fsdp_ext::dequantize_reduce_from_payload",
     mutates_args=("out",),
     schema="(Tensor payload, Tensor(a!) out, int group_size, int bits, float out_scale) -> ()",
 )
@@ -446,11 +445,11 @@ def dequantize_reduce(
     out_scale: float = 1.0,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The Triton kernel or the torch reference, as :mod:`triton_kernels.backend` decides.
+    """The Triton kernel or the torch reference, as :mod:`fsdp_ext.kernels.backend` decides.
 
-    Runs as the custom op ``torch.ops.triton_kernels.dequantize_reduce``.
+    Runs as the custom op ``torch.ops.fsdp_ext.dequantize_reduce``.
     """
-    return torch.ops.triton_kernels.dequantize_reduce(
+    return torch.ops.fsdp_ext.dequantize_reduce(
         packed, scales, group_size, bits, float(out_scale), out_dtype
     )
 
@@ -465,8 +464,8 @@ def dequantize_reduce_from_payload(
 ) -> None:
     """``out = out_scale * sum_w deQ(payload[w])[:out.numel()]``, written in place.
 
-    The custom op ``torch.ops.triton_kernels.dequantize_reduce_from_payload``.
+    The custom op ``torch.ops.fsdp_ext.dequantize_reduce_from_payload``.
     """
-    torch.ops.triton_kernels.dequantize_reduce_from_payload(
+    torch.ops.fsdp_ext.dequantize_reduce_from_payload(
         payload, out, group_size, bits, float(out_scale)
     )

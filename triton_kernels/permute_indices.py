@@ -14,9 +14,8 @@ the alignment padding (our expert compute loops over experts and needs none).
 from __future__ import annotations
 
 import torch
-
-from triton_kernels import backend
-from triton_kernels.codec_common import CompileCase, launch_options, tl, triton
+from fsdp_ext.kernels import backend
+from fsdp_ext.kernels.codec_common import CompileCase, launch_options, tl, triton
 
 # Fixed block sizes: one compiled variant per counts dtype, whatever the ranks and experts.
 # The plan kernel scans the counts SCAN_BLOCK at a time; each fill program writes FILL_BLOCK
@@ -179,7 +178,7 @@ def permute_indices_triton(counts: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op(
-    "triton_kernels::permute_indices", mutates_args=(), schema="(Tensor counts) -> Tensor"
+    "fsdp_ext::permute_indices", mutates_args=(), schema="(Tensor counts) -> Tensor"
 )
 def _permute_indices_op(counts: torch.Tensor) -> torch.Tensor:
     use = backend.use_triton(counts)
@@ -195,5 +194,5 @@ def _(counts):
 
 def permute_indices(counts: torch.Tensor) -> torch.Tensor:
     """Expert-major gather indices: the Triton kernel or the reference, as
-    :mod:`triton_kernels.backend` decides (the custom op ``triton_kernels::permute_indices``)."""
-    return torch.ops.triton_kernels.permute_indices(counts)
+    :mod:`fsdp_ext.kernels.backend` decides (the custom op ``fsdp_ext::permute_indices``)."""
+    return torch.ops.fsdp_ext.permute_indices(counts)

@@ -16,7 +16,7 @@ group never mixes two parameters, and the whole unit still takes **one launch** 
 per-unit tile table (cached, built once on the host and copied to the device once) tells
 each program which piece it quantises.
 
-The rounding is the gradient codec's (:mod:`triton_kernels.codec_common`): half-up via
+The rounding is the gradient codec's (:mod:`fsdp_ext.kernels.codec_common`): half-up via
 ``floor(x + 0.5)``, IEEE round-to-nearest division (``div_rn``), launches with FP fusion off,
 bf16 rounded by hand, so kernel and reference agree bit for bit. A group of zeros gets
 ``s = 0`` and ``q = 0``; a group holding a NaN or Inf is sent as ``q = 0`` with ``s = NaN``,
@@ -36,9 +36,8 @@ import threading
 from collections.abc import Sequence
 
 import torch
-
-from triton_kernels import backend
-from triton_kernels.codec_common import (
+from fsdp_ext.kernels import backend
+from fsdp_ext.kernels.codec_common import (
     CompileCase,
     as_int16_bits,
     launch_options,
@@ -219,7 +218,7 @@ def dequantize_blockwise_reference(
 # ---------------------------------------------------------------- Triton kernels
 
 if triton is not None:
-    from triton_kernels.codec_common import absmax_rows, bf16_bits_rne, div_round_half_up
+    from fsdp_ext.kernels.codec_common import absmax_rows, bf16_bits_rne, div_round_half_up
 
     @triton.jit
     def _tile_of(tiles_ptr, unit, GROUP: tl.constexpr, GROUPS: tl.constexpr):
@@ -519,7 +518,7 @@ def _segments_arg(segments) -> list[int] | None:
 
 
 @torch.library.custom_op(
-    "triton_kernels::quantize_blockwise",
+    "fsdp_ext::quantize_blockwise",
     mutates_args=("payload",),
     schema="(Tensor rows, Tensor(a!) payload, int group_size, int[]? segments) -> ()",
 )
@@ -537,7 +536,7 @@ def _(rows, payload, group_size, segments):
 
 
 @torch.library.custom_op(
-    "triton_kernels::dequantize_blockwise",
+    "fsdp_ext::dequantize_blockwise",
     mutates_args=("out",),
     schema="(Tensor payload, Tensor(a!) out, int group_size, int[]? segments) -> ()",
 )
@@ -562,9 +561,9 @@ def quantize_blockwise(
     segments: Sequence[int] | None = None,
 ) -> None:
     """Quantise each row of ``rows`` into ``payload``: the Triton kernel or the torch
-    reference, as :mod:`triton_kernels.backend` decides (the custom op
-    ``torch.ops.triton_kernels.quantize_blockwise``). ``segments``: see the module doc."""
-    torch.ops.triton_kernels.quantize_blockwise(rows, payload, group_size, _segments_arg(segments))
+    reference, as :mod:`fsdp_ext.kernels.backend` decides (the custom op
+    ``torch.ops.fsdp_ext.quantize_blockwise``). ``segments``: see the module doc."""
+    torch.ops.fsdp_ext.quantize_blockwise(rows, payload, group_size, _segments_arg(segments))
 
 
 def dequantize_blockwise(
@@ -575,5 +574,5 @@ def dequantize_blockwise(
     segments: Sequence[int] | None = None,
 ) -> None:
     """Dequantise each payload row into ``out`` (the custom op
-    ``torch.ops.triton_kernels.dequantize_blockwise``)."""
-    torch.ops.triton_kernels.dequantize_blockwise(payload, out, group_size, _segments_arg(segments))
+    ``torch.ops.fsdp_ext.dequantize_blockwise``)."""
+    torch.ops.fsdp_ext.dequantize_blockwise(payload, out, group_size, _segments_arg(segments))

@@ -9,12 +9,12 @@ One pass over the gradient ``g`` and the error ``e`` (updated in place):
 ``e`` is stored as fp32, bf16, or int8 with one fp32 scale per group (``e ~ e_q * e_s``,
 ``e_s = absmax(e_new) / 127``). Without ``error`` this is plain absmax quantisation. A group
 with a non-finite ``h`` is sent as ``q = 0`` with scale NaN and its error is reset to zero
-(see :mod:`triton_kernels.codec_common`).
+(see :mod:`fsdp_ext.kernels.codec_common`).
 
-Three implementations (chosen by :mod:`triton_kernels.backend`): the torch reference (the
+Three implementations (chosen by :mod:`fsdp_ext.kernels.backend`): the torch reference (the
 spec), the Triton kernel, and a fast CPU path, bit-exact with the reference
 (``tests/test_codec_cpu.py``). On the CPU the sender is C compiled on the machine
-(:mod:`triton_kernels.cpu_native`: the reference's operations group by group, 3x faster than
+(:mod:`fsdp_ext.kernels.cpu_native`: the reference's operations group by group, 3x faster than
 torch ops can be); where no C compiler is found, plain torch makes the reference's passes
 block by block over cache-resident buffers, with the same IEEE operations in the same order.
 
@@ -23,7 +23,7 @@ Two entry points share each implementation:
 - :func:`quantize_ef` takes a flat ``x`` and returns ``(packed, scales)``;
 - :func:`quantize_ef_to_payload` takes ``[W, n]`` rows (any ``n``; each row is zero-padded to
   whole groups inside the kernel) and writes each row's codes and scales into row ``w`` of an
-  all-to-all send buffer (layout in :mod:`triton_kernels.codec_common`), so the sender makes
+  all-to-all send buffer (layout in :mod:`fsdp_ext.kernels.codec_common`), so the sender makes
   one pass: read ``g``, read and write ``e``, write the payload.
 """
 
@@ -32,9 +32,8 @@ from __future__ import annotations
 import math
 
 import torch
-
-from triton_kernels import backend
-from triton_kernels.codec_common import (
+from fsdp_ext.kernels import backend
+from fsdp_ext.kernels.codec_common import (
     AOT_ALL_STORAGES,
     ERROR_QMAX,
     LITTLE_ENDIAN,
@@ -55,7 +54,7 @@ from triton_kernels.codec_common import (
     tl,
     triton,
 )
-from triton_kernels.cpu_native import native_sender
+from fsdp_ext.kernels.cpu_native import native_sender
 
 _ERROR_KINDS = {None: 0, torch.int8: 1, torch.bfloat16: 2, torch.float32: 3}
 
@@ -394,7 +393,7 @@ def quantize_ef_to_payload_cpu(
 
 
 if triton is not None:
-    from triton_kernels.codec_common import (
+    from fsdp_ext.kernels.codec_common import (
         absmax_rows,
         bf16_bits_rne,
         bf16_bits_to_fp32,
@@ -660,7 +659,7 @@ _QUANTIZE_EF_TO_PAYLOAD = {
 # Explicit schemas: the same registration on every torch from 2.4 (the GPU machines' 2.11
 # included), whatever its reading of string annotations.
 @torch.library.custom_op(
-    "triton_kernels::quantize_ef",
+    "fsdp_ext::quantize_ef",
     mutates_args=("error", "error_scales"),
     schema="(Tensor x, Tensor(a!)? error, Tensor(b!)? error_scales, int group_size, int bits, "
     "float beta) -> (Tensor, Tensor)",
@@ -686,7 +685,7 @@ def _(x, error, error_scales, group_size, bits, beta):
 
 
 @torch.library.custom_op(
-    "triton_kernels::quantize_ef_to_payload",
+    "fsdp_ext::quantize_ef_to_payload",
     mutates_args=("payload", "error", "error_scales"),
     schema="(Tensor rows, Tensor(a!) payload, Tensor(b!)? error, Tensor(c!)? error_scales, "
     "int group_size, int bits, float beta) -> ()",
@@ -718,12 +717,12 @@ def quantize_ef(
     bits: int = 4,
     beta: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel or the torch reference, as :mod:`triton_kernels.backend` decides.
+    """The Triton kernel or the torch reference, as :mod:`fsdp_ext.kernels.backend` decides.
 
-    Runs as the custom op ``torch.ops.triton_kernels.quantize_ef``, so ``torch.compile``
+    Runs as the custom op ``torch.ops.fsdp_ext.quantize_ef``, so ``torch.compile``
     treats it as one opaque call (its fake implementation gives the output shapes).
     """
-    return torch.ops.triton_kernels.quantize_ef(x, error, error_scales, group_size, bits, beta)
+    return torch.ops.fsdp_ext.quantize_ef(x, error, error_scales, group_size, bits, beta)
 
 
 def quantize_ef_to_payload(
@@ -738,8 +737,8 @@ def quantize_ef_to_payload(
 ) -> None:
     """Quantise ``rows[w] + e`` (``e`` updated in place) straight into ``payload[w]``.
 
-    The custom op ``torch.ops.triton_kernels.quantize_ef_to_payload``.
+    The custom op ``torch.ops.fsdp_ext.quantize_ef_to_payload``.
     """
-    torch.ops.triton_kernels.quantize_ef_to_payload(
+    torch.ops.fsdp_ext.quantize_ef_to_payload(
         rows, payload, error, error_scales, group_size, bits, beta
     )

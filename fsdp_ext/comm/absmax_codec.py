@@ -1,8 +1,8 @@
 """The LoCo / qgZ codec: symmetric absmax per group, 4 or 8 bits, optional LoCo feedback.
 
-Format and rounding are specified in :mod:`triton_kernels.codec_common`; the work runs in
+Format and rounding are specified in :mod:`fsdp_ext.kernels.codec_common`; the work runs in
 the ``quantize_ef`` and ``dequantize_reduce`` kernels (Triton on CUDA, the fast torch path on
-CPU, the reference when forced; see :mod:`triton_kernels.backend`).
+CPU, the reference when forced; see :mod:`fsdp_ext.kernels.backend`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from fsdp_ext.comm.codec import Codec, Feedback
-from triton_kernels.codec_common import ERROR_QMAX, TRITON_GROUP_SIZES, payload_chunk_bytes
-from triton_kernels.dequantize_reduce import dequantize_reduce_from_payload
-from triton_kernels.quantize_ef import quantize_ef_to_payload
+from fsdp_ext.kernels.codec_common import ERROR_QMAX, TRITON_GROUP_SIZES, payload_chunk_bytes
+from fsdp_ext.kernels.dequantize_reduce import dequantize_reduce_from_payload
+from fsdp_ext.kernels.quantize_ef import quantize_ef_to_payload
 
 __all__ = ["AbsmaxCodec"]
 

@@ -1,8 +1,8 @@
 """The qwZ weight codec: block-wise int8, one fp32 absmax scale per group, no feedback.
 
-Format and rounding are specified in :mod:`triton_kernels.quantize_blockwise`; the work runs
+Format and rounding are specified in :mod:`fsdp_ext.kernels.quantize_blockwise`; the work runs
 in its ``quantize_blockwise`` / ``dequantize_blockwise`` kernels (Triton on CUDA, the torch
-reference elsewhere; see :mod:`triton_kernels.backend`). Rows may be float32, bfloat16 or
+reference elsewhere; see :mod:`fsdp_ext.kernels.backend`). Rows may be float32, bfloat16 or
 float16 (FSDP gathers in the mixed-precision param dtype).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fsdp_ext.comm.codec import Codec, Feedback
-from triton_kernels.quantize_blockwise import (
+from fsdp_ext.kernels.quantize_blockwise import (
     TRITON_GROUP_SIZES,
     dequantize_blockwise,
     payload_row_bytes,

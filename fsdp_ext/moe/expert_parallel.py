@@ -7,7 +7,7 @@ Dispatch on each rank of an ep group (``E_local = num_experts / ep`` experts per
      backward is the transposed all-to-all). It is a small autograd Function over
      ``dist.all_to_all_single`` rather than funcol's ``all_to_all_single_autograd`` (which
      works on gloo too) so that the bytes of the backward exchanges can be counted;
-  3. gather into expert-major order with ``triton_kernels.permute_indices``;
+  3. gather into expert-major order with ``fsdp_ext.kernels.permute_indices``;
   4. the grouped expert compute on local experts;
   5. the inverse gather, and the combine all-to-all back to the token owners.
 Every step runs on every rank whatever the routing, so an expert with no tokens cannot
@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from fsdp_ext.kernels.permute_indices import permute_indices
 from fsdp_ext.moe.layer import MoE
 from fsdp_ext.parallel_dims import ParallelDims
-from triton_kernels.permute_indices import permute_indices
 
 
 @dataclass

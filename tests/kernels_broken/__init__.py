@@ -4,8 +4,7 @@ compile case, and the two patterns that held the LoCo kernels back on an H200.""
 
 import triton
 import triton.language as tl
-
-from triton_kernels.codec_common import CompileCase
+from fsdp_ext.kernels.codec_common import CompileCase
 
 
 @triton.jit
