@@ -228,11 +228,14 @@ def param_mp_policy(group: FSDPParamGroup, fsdp_param: Any) -> Any:
 def gather_dtype(group: FSDPParamGroup, fsdp_param: Any) -> torch.dtype:
     """The dtype FSDP gathers the parameter in: set at FSDP's lazy init (2.11-2.15
     ``FSDPParam.param_dtype``), before it the parameter's mixed-precision policy, else its
-    own dtype."""
+    own dtype. A non-float parameter keeps its dtype (FSDP casts only float ones)."""
+    own = fsdp_param.sharded_param.dtype
+    if not own.is_floating_point:
+        return own
     return (
         getattr(fsdp_param, "param_dtype", None)
         or param_mp_policy(group, fsdp_param).param_dtype
-        or fsdp_param.sharded_param.dtype
+        or own
     )
 
 
