@@ -64,10 +64,12 @@ def _run(built_before: bool) -> dict:
     torch.manual_seed(0)
     model = _Gated()
     names = [n for n, _ in model.named_parameters()]
-    if built_before:
-        optimizer = torch.optim.AdamW(_groups(list(model.named_parameters())))
-    else:
-        optimizer = lambda params: torch.optim.AdamW(_groups(list(zip(names, params))))  # noqa: E731
+
+    def factory(params):
+        return torch.optim.AdamW(_groups(list(zip(names, params, strict=True))))
+
+    optimizer = torch.optim.AdamW(_groups(list(model.named_parameters())))
+    optimizer = optimizer if built_before else factory
     loco = fsdp_ext.LoCoConfig(bits=4, group_size=32)
     model, optimizer, handle = prepare(accelerator, model, optimizer, loco=loco)
     by_id = {id(p): n for n, p in model.named_parameters()}
@@ -112,5 +114,6 @@ def test_param_groups_carry_over_to_the_sharded_parameters_with_loco(monkeypatch
         assert before["hyper"] == factory["hyper"] == [(1e-2, 0.1), (3e-2, 0.0), (0.0, 0.0)]
         assert before["loco_sent"] > 0
         assert before["losses"] == factory["losses"]
-        assert all(torch.equal(a, b) for a, b in zip(before["layers"], factory["layers"]))
+        pairs = zip(before["layers"], factory["layers"], strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
         assert before["gate_frozen"] and factory["gate_frozen"]
