@@ -44,7 +44,7 @@ def phase(reshard_after_forward) -> dict:
     losses = []
     dist.barrier()
     before = link_tx() if local_rank == 0 else None
-    for step in range(steps):
+    for _ in range(steps):
         g = torch.Generator().manual_seed(rank)  # one batch per rank: the loss must fall
         x, y = torch.randn(8, 256, generator=g), torch.randn(8, 256, generator=g)
         loss = nn.functional.mse_loss(model(x), y)
