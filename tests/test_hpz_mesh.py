@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp_ext
@@ -51,6 +53,38 @@ def test_node_reshard_counts_a_shard_groups_ranks_per_node():
         node_reshard_for_ranks([0, 4, 2, 6, 1, 3, 5, 7], 4, shard_size=4)
     with pytest.raises(ValueError, match="whole shard groups"):
         node_reshard_for_ranks(range(6), 2, shard_size=4)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    st.integers(1, 4),  # nodes
+    st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (6, 2), (6, 3)]),
+    st.randoms(use_true_random=False),
+)
+def test_hsdp_layouts_get_a_shard_groups_ranks_per_node(nodes, sizes, rnd):
+    """Any HSDP mesh whose shard groups take ``q`` adjacent ranks from each of the nodes
+    (replicas anywhere: ``node_size / q`` of them inside each node), nodes and ranks in
+    any order: ``r`` is ``q`` (True for one node, False for q = 1 on several)."""
+    node_size, q = sizes
+    replicas = node_size // q
+    order = list(range(nodes))
+    rnd.shuffle(order)
+    picks = {}
+    for node in range(nodes):
+        members = list(range(node * node_size, (node + 1) * node_size))
+        rnd.shuffle(members)
+        picks[node] = [members[j * q : (j + 1) * q] for j in range(replicas)]
+    mesh = [[g for node in order for g in picks[node][j]] for j in range(replicas)]
+    flat = [g for row in mesh for g in row]
+    assert sorted(flat) == list(range(nodes * node_size))
+    want = True if nodes == 1 else (False if q == 1 else q)
+    got = node_reshard_for_ranks(flat, node_size, shard_size=q * nodes)
+    assert got == want and type(got) is type(want), (mesh, node_size, got, want)
+    # FSDP's post-forward groups (mesh.view(-1, r)): each one node, each inside one replica
+    r = {True: q * nodes, False: 1}.get(want, want) if isinstance(want, bool) else want
+    for row in mesh:
+        for start in range(0, len(row), r):
+            assert len({g // node_size for g in row[start : start + r]}) == 1
 
 
 def _hsdp_rank() -> dict:
