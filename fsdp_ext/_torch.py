@@ -24,6 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import metadata as sharded_tensor_metadata
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_WRAPPED_MODULE as CHECKPOINT_WRAPPED_MODULE,
+)
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint import state_dict_loader as dcp_loader
 
@@ -41,6 +44,10 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageIn
 
 # 2.11-2.15: the write items DCP's default planner makes for one state-dict entry.
 from torch.distributed.checkpoint.planner_helpers import _create_write_items as create_write_items
+
+# 2.11-2.15: the canonical name DCP's state-dict helpers key a parameter by (wrapper parts
+# ``_checkpoint_wrapped_module`` and ``_orig_mod`` dropped).
+from torch.distributed.checkpoint.state_dict import _get_fqns as dcp_fqns
 from torch.distributed.device_mesh import DeviceMesh
 
 # 2.11-2.15: the comm interfaces a custom reduce-scatter / all-gather implements.
@@ -111,6 +118,7 @@ __all__ = [
     "TorchDispatchMode",
     "all_gather_into",
     "auto_reshard_after_forward",
+    "canonical_fqn",
     "compiled_inner",
     "create_write_items",
     "dedup_save_plans",
@@ -163,6 +171,21 @@ def reduce_scatter_into(*args: Any, **kwargs: Any) -> Any:
 def all_gather_into(*args: Any, **kwargs: Any) -> Any:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(*args, **kwargs)
+
+
+def canonical_fqn(model: nn.Module, name: str) -> str:
+    """The name ``get_model_state_dict`` gives ``name`` (a parameter or module of
+    ``model``): without the ``_checkpoint_wrapped_module`` of ``checkpoint_wrapper`` or the
+    ``_orig_mod`` of ``torch.compile``, so that state keyed by it survives adding or
+    removing either wrapper (2.11-2.15 ``_get_fqns``; it keeps a trailing wrapper part of
+    a module's own name, dropped here first)."""
+    head, _, last = name.rpartition(".")
+    if last in (CHECKPOINT_WRAPPED_MODULE, "_orig_mod"):
+        return canonical_fqn(model, head)
+    if not name:
+        return name
+    (fqn,) = dcp_fqns(model, name)
+    return fqn
 
 
 # FSDPParamGroup methods at which unsharded memory changes (2.11-2.15): a memory tracker
@@ -228,11 +251,14 @@ def param_mp_policy(group: FSDPParamGroup, fsdp_param: Any) -> Any:
 def gather_dtype(group: FSDPParamGroup, fsdp_param: Any) -> torch.dtype:
     """The dtype FSDP gathers the parameter in: set at FSDP's lazy init (2.11-2.15
     ``FSDPParam.param_dtype``), before it the parameter's mixed-precision policy, else its
-    own dtype."""
+    own dtype. A non-float parameter keeps its dtype (FSDP casts only float ones)."""
+    own = fsdp_param.sharded_param.dtype
+    if not own.is_floating_point:
+        return own
     return (
         getattr(fsdp_param, "param_dtype", None)
         or param_mp_policy(group, fsdp_param).param_dtype
-        or fsdp_param.sharded_param.dtype
+        or own
     )
 
 

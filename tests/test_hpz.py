@@ -83,7 +83,7 @@ def test_node_reshard_by_hand():
     assert node_reshard_for_ranks([0, 2, 4, 6], 4) == 2
     with pytest.raises(ValueError, match="spans nodes"):
         node_reshard_for_ranks([0, 2, 1, 3], 2)
-    with pytest.raises(ValueError, match="as many of the mesh's ranks"):
+    with pytest.raises(ValueError, match="as many of a shard group's ranks"):
         node_reshard_for_ranks([0, 1, 2], 2)
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
         os.environ.pop("LOCAL_WORLD_SIZE", None)

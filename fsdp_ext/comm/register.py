@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_ext._torch import (
     DefaultReduceScatter,
+    canonical_fqn,
     fsdp_state_id,
     group_device,
     is_hsdp_group,
@@ -73,12 +74,16 @@ class _Unit:
 class CommHandle:
     """Returned by :func:`register_comm_hook`; a DCP ``Stateful`` holding every error buffer.
 
-    Each rank saves its own buffers with a header: world size, config, and a signature of
-    every unit's parameter layout. A load checks the header first. A different ``bits`` or
-    ``error_dtype`` always raises (the stored values mean something else). A different world
-    size, node size, group size, ``err_beta`` or layout resets the buffers, with one warning
-    line, since error feedback is an optimisation state and training stays correct; with
-    ``strict=True`` it raises, naming what differs. The same layout resumes bit for bit.
+    Each rank saves its own buffers with a header: world size, config, and every unit's
+    parameter layout (names and lengths, and a signature of them). Units and parameters are
+    named canonically, as DCP's state-dict helpers name them (no ``_checkpoint_wrapped_module``
+    or ``_orig_mod``), so adding or removing ``checkpoint_wrapper`` or ``torch.compile``
+    between save and resume keeps the buffers. A load checks the header first. A different
+    ``bits`` or ``error_dtype`` always raises (the stored values mean something else). A
+    different world size, node size, group size, ``err_beta`` or layout resets the buffers,
+    with one warning line naming what differs (for a layout: which parameters), since error
+    feedback is an optimisation state and training stays correct; with ``strict=True`` it
+    raises, naming what differs. The same layout resumes bit for bit.
     """
 
     def __init__(self, units: dict[str, _Unit], config: LoCoConfig, *, strict: bool = False):
@@ -130,6 +135,7 @@ class CommHandle:
             "world_size": dist.get_world_size(),
             "intra_node_size": cfg.node_size() if cfg.intra_node_size is not None else None,
             "layout": {fqn: u.binding.layout.signature() for fqn, u in self._units.items()},
+            "parameters": {fqn: _named_lengths(u.binding.layout) for fqn, u in self._units.items()},
             "codec": cfg.codec,
             **self._codec.header(),
         }
@@ -167,7 +173,7 @@ class CommHandle:
             differences = [
                 f"{key} {saved.get(key)} -> {now[key]}"
                 for key in now
-                if key != "layout" and saved.get(key) != now[key]
+                if key not in ("layout", "parameters") and saved.get(key) != now[key]
             ]
             changed = sorted(
                 fqn
@@ -175,7 +181,8 @@ class CommHandle:
                 if saved["layout"].get(fqn) != now["layout"].get(fqn)
             )
             if changed:
-                differences.append(f"parameter layout of units {', '.join(changed)}")
+                causes = layout_changes(changed, saved.get("parameters"), now["parameters"])
+                differences.append(f"parameter layout of units {', '.join(changed)}: {causes}")
         if differences:
             message = "LoCo error state does not match this run (" + "; ".join(differences) + ")"
             if self.strict:
@@ -200,6 +207,42 @@ class CommHandle:
         if self.weights is not None:
             self.weights.remove()
         self._removed = True
+
+
+def _named_lengths(layout) -> list[list]:
+    return [[n, k] for n, k in zip(layout.names, layout.lengths, strict=True)]
+
+
+def layout_changes(
+    units: list[str],
+    saved: dict[str, list[list]] | None,
+    now: dict[str, list[list]],
+) -> str:
+    """What differs in the parameter layout of ``units``, unit by unit: a unit only on one
+    side, parameters only on one side, lengths, order (``saved`` None: a checkpoint from
+    before names were saved)."""
+    if saved is None:
+        return "the checkpoint predates saved parameter names (other names or sizes)"
+    parts = []
+    for unit in units:
+        if unit not in saved:
+            parts.append(f"{unit} is not in the checkpoint")
+            continue
+        if unit not in now:
+            parts.append(f"{unit} is only in the checkpoint")
+            continue
+        old, new = dict(map(tuple, saved[unit])), dict(map(tuple, now[unit]))
+        found = []
+        if gone := [n for n in old if n not in new]:
+            found.append(f"parameters only in the checkpoint: {', '.join(gone)}")
+        if added := [n for n in new if n not in old]:
+            found.append(f"parameters only in this run: {', '.join(added)}")
+        if resized := [f"{n} {old[n]} -> {new[n]}" for n in new if n in old and old[n] != new[n]]:
+            found.append(f"lengths: {', '.join(resized)}")
+        if not found:
+            found.append("parameter order")
+        parts.append(f"{unit} ({'; '.join(found)})")
+    return "; ".join(parts)
 
 
 def _fsdp_units(model: torch.nn.Module) -> list[tuple[str, FSDPModule, object]]:
@@ -261,9 +304,12 @@ def register_comm_hook(
     units_found = _fsdp_units(model)
     if not units_found:
         raise ValueError("model has no FSDP unit: call fully_shard before register_comm_hook")
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names = {
+        id(p): canonical_fqn(model, n) for n, p in model.named_parameters(remove_duplicate=False)
+    }
     plans = []
     for fqn, module, group in units_found:
+        fqn = "+".join(canonical_fqn(model, part) or "<root>" for part in fqn.split("+"))
         if group is None or not trainable_fsdp_params(group):
             continue
         shard_group = shard_process_group(group)

@@ -16,11 +16,16 @@ touched: the optimizer keeps updating them in full precision.
 Which gathers are quantised:
 - forward gathers over the shard group, always;
 - backward gathers over the shard group, if ``config.backward``;
+- with ``backward=False``, never the gather of a unit that keeps its gathered weights from
+  forward into backward (the root by default, any ``reshard_after_forward=False`` unit):
+  backward computes with that copy, so it is gathered in full precision;
 - gathers over a smaller group (hpZ: ``reshard_after_forward=<node size>``, the backward
   gather from the node-local copy) never: that copy holds the forward's dequantised
   weights already, and re-quantising them would change what forward computed with;
-- a unit whose all-gather is not in a float dtype (mixed parameter dtypes make FSDP gather
-  bytes) is gathered as is;
+- a unit holding a non-float parameter (an int or bool tensor registered as a parameter)
+  next to float ones: FSDP gathers the unit as bytes; its float parameters are still
+  encoded, and the others' bytes travel as they are, after the codec's payload;
+- a unit with no float parameter, or with float parameters of two dtypes, is gathered as is;
 - a unit whose payload (codes, scales, padding to whole groups) would not be smaller than
   its plain bytes (a lone norm, biases, a small model at a large group size) is gathered as
   is: :func:`~fsdp_ext.comm.codec.choose_wire`, per unit, the same on every rank
@@ -42,6 +47,7 @@ from fsdp_ext._torch import (
     fsdp_params,
     gather_dtype,
     gathering_for_backward,
+    group_reshard_after_forward,
     padded_shard_numel,
     shard_process_group,
 )
@@ -83,6 +89,24 @@ class WeightGatherStats:
         return self.bytes_sent / self.bytes_uncompressed if self.bytes_uncompressed else 0.0
 
 
+@dataclass(frozen=True)
+class MixedUnitLayout:
+    """A unit FSDP gathers as bytes (float parameters beside non-float ones), per rank row:
+    each parameter's byte span, which spans are float (encoded, in ``dtype``) and which
+    travel raw, and the wire choice for the float part plus the raw bytes."""
+
+    spans: tuple[tuple[int, int], ...]  # (byte offset, bytes) of each parameter
+    encoded: tuple[bool, ...]  # per parameter: a float one of ``dtype``
+    dtype: torch.dtype
+    segments: tuple[int, ...]  # elements of each encoded parameter, in order
+    raw_bytes: int
+    wire: WireChoice
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.wire.payload_bytes
+
+
 class QuantizedWeightAllGather(AllGather):
     """FSDP2 ``AllGather`` of one unit (its param group): int8 on the wire (see module doc).
 
@@ -96,6 +120,7 @@ class QuantizedWeightAllGather(AllGather):
         self._group = group
         self._segment_cache: dict[int, tuple[int, ...]] = {}
         self._wire_cache: dict[tuple[int, torch.dtype], WireChoice] = {}
+        self._mixed_cache: dict[int, MixedUnitLayout | None] = {}
         self.stats = WeightGatherStats()
 
     @property
@@ -103,9 +128,39 @@ class QuantizedWeightAllGather(AllGather):
         """This unit's choice for its shard-group gathers: every parameter's padded shard in
         the dtype FSDP gathers (the mixed-precision param dtype, else the parameter's)."""
         params = fsdp_params(self._group)
+        dtypes = [gather_dtype(self._group, p) for p in params]
+        if len(set(dtypes)) > 1:  # FSDP gathers bytes
+            n = sum(padded_shard_numel(p) * d.itemsize for p, d in zip(params, dtypes, strict=True))
+            mixed = self.mixed_layout(n)
+            return mixed.wire if mixed is not None else WireChoice(False, n, n)
         n = sum(padded_shard_numel(p) for p in params)
-        dtype = gather_dtype(self._group, params[0]) if params else torch.float32
-        return self.wire_for(n, dtype)
+        return self.wire_for(n, dtypes[0] if dtypes else torch.float32)
+
+    def mixed_layout(self, n: int) -> MixedUnitLayout | None:
+        """The byte layout of a flat uint8 input of ``n`` bytes (FSDP's gather of a unit
+        with parameters of several dtypes), or None when there is nothing to encode: no
+        float parameter, float parameters of two dtypes, or sizes that do not add up."""
+        if n not in self._mixed_cache:
+            params = fsdp_params(self._group)
+            dtypes = [gather_dtype(self._group, p) for p in params]
+            numels = [padded_shard_numel(p) for p in params]
+            floats = {d for d in dtypes if d in FLOAT_DTYPES}
+            total = sum(k * d.itemsize for k, d in zip(numels, dtypes, strict=True))
+            layout = None
+            if len(floats) == 1 and total == n:
+                (dtype,) = floats
+                spans, at = [], 0
+                for k, d in zip(numels, dtypes, strict=True):
+                    spans.append((at, k * d.itemsize))
+                    at += k * d.itemsize
+                encoded = tuple(d == dtype for d in dtypes)
+                segments = tuple(k for k, e in zip(numels, encoded, strict=True) if e)
+                raw = sum(b for (_, b), e in zip(spans, encoded, strict=True) if not e)
+                float_wire = choose_wire(self.codec, segments, dtype.itemsize)
+                wire = WireChoice(float_wire.compressed, float_wire.payload_bytes + raw, n)
+                layout = MixedUnitLayout(tuple(spans), encoded, dtype, segments, raw, wire)
+            self._mixed_cache[n] = layout
+        return self._mixed_cache[n]
 
     def wire_for(self, n: int, dtype: torch.dtype) -> WireChoice:
         """Encoded or plain for a flat input of ``n`` elements in ``dtype`` (sizes only)."""
@@ -133,11 +188,19 @@ class QuantizedWeightAllGather(AllGather):
         """``"quantized"``, ``"full_precision"`` or ``"intra_node"`` for this gather."""
         if group is not shard_process_group(self._group):
             return "intra_node"  # hpZ: the post-forward group, inside a node
-        if input_tensor.dtype not in FLOAT_DTYPES:
+        if not self.config.backward and (
+            gathering_for_backward(self._group)
+            or not group_reshard_after_forward(self._group)  # backward reuses this copy
+        ):
             return "full_precision"
-        if not self.config.backward and gathering_for_backward(self._group):
+        n = input_tensor.numel()
+        if input_tensor.dtype in FLOAT_DTYPES:
+            wire = self.wire_for(n, input_tensor.dtype)
+        elif input_tensor.dtype == torch.uint8 and self.mixed_layout(n) is not None:
+            wire = self.mixed_layout(n).wire  # float parameters beside non-float ones
+        else:
             return "full_precision"
-        if not self.wire_for(input_tensor.numel(), input_tensor.dtype).compressed:
+        if not wire.compressed:
             return "full_precision"  # the payload would be larger than the values
         return "quantized"
 
@@ -161,6 +224,12 @@ class QuantizedWeightAllGather(AllGather):
             self.stats.full_precision_bytes += plain
             self.stats.full_precision_gathers += 1
             return None
+        if input_tensor.dtype == torch.uint8:
+            width = self._gather_mixed(output_tensor, input_tensor, group)
+            self.stats.bytes_sent += (world - 1) * width
+            self.stats.bytes_uncompressed += plain
+            self.stats.quantized_gathers += 1
+            return None
         segments = self._segments(n)
         width = self.codec.unit_payload_bytes(segments)
         payload = torch.empty(1, width, dtype=torch.uint8, device=input_tensor.device)
@@ -175,3 +244,35 @@ class QuantizedWeightAllGather(AllGather):
         self.stats.bytes_uncompressed += plain
         self.stats.quantized_gathers += 1
         return None
+
+    def _gather_mixed(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
+    ) -> int:
+        """The byte gather of a unit with non-float parameters: the float spans encoded as one
+        unit, the others' bytes appended raw; returns the payload row's bytes."""
+        world, n = group.size(), input_tensor.numel()
+        layout = self.mixed_layout(n)
+        spans = [input_tensor[at : at + b] for at, b in layout.spans]
+        floats = [t for t, e in zip(spans, layout.encoded, strict=True) if e]
+        raws = [t for t, e in zip(spans, layout.encoded, strict=True) if not e]
+        values = torch.cat(floats).view(layout.dtype)  # a copy: input is a slot of output
+        encoded = layout.payload_bytes - layout.raw_bytes
+        payload = torch.empty(1, layout.payload_bytes, dtype=torch.uint8, device=values.device)
+        self.codec.encode_unit(values.view(1, -1), payload[:, :encoded], layout.segments)
+        if raws:
+            payload[0, encoded:] = torch.cat(raws)
+        gathered = torch.empty(world, layout.payload_bytes, dtype=torch.uint8, device=values.device)
+        all_gather_into(gathered.view(-1), payload.view(-1), group=group)
+        decoded = torch.empty(world, values.numel(), dtype=layout.dtype, device=values.device)
+        self.codec.decode_unit(gathered[:, :encoded], decoded, layout.segments)
+        decoded_bytes = decoded.view(torch.uint8)
+        out = output_tensor.view(world, n)
+        float_at, raw_at = 0, encoded
+        for (at, b), is_float in zip(layout.spans, layout.encoded, strict=True):
+            if is_float:
+                out[:, at : at + b] = decoded_bytes[:, float_at : float_at + b]
+                float_at += b
+            else:
+                out[:, at : at + b] = gathered[:, raw_at : raw_at + b]
+                raw_at += b
+        return layout.payload_bytes

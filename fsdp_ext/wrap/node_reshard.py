@@ -2,10 +2,11 @@
 
 FSDP2 takes ``reshard_after_forward=r`` (an int): after forward a unit keeps ``1/r`` of
 its unsharded parameters, and the backward all-gather runs over ``r`` ranks only. Those
-``r`` ranks are consecutive entries of the unit's mesh (torch 2.11-2.14 builds the
-post-forward mesh as ``mesh.mesh.view(-1, r)``), so the right ``r`` is the number of the
-mesh's ranks on one node, and it is right only if every block of ``r`` consecutive mesh
-entries sits on one node. That is what :func:`node_local_reshard` computes and checks.
+``r`` ranks are consecutive entries of the unit's mesh (torch 2.11-2.15 builds the
+post-forward mesh as ``mesh.mesh.view(-1, r)``, so under HSDP each block lies in one
+replica's shard group), so the right ``r`` is the number of a shard group's ranks on one
+node, and it is right only if every block of ``r`` consecutive mesh entries sits on one
+node. That is what :func:`node_local_reshard` computes and checks.
 
 Global rank ``g`` sits on node ``g // node_size`` (the launcher's numbering);
 ``"auto"`` reads the node size from torchrun's ``LOCAL_WORLD_SIZE``.
@@ -13,6 +14,7 @@ Global rank ``g`` sits on node ``g // node_size`` (the launcher's numbering);
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,37 +36,52 @@ def node_reshard_for_ranks(
     """``reshard_after_forward`` for a unit whose flattened mesh holds ``ranks`` (mesh
     order, the shard dim last, ``shard_size`` entries long; default: all of them).
 
-    The number ``r`` of the mesh's ranks per node, checked block by block; ``True`` when
-    each shard group lies inside one node (every gather stays there anyway), ``False``
-    when each node holds one rank of it (the node-local copy is the whole parameter).
+    Each run of ``shard_size`` entries is one shard group (an HSDP mesh has one per
+    replica). ``r`` is the number of a shard group's ranks on one node, the same for every
+    node and group, and every block of ``r`` consecutive entries must sit on one node. The
+    replicas may sit on other nodes or on the same ones (a (2, 4) mesh of
+    ``[[0, 2, 4, 6], [1, 3, 5, 7]]`` on nodes of 4 gives 2). ``True`` when each shard
+    group lies inside one node (every gather stays there anyway), ``False`` when each node
+    holds one rank of it (the node-local copy is the whole parameter).
     """
     ranks = list(ranks)
     shard_size = len(ranks) if shard_size is None else shard_size
-    per_node: dict[int, int] = {}
-    for g in ranks:
-        per_node[g // node_size] = per_node.get(g // node_size, 0) + 1
-    counts = set(per_node.values())
-    if len(counts) != 1:
+    if shard_size < 1 or len(ranks) % shard_size:
         raise ValueError(
-            f"reshard_after_forward='node' needs every node to hold as many of the mesh's "
-            f"ranks; node size {node_size} puts {dict(sorted(per_node.items()))} of "
-            f"{ranks} on each node"
+            f"reshard_after_forward='node': a shard dim of {shard_size} ranks does not cut "
+            f"the mesh {ranks} into whole shard groups"
         )
-    r = counts.pop()
-    for start in range(0, len(ranks), r):
-        block = ranks[start : start + r]
-        if len({g // node_size for g in block}) != 1:
+    groups = [ranks[start : start + shard_size] for start in range(0, len(ranks), shard_size)]
+    sizes: dict[int, list[int]] = {}
+    for group in groups:
+        per_node = Counter(g // node_size for g in group)
+        counts = set(per_node.values())
+        if len(counts) != 1:
             raise ValueError(
-                f"reshard_after_forward='node': FSDP keeps the post-forward copy on blocks of "
-                f"{r} consecutive mesh entries, and {block} spans nodes (node size "
-                f"{node_size}, mesh {ranks}); order the mesh so each node's ranks are adjacent"
+                f"reshard_after_forward='node' needs every node to hold as many of a shard "
+                f"group's ranks; node size {node_size} puts {dict(sorted(per_node.items()))} "
+                f"of shard group {group} on each node"
             )
-    if (r % shard_size) if r >= shard_size else (shard_size % r):
+        sizes.setdefault(counts.pop(), group)
+    if len(sizes) != 1:
         raise ValueError(
-            f"reshard_after_forward='node': {r} of the mesh's ranks per node and a shard dim "
-            f"of {shard_size} ranks: neither divides the other"
+            f"reshard_after_forward='node': the shard groups hold different numbers of ranks "
+            f"per node (node size {node_size}: "
+            + ", ".join(f"{g} has {r}" for r, g in sorted(sizes.items()))
+            + "); FSDP takes one size for every group"
         )
-    if r >= shard_size:
+    r = next(iter(sizes))
+    for group in groups:
+        for start in range(0, shard_size, r):
+            block = group[start : start + r]
+            if len({g // node_size for g in block}) != 1:
+                raise ValueError(
+                    f"reshard_after_forward='node': FSDP keeps the post-forward copy on blocks "
+                    f"of {r} consecutive mesh entries, and {block} spans nodes (node size "
+                    f"{node_size}, mesh {ranks}); order the mesh so each node's ranks are "
+                    "adjacent"
+                )
+    if r == shard_size:
         return True
     return False if r == 1 else r
 
