@@ -5,7 +5,9 @@ offsets, one IEEE division per group (not per value), and a receiver loop that n
 on its own loads.
 
 The compiles run once per session in a subprocess without ``TRITON_INTERPRET`` (the
-interpreter replaces kernels by Python); Triton's on-disk cache makes later sessions fast.
+interpreter replaces kernels by Python); Triton's on-disk cache makes later sessions fast. The
+default run compiles the covering subset (every group size, bit width and pointer signature of
+each kernel once: 46 of 125 variants); ``-m slow`` compiles every variant.
 """
 
 import json
@@ -23,12 +25,10 @@ PTX_CHECKED = (*CODEC, "fsdp_ext.kernels.quantize_blockwise")
 BROKEN = "tests.kernels_broken"
 
 
-@pytest.fixture(scope="session")
-def report(tmp_path_factory):
-    path = tmp_path_factory.mktemp("compile") / "report.json"
+def _compile_report(path, *flags):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "fsdp_ext.kernels.compile_check", "--json", str(path)]
-    cmd += ["--package", "fsdp_ext.kernels", BROKEN, "--fused-probe"]
+    cmd += ["--package", "fsdp_ext.kernels", BROKEN, "--fused-probe", *flags]
     # its own session, so that a timeout ends its worker processes too, not just itself
     proc = subprocess.Popen(
         cmd,
@@ -46,6 +46,38 @@ def report(tmp_path_factory):
     if not path.exists():
         pytest.fail(f"compile check did not run:\n{out}\n{err}")
     return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="session")
+def report(tmp_path_factory):
+    return _compile_report(tmp_path_factory.mktemp("compile") / "report.json", "--cover")
+
+
+def test_the_covering_subset_holds_every_group_size_bit_width_and_signature():
+    """Checked against the full list, kernel by kernel, not by the subset's own rule."""
+    from fsdp_ext.kernels.compile_check import covering, discover
+
+    _, cases = discover("fsdp_ext.kernels")
+    for module, full in cases.items():
+        chosen = [full[i] for i in covering(full)]
+        assert len(chosen) < len(full) or len(full) <= 3, module
+        for facet in (
+            lambda c: c.constexprs.get("GROUP"),
+            lambda c: c.constexprs.get("BITS"),
+            lambda c: tuple(sorted(c.signature.items())),
+        ):
+            want = {(c.kernel.fn.__name__, facet(c)) for c in full}
+            assert {(c.kernel.fn.__name__, facet(c)) for c in chosen} == want, module
+
+
+@pytest.mark.slow
+def test_every_variant_compiles_for_sm80_and_sm90(tmp_path):
+    full = _compile_report(tmp_path / "report.json")
+    ours = full["packages"]["fsdp_ext.kernels"]
+    assert ours["cases"] == ours["variants"]
+    results = _results(full, "fsdp_ext.kernels")
+    assert len(results) == 2 * ours["variants"]
+    assert [(r["case"], r["arch"], r["error"]) for r in results if r["error"]] == []
 
 
 def _results(report, modules, fused=False):
@@ -70,7 +102,7 @@ def test_a_kernel_without_compile_case_is_reported(report):
     assert report["packages"][BROKEN]["uncovered"] == [f"{BROKEN}._kernel_without_compile_case"]
 
 
-def test_every_case_compiles_for_sm80_and_sm90(report):
+def test_every_chosen_case_compiles_for_sm80_and_sm90(report):
     results = _results(report, "fsdp_ext.kernels")
     assert len(results) == 2 * report["packages"]["fsdp_ext.kernels"]["cases"]
     for r in results:

@@ -8,8 +8,11 @@ FMA instructions, the widths of global loads, the integer width of pointer offse
 divisions per value, whether a loop waits on its own loads, registers and SASS size (the
 last two from Triton's bundled ``cuobjdump``).
 
-Run as ``python -m fsdp_ext.kernels.compile_check [--arch 80 90] [--json PATH]``. It must run
-with ``TRITON_INTERPRET`` unset (the interpreter replaces kernels by Python functions).
+Run as ``python -m fsdp_ext.kernels.compile_check [--arch 80 90] [--json PATH] [--cover]``. It
+must run with ``TRITON_INTERPRET`` unset (the interpreter replaces kernels by Python functions).
+``--cover`` compiles the smallest set of variants that still holds each kernel's every group
+size, bit width and pointer signature once (46 of 125 today): the default test run uses it,
+``make test-slow`` compiles them all.
 """
 
 from __future__ import annotations
@@ -191,14 +194,33 @@ def discover_cases_of(module_name: str) -> list:
     return _CASES[module_name]
 
 
+def covering(cases: list) -> list[int]:
+    """Indices of the cases that first bring a kernel's group size, bit width or pointer
+    signature: each of those compiles at least once, in far fewer compiles."""
+    seen: set = set()
+    keep = []
+    for i, case in enumerate(cases):
+        name = case.kernel.fn.__name__
+        keys = {
+            (name, "group", case.constexprs.get("GROUP")),
+            (name, "bits", case.constexprs.get("BITS")),
+            (name, "signature", tuple(sorted(case.signature.items()))),
+        }
+        if keys - seen:
+            keep.append(i)
+            seen |= keys
+    return keep
+
+
 def compile_all(
-    cases: dict[str, list], archs=ARCHS, workers: int = 2, extra_jobs=()
+    cases: dict[str, list[int]], archs=ARCHS, workers: int = 2, extra_jobs=()
 ) -> list[dict[str, Any]]:
-    """Compile every case for every arch, ``workers`` processes at a time."""
+    """Compile the cases at these indices of each module's ``compile_cases()`` for every
+    arch, ``workers`` processes at a time."""
     jobs = [
         (module, i, arch, None)
-        for module, module_cases in cases.items()
-        for i in range(len(module_cases))
+        for module, indices in cases.items()
+        for i in indices
         for arch in archs
     ]
     jobs += list(extra_jobs)
@@ -219,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also compile each module's last case with FP fusion on (shows FMAs appear)",
     )
     parser.add_argument("--json", help="write the full report here")
+    parser.add_argument(
+        "--cover",
+        action="store_true",
+        help="only the variants that bring a new group size, bit width or signature",
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("unset TRITON_INTERPRET: the interpreter replaces kernels by Python")
@@ -226,13 +253,17 @@ def main(argv: list[str] | None = None) -> int:
     packages, cases = {}, {}
     for package in args.package:
         functions, package_cases = discover(package)
+        chosen = {
+            m: covering(c) if args.cover else list(range(len(c))) for m, c in package_cases.items()
+        }
         packages[package] = {
             "functions": sorted(functions),
             "uncovered": uncovered(functions, package_cases),
-            "cases": sum(len(c) for c in package_cases.values()),
+            "cases": sum(len(c) for c in chosen.values()),
+            "variants": sum(len(c) for c in package_cases.values()),
         }
-        cases.update(package_cases)
-    extra = [(m, len(c) - 1, args.arch[-1], True) for m, c in cases.items()]
+        cases.update(chosen)
+    extra = [(m, c[-1], args.arch[-1], True) for m, c in cases.items()]
     extra = extra if args.fused_probe else []
     results = compile_all(cases, args.arch, args.workers, extra)
     seconds = time.perf_counter() - start
