@@ -20,10 +20,10 @@ from fsdp_ext._torch import (
 )
 from fsdp_ext.comm.all_reduce_hook import LoCoAllReduceHook
 from fsdp_ext.comm.codec import Codec, WireChoice
-from fsdp_ext.comm.config import LoCoConfig
+from fsdp_ext.comm.config import DEFAULT_CODEC, LoCoConfig
 from fsdp_ext.comm.hierarchical import NodeGroups, all_shard_groups, build_node_groups
 from fsdp_ext.comm.reduce_scatter import LoCoReduceScatter
-from fsdp_ext.comm.registry import LEGACY_CODEC, make_codec
+from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.stats import CommStats
 from fsdp_ext.comm.unit import SUPPORTED_REDUCE_DTYPES, UnitBinding, reduce_dtype_of
 from fsdp_ext.comm.weight_config import QuantizedAllGather
@@ -156,8 +156,8 @@ class CommHandle:
         if mine is None:
             differences = [f"the checkpoint holds no LoCo state for rank {dist.get_rank()}"]
         else:
-            # checkpoints from before codecs had names hold the absmax codec's header
-            saved = {"codec": LEGACY_CODEC, **mine["header"]}
+            # checkpoints from before codecs had names hold the default codec's header
+            saved = {"codec": DEFAULT_CODEC, **mine["header"]}
             for key in ("codec", *self._codec.format_keys):
                 if saved.get(key) != now[key]:
                     raise ValueError(
