@@ -11,10 +11,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_ext._torch import (
     DefaultReduceScatter,
-    fsdp_state_id,
     group_device,
     is_hsdp_group,
-    param_groups,
     shard_process_group,
     trainable_fsdp_params,
 )
@@ -25,7 +23,12 @@ from fsdp_ext.comm.hierarchical import NodeGroups, all_shard_groups, build_node_
 from fsdp_ext.comm.reduce_scatter import LoCoReduceScatter
 from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.stats import CommStats
-from fsdp_ext.comm.unit import SUPPORTED_REDUCE_DTYPES, UnitBinding, reduce_dtype_of
+from fsdp_ext.comm.unit import (
+    SUPPORTED_REDUCE_DTYPES,
+    UnitBinding,
+    comm_units,
+    reduce_dtype_of,
+)
 from fsdp_ext.comm.weight_config import QuantizedAllGather
 from fsdp_ext.comm.weight_register import WeightGatherHandle, register_weight_all_gather
 
@@ -202,27 +205,6 @@ class CommHandle:
         self._removed = True
 
 
-def _fsdp_units(model: torch.nn.Module) -> list[tuple[str, FSDPModule, object]]:
-    """(name, module, param group) per FSDP unit; a unit of several modules appears once,
-    named by its modules' names joined with "+"."""
-    seen: dict[int, list] = {}
-    for fqn, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = fsdp_state_id(module)
-        if state in seen:
-            seen[state][0].append(fqn or "<root>")
-            continue
-        groups = param_groups(module)
-        if len(groups) > 1:
-            raise ValueError(
-                f"unit {fqn or '<root>'} has several param groups (per-parameter meshes); "
-                "give each mesh its own fully_shard call to use LoCo"
-            )
-        seen[state] = [[fqn or "<root>"], module, groups[0] if groups else None]
-    return [("+".join(names), module, group) for names, module, group in seen.values()]
-
-
 def check_codec_device(codec: Codec, device: torch.device, fqn: str) -> None:
     """Refuse, at registration, a codec setting the kernels on ``device`` cannot run (e.g. a
     group size the CUDA kernels are not tiled for): the middle of the first backward would
@@ -258,7 +240,7 @@ def register_comm_hook(
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {strict!r}")
     codec = make_codec(config.codec, config)
-    units_found = _fsdp_units(model)
+    units_found = comm_units(model, "LoCo")
     if not units_found:
         raise ValueError("model has no FSDP unit: call fully_shard before register_comm_hook")
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}

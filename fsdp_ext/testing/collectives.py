@@ -16,10 +16,9 @@ from fsdp_ext._torch import (
     AllGather,
     ReduceScatter,
     all_gather_into,
-    fsdp_state_id,
-    param_groups,
     reduce_scatter_into,
 )
+from fsdp_ext._torch import fsdp_units as all_fsdp_units
 
 __all__ = ["CountingAllGather", "CountingReduceScatter", "fsdp_units", "ring_bytes"]
 
@@ -67,11 +66,4 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, FSDPModule]]:
     """(fqn, module) of every FSDP unit below and at ``model`` that manages parameters, in
     pre-order; a unit of several modules (``fully_shard([a, b])``) appears once, under its
     first module's name (the root's is ``""``)."""
-    seen: set[int] = set()
-    units = []
-    for fqn, module in model.named_modules():
-        if isinstance(module, FSDPModule) and fsdp_state_id(module) not in seen:
-            seen.add(fsdp_state_id(module))
-            if param_groups(module):
-                units.append((fqn, module))
-    return units
+    return [(unit.fqn, unit.module) for unit in all_fsdp_units(model) if unit.groups]
