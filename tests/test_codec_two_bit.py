@@ -49,12 +49,7 @@ def _reduce_scatter(world):
         inputs = _rank_inputs(world, shard, seed)
         comm = LoCoReduceScatter(LoCoConfig(codec="two_bit", bits=2, group_size=GROUP))
         out = torch.empty(shard)
-        comm(
-            output_tensor=out,
-            input_tensor=inputs[rank].clone(),
-            group=dist.group.WORLD,
-            op=dist.ReduceOp.AVG,
-        )
+        comm(out, inputs[rank].clone(), dist.group.WORLD, dist.ReduceOp.AVG)  # as FSDP calls
         got.append((shard, out, _reference(inputs, world, shard, rank), comm.stats.bytes_sent))
     return got
 
