@@ -58,7 +58,7 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 import fsdp_ext
 from benchmarks.wrap_models import DecoderLayer, FineMoE, FineMoEConfig
-from fsdp_ext.testing import run_distributed
+from fsdp_ext.testing import WireCounter, run_distributed
 
 WORLD = 2
 
