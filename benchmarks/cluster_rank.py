@@ -3,29 +3,28 @@
     torchrun ... benchmarks/cluster_rank.py SPEC_JSON     (the lab's torchrun runs it)
 
 SPEC_JSON is ``{"common": [train args], "runs": [[name, [train args]], ...]}``. For each
-run in turn, ``examples.train.main(common + args)`` trains, unchanged, inside one
-process group that this program opens once (train.py's own init and destroy are bypassed:
-re-initialising the default group under torchrun's agent store hangs, and one job for all
-configurations saves a launch per configuration). On the side it records:
+run in turn, ``examples.train.main(common + args, own_process_group=False)`` trains inside
+one process group that this program opens once (re-initialising the default group under
+torchrun's agent store hangs, and one job for all configurations saves a launch per
+configuration). On the side it records:
 
 - at every optimizer step (a global post-step hook): the time, and on each node's local
   rank 0 the kernel's counters of the node's link (``/sys/class/net/<link>/statistics``);
-- every torch.distributed collective, wrapped: the bytes this rank sends to ranks on other
-  nodes, by kind (all-gather, reduce-scatter/all-to-all, other). Which peer gets what
-  follows gloo's algorithms as measured in the lab (docs/cluster.md): ring all-gather,
-  reduce-scatter as a ring all-reduce of the whole input, ring all-reduce, direct
-  all-to-all, broadcast straight from the root.
+- every torch.distributed collective, counted by ``fsdp_ext.testing.WireCounter``: the
+  bytes this rank sends to ranks on other nodes, by kind (all-gather, reduce-scatter/
+  all-to-all, other). Which peer gets what follows gloo's algorithms as measured in the
+  lab (docs/cluster.md, ``gloo_algorithms=True``): ring all-gather, reduce-scatter as a
+  ring all-reduce of the whole input, ring all-reduce, direct all-to-all, broadcast
+  straight from the root.
 
 Prints one line ``CLUSTER_RECORD {json}`` per run, on every rank.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -34,116 +33,28 @@ if __package__ in (None, ""):  # run as a script: make `examples` importable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from fsdp_ext.testing import WireCounter
 
 KINDS = ("all_gather", "reduce_scatter", "other")
 RECORD_TAG = "CLUSTER_RECORD "
 
 
-class WireModel:
-    """Bytes this rank sends to ranks on other nodes, per collective kind (cumulative)."""
-
-    def __init__(self, node_size: int):
-        self.node_size = node_size
-        self.me = int(os.environ["RANK"])
-        self.cross = dict.fromkeys(KINDS, 0)
-        self.calls = dict.fromkeys(KINDS, 0)
-        self._inside = threading.local()
-
-    def node(self, rank: int) -> int:
-        return rank // self.node_size
-
-    def _ranks(self, group) -> list[int]:
-        return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-
-    def ring(self, group, nbytes: float) -> int:
-        """``nbytes`` go to this rank's successor in the group's ring."""
-        ranks = self._ranks(group)
-        successor = ranks[(ranks.index(self.me) + 1) % len(ranks)]
-        return round(nbytes) if self.node(successor) != self.node(self.me) else 0
-
-    def direct(self, group, bytes_per_rank: list[int]) -> int:
-        """``bytes_per_rank[i]`` go straight to the group's i-th rank."""
-        ranks = self._ranks(group)
-        mine = self.node(self.me)
-        return sum(b for r, b in zip(ranks, bytes_per_rank, strict=True) if self.node(r) != mine)
-
-    def add(self, kind: str, cross: int) -> None:
-        self.cross[kind] += cross
-        self.calls[kind] += 1
+#: WireCounter's kinds in this benchmark's three (the rest is "other")
+BUCKETS = {
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "all_to_all": "reduce_scatter",
+}
 
 
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _world(group) -> int:
-    return dist.get_world_size(group)
-
-
-def _rules(model: WireModel):
-    """(function name, kind, cross-node bytes of one call) for every wrapped collective."""
-
-    def all_gather_single(output_tensor, input_tensor, group=None, *a, **k):
-        return model.ring(group, (_world(group) - 1) * _bytes(input_tensor))
-
-    def reduce_scatter_single(output, input, op=None, group=None, *a, **k):
-        w = _world(group)
-        return model.ring(group, 2 * (w - 1) / w * _bytes(input))
-
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
-                          group=None, *a, **k):  # fmt: skip
-        w = _world(group)
-        row = _bytes(input) // max(1, input.shape[0]) if input.dim() else _bytes(input)
-        splits = input_split_sizes or [input.shape[0] // w] * w
-        return model.direct(group, [s * row for s in splits])
-
-    def all_reduce(tensor, op=None, group=None, *a, **k):
-        w = _world(group)
-        return model.ring(group, 2 * (w - 1) / w * _bytes(tensor))
-
-    def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-        ranks = model._ranks(group)
-        src = ranks[group_src] if src is None and group_src is not None else src
-        if src != model.me:
-            return 0
-        return model.direct(group, [0 if r == model.me else _bytes(tensor) for r in ranks])
-
-    def all_gather(tensor_list, tensor, group=None, *a, **k):
-        return model.ring(group, (_world(group) - 1) * _bytes(tensor))
-
-    return [
-        ("all_gather_single", "all_gather", all_gather_single),
-        ("all_gather_into_tensor", "all_gather", all_gather_single),
-        ("reduce_scatter_single", "reduce_scatter", reduce_scatter_single),
-        ("reduce_scatter_tensor", "reduce_scatter", reduce_scatter_single),
-        ("all_to_all_single", "reduce_scatter", all_to_all_single),
-        ("all_reduce", "other", all_reduce),
-        ("broadcast", "other", broadcast),
-        ("all_gather", "other", all_gather),
-    ]
-
-
-def wrap_collectives(model: WireModel) -> None:
-    """Count every call of the collectives (the outermost only: one may call another)."""
-    for name, kind, rule in _rules(model):
-        original = getattr(c10d, name, None)
-        if original is None:
-            continue
-
-        @functools.wraps(original)
-        def counted(*args, __original=original, __kind=kind, __rule=rule, **kwargs):
-            if getattr(model._inside, "depth", 0) == 0:
-                model.add(__kind, __rule(*args, **kwargs))
-            model._inside.depth = getattr(model._inside, "depth", 0) + 1
-            try:
-                return __original(*args, **kwargs)
-            finally:
-                model._inside.depth -= 1
-
-        setattr(c10d, name, counted)
-        setattr(dist, name, counted)
+def cross_node_bytes(wire: WireCounter) -> dict[str, int]:
+    """Bytes this rank has sent to ranks on other nodes, by :data:`KINDS` (cumulative)."""
+    out = dict.fromkeys(KINDS, 0)
+    for kind, nbytes in wire.cross.items():
+        out[BUCKETS.get(kind, "other")] += nbytes
+    return out
 
 
 def link_counters() -> dict[str, int] | None:
@@ -155,8 +66,8 @@ def link_counters() -> dict[str, int] | None:
     return {k: int((base / f"{k}_bytes").read_text()) for k in ("tx", "rx")}
 
 
-def _snapshot(wire: WireModel, elapsed: float) -> dict:
-    return {"t": elapsed, "link": link_counters(), "cross": dict(wire.cross)}
+def _snapshot(wire: WireCounter, elapsed: float) -> dict:
+    return {"t": elapsed, "link": link_counters(), "cross": cross_node_bytes(wire)}
 
 
 def _advance(total: dict, before: dict, after: dict) -> dict:
@@ -172,7 +83,7 @@ def _advance(total: dict, before: dict, after: dict) -> dict:
     return out
 
 
-def rotate(spec: dict, wire: WireModel) -> None:
+def rotate(spec: dict, wire: WireCounter) -> None:
     """Every configuration built side by side in this process group (``--comm auto``
     measures and decides while the others sit idle), then trained one step each in turn,
     the order rotated step by step, so load from other work on the machine slows every
@@ -255,32 +166,30 @@ def rotate(spec: dict, wire: WireModel) -> None:
 
 def main(spec_json: str) -> None:
     spec = json.loads(spec_json)
-    model = WireModel(int(os.environ["LOCAL_WORLD_SIZE"]))
-    wrap_collectives(model)  # before fsdp_ext binds any collective by name
+    # gloo's algorithms, as the link counters see them; open before fsdp_ext binds any
+    # collective by name, for the whole process
+    wire = WireCounter(int(os.environ["LOCAL_WORLD_SIZE"]), gloo_algorithms=True).open()
     if spec.get("rotate"):
         dist.init_process_group("gloo")
         try:
-            rotate(spec, model)
+            rotate(spec, wire)
         finally:
             dist.destroy_process_group()
         return
     steps: list[dict] = []
 
     def after_step(optimizer, args, kwargs) -> None:
-        now = {"t": time.time(), "link": link_counters(), "cross": dict(model.cross)}
+        now = {"t": time.time(), "link": link_counters(), "cross": cross_node_bytes(wire)}
         steps.append(now)
 
     register_optimizer_step_post_hook(after_step)
     import examples.train as train
 
     dist.init_process_group("gloo")
-    destroy = dist.destroy_process_group
-    train.init_distributed = lambda cfg: None
-    dist.destroy_process_group = lambda *args, **kwargs: None
     try:
         for index, (name, args) in enumerate(spec["runs"]):
             steps.clear()
-            summary = train.main([*spec["common"], *args])
+            summary = train.main([*spec["common"], *args], own_process_group=False)
             record = {
                 "config": name,
                 "run": index,
@@ -295,7 +204,7 @@ def main(spec_json: str) -> None:
             }
             print(RECORD_TAG + json.dumps(record), flush=True)
     finally:
-        destroy()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

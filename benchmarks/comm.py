@@ -35,6 +35,7 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -50,7 +51,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from fsdp_ext.kernels.backend import use_backend  # noqa: E402
 
-import examples.train as train_module  # noqa: E402
 from benchmarks.comm_fidelity import (  # noqa: E402
     FidelityTracker,
     ShadowReduceScatter,
@@ -58,7 +58,7 @@ from benchmarks.comm_fidelity import (  # noqa: E402
 )
 from examples.data import get_batch, load_corpus  # noqa: E402
 from examples.model import Transformer  # noqa: E402
-from examples.train import TrainConfig, train  # noqa: E402
+from examples.train import TrainConfig, parallelize, train  # noqa: E402
 from fsdp_ext import (  # noqa: E402
     LoCoConfig,
     LoCoReduceScatter,
@@ -66,9 +66,17 @@ from fsdp_ext import (  # noqa: E402
     clip_grad_norm_,
     register_comm_hook,
 )
-from fsdp_ext.testing import run_distributed  # noqa: E402
+from fsdp_ext.testing import WireCounter, run_distributed  # noqa: E402
 
 MODES = ("default", "q4", "loco")
+
+
+def gradient_bytes(wire: WireCounter) -> int:
+    """What the gradient collectives sent to other ranks (the reduce-scatters, stock or
+    LoCo's all-to-all)."""
+    return wire.total("reduce_scatter", "all_to_all")
+
+
 TAIL = 20  # the train loss reported is the mean of the last TAIL steps
 MACHINE = "2-core CPU shared with other jobs, gloo"
 
@@ -81,63 +89,25 @@ def codecs(group_size: int = 128) -> dict[str, LoCoConfig]:
     }
 
 
-class WireCounter:
-    """Counts bytes bound for other ranks in the gradient collectives of this process."""
-
-    NAMES = ("all_to_all_single", "reduce_scatter_single", "reduce_scatter_tensor")
-
-    def __init__(self):
-        self.bytes = 0
-        self._originals = {}
-        self._inside = False  # a renamed collective may call its old name: count once
-
-    def __enter__(self):
-        for name in self.NAMES:
-            if hasattr(dist, name):
-                self._originals[name] = getattr(dist, name)
-                setattr(dist, name, self._wrap(self._originals[name], name))
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self._originals.items():
-            setattr(dist, name, fn)
-
-    def _wrap(self, fn, name):
-        def counted(*args, **kwargs):
-            if self._inside:
-                return fn(*args, **kwargs)
-            tensor = args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("input_tensor"))
-            world = dist.get_world_size(kwargs.get("group"))
-            self.bytes += tensor.numel() * tensor.element_size() * (world - 1) // world
-            self._inside = True
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._inside = False
-
-        counted.__name__ = name
-        return counted
-
-
-def _attach(config: LoCoConfig | None):
-    """``examples.train.attach_comm`` for an explicit codec (the example knows only group 128)."""
+def _parallelize(config: LoCoConfig | None):
+    """``examples.train.parallelize`` with an explicit codec on every unit (the example's
+    flags know only group 128)."""
 
     def attach(model, _cfg):
         return None if config is None else register_comm_hook(model, config)
 
-    return attach
+    return functools.partial(parallelize, attach=attach)
 
 
 def _run_mode(cfg: TrainConfig, config: LoCoConfig | None = None) -> dict:
     """One rank of one training run with ``config`` on every unit (None: stock fp32)."""
-    train_module.attach_comm = _attach(config)
     with WireCounter() as wire:
-        summary = train(cfg)
+        summary = train(cfg, parallelize=_parallelize(config))
     return {
         "losses": summary["losses"],
         "val_loss": summary["val_loss"],
         "step_ms": summary["step_ms"],
-        "wire_bytes_per_step": wire.bytes / max(1, len(summary["losses"])),
+        "wire_bytes_per_step": gradient_bytes(wire) / max(1, len(summary["losses"])),
         "comm_stats": summary["comm_stats"],
     }
 
@@ -179,11 +149,10 @@ def _interleaved_rank(cfg: TrainConfig, configs: dict, backend: str) -> dict:
     corpus = load_corpus()
     runs = {}
     for mode, config in configs.items():
-        train_module.attach_comm = _attach(config)
         torch.manual_seed(cfg.seed)
         dims = ParallelDims(world, ep=cfg.ep, pp=cfg.pp)
         dims.build_mesh("cpu")
-        par = train_module.parallelize(Transformer(cfg.model), cfg, dims)
+        par = _parallelize(config)(Transformer(cfg.model), cfg, dims)
         params = [p for part in par.parts for p in part.parameters()]
         runs[mode] = (par, params, torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95)))
     local = cfg.batch_size // world
@@ -307,8 +276,7 @@ def _fidelity_rank(
             m.set_custom_reduce_scatter(ShadowReduceScatter(shadow, deliver, tracker, fqn))
         return None
 
-    train_module.attach_comm = attach
-    summary = train(cfg)
+    summary = train(cfg, parallelize=functools.partial(parallelize, attach=attach))
     tracker.all_reduce()
     return {
         "deliver": deliver,

@@ -35,7 +35,6 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 
 import fsdp_ext
 from examples.model import ModelConfig, Transformer
@@ -98,14 +97,12 @@ class Runner:
             fsdp_ext.fully_shard(
                 model, auto_wrap_policy=fsdp_ext.GranularityPolicy(), mesh=self.dims.dp_mesh
             )
-            for m in model.modules():
-                if isinstance(m, FSDPModule):
-                    m.set_custom_reduce_scatter(self.rs)
+            for _, m in fsdp_units(model):
+                m.set_custom_reduce_scatter(self.rs)
             self.schedule, self.stages, self.parts = None, [], [model]
         for part in self.parts:
-            for m in part.modules():
-                if isinstance(m, FSDPModule):
-                    m.set_custom_all_gather(self.ag)
+            for _, m in fsdp_units(part):
+                m.set_custom_all_gather(self.ag)
         self.units = sum(len(fsdp_units(part)) for part in self.parts)
         self.opt = torch.optim.AdamW([p for part in self.parts for p in part.parameters()], lr=1e-3)
         self.meter = fsdp_ext.UnshardedBytesTracker(self.parts)

@@ -58,11 +58,9 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 import fsdp_ext
 from benchmarks.wrap_models import DecoderLayer, FineMoE, FineMoEConfig
-from fsdp_ext.testing import run_distributed
+from fsdp_ext.testing import WireCounter, run_distributed
 
 WORLD = 2
-GATHER_NAMES = ("all_gather_single", "all_gather_into_tensor")
-SCATTER_NAMES = ("reduce_scatter_single", "reduce_scatter_tensor")
 
 
 def _is_param_leaf(module: torch.nn.Module) -> bool:
@@ -82,26 +80,9 @@ def make_policies(budget_bytes: int) -> dict[str, object]:
     }
 
 
-class CollectiveCounter:
-    """Counts the collectives FSDP2 issues by wrapping the torch.distributed functions."""
-
-    def __init__(self) -> None:
-        self.counts = {"all_gather": 0, "reduce_scatter": 0}
-        for names, kind in ((GATHER_NAMES, "all_gather"), (SCATTER_NAMES, "reduce_scatter")):
-            for name in names:
-                if hasattr(dist, name):
-                    setattr(dist, name, self._counting(getattr(dist, name), kind))
-
-    def _counting(self, fn, kind):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            self.counts[kind] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    def snapshot(self) -> dict[str, int]:
-        return dict(self.counts)
+def _collectives(counter: WireCounter) -> dict[str, int]:
+    """All-gather and reduce-scatter calls so far (``fsdp_ext.testing.WireCounter``)."""
+    return {kind: counter.calls.get(kind, 0) for kind in ("all_gather", "reduce_scatter")}
 
 
 def _batch(cfg: FineMoEConfig, rank: int, step: int, batch: int, seq: int) -> torch.Tensor:
@@ -132,7 +113,7 @@ def _run_policies(
     """
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (WORLD,))
-    counter = CollectiveCounter()
+    counter = WireCounter().open()  # for the whole rank
     runs = {}
     for name, policy in policies.items():
         torch.manual_seed(0)
@@ -164,9 +145,9 @@ def _run_policies(
             run = runs[name]
             gc.collect()
             dist.barrier()
-            before = counter.snapshot()
+            before = _collectives(counter)
             elapsed = _step(run, tokens)
-            after = counter.snapshot()
+            after = _collectives(counter)
             if step > warmup:
                 run["times"].append(elapsed)
                 run["gathers"] += after["all_gather"] - before["all_gather"]
@@ -269,7 +250,7 @@ def _hf_rank(name: str, steps: int, warmup: int) -> dict:
             "scatters": 0,
         }
     vocab = kwargs["vocab_size"]
-    counter = CollectiveCounter()
+    counter = WireCounter().open()  # for the whole rank
 
     def step(run: dict, tokens: torch.Tensor) -> float:
         start = time.perf_counter()
@@ -289,9 +270,9 @@ def _hf_rank(name: str, steps: int, warmup: int) -> dict:
         for policy_name in names[i % 2 :] + names[: i % 2]:
             gc.collect()
             dist.barrier()
-            before = counter.snapshot()
+            before = _collectives(counter)
             elapsed = step(runs[policy_name], tokens)
-            after = counter.snapshot()
+            after = _collectives(counter)
             if i >= warmup:
                 runs[policy_name]["times"].append(elapsed)
                 runs[policy_name]["gathers"] += after["all_gather"] - before["all_gather"]

@@ -5,10 +5,10 @@
 
 Both modes train the example LM (examples/train.py) from the same seed on the same batches,
 on 4 gloo ranks that emulate 2 nodes of 2 (``--intra-node-size 2``). Each rank wraps every
-all-gather, reduce-scatter and all-to-all that ``torch.distributed`` offers and counts the
-bytes it sends (a ring all-gather: ``(g - 1) x`` its input; a reduce-scatter or equal-split
-all-to-all: ``(g - 1) / g`` of it, for a group of ``g`` ranks), split by whether the group
-lies inside one emulated node. Those counts are checked against the per-collective formula
+all-gather, reduce-scatter and all-to-all with ``fsdp_ext.testing.WireCounter`` (a ring
+all-gather: ``(g - 1) x`` its input; a reduce-scatter: ``(g - 1) / g`` of it; an all-to-all:
+the rows for other ranks, for a group of ``g`` ranks), split by whether the group lies
+inside one emulated node. Those counts are checked against the per-collective formula
 of docs/comm.md computed from FSDP's own shard sizes. The validation-loss gap of ZeRO++ to
 fp32 is averaged over seeds (mean and standard error).
 
@@ -24,16 +24,13 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import ClassVar
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import torch.distributed as dist  # noqa: E402
 
-import examples.train as train_module  # noqa: E402
-from examples.train import TrainConfig, train  # noqa: E402
-from fsdp_ext.testing import fsdp_units, run_distributed  # noqa: E402
+from examples.train import TrainConfig, parallelize, train  # noqa: E402
+from fsdp_ext.testing import WireCounter, fsdp_units, run_distributed  # noqa: E402
 
 WORLD, NODE = 4, 2
 MODES = {
@@ -45,56 +42,7 @@ MODES = {
     "loco_hierarchical": {"comm": "loco", "intra_node_size": NODE},
 }
 DEFAULT_MODES = ("fp32", "zeropp")
-
-
-class CollectiveBytes:
-    """Bytes this rank hands to each kind of collective, per scope (in-node or crossing)."""
-
-    KINDS: ClassVar[dict[str, str]] = {
-        "all_gather_single": "all_gather",
-        "all_gather_into_tensor": "all_gather",
-        "reduce_scatter_single": "reduce_scatter",
-        "reduce_scatter_tensor": "reduce_scatter",
-        "all_to_all_single": "all_to_all",
-    }
-
-    def __init__(self, node_size: int):
-        self.node_size = node_size
-        self.bytes: dict[str, int] = {}
-        self.paused = True  # counting starts at resume(): training steps only
-        self._originals = {}
-        self._inside = False  # an old name called by its new one counts once
-
-    def __enter__(self):
-        for name in self.KINDS:
-            if hasattr(dist, name):
-                self._originals[(dist, name)] = getattr(dist, name)
-                setattr(dist, name, self._wrap(name, self._originals[(dist, name)]))
-        return self
-
-    def __exit__(self, *exc):
-        for (owner, name), fn in self._originals.items():
-            setattr(owner, name, fn)
-
-    def _wrap(self, name, fn):
-        def counted(output, input, *args, **kwargs):
-            if self._inside or self.paused:
-                return fn(output, input, *args, **kwargs)
-            group = kwargs.get("group") or dist.group.WORLD
-            ranks = dist.get_process_group_ranks(group)
-            g = len(ranks)
-            nbytes = input.numel() * input.element_size()
-            sent = (g - 1) * nbytes if self.KINDS[name] == "all_gather" else nbytes * (g - 1) // g
-            scope = "intra" if len({r // self.node_size for r in ranks}) == 1 else "inter"
-            key = f"{self.KINDS[name]}_{scope}"
-            self.bytes[key] = self.bytes.get(key, 0) + sent
-            self._inside = True
-            try:
-                return fn(output, input, *args, **kwargs)
-            finally:
-                self._inside = False
-
-        return counted
+COUNTED = ("all_gather", "reduce_scatter", "all_to_all")  # the traffic ZeRO++ changes
 
 
 def unit_shards(model) -> list[tuple[list[int], bool]]:
@@ -159,13 +107,13 @@ def predicted_bytes(
 
 def _run_rank(cfg: TrainConfig, mode: str) -> dict:
     shards: list[tuple[list[int], bool]] = []
-    parallelize = train_module.parallelize
-    wire = CollectiveBytes(NODE)
+    wire = WireCounter(NODE)
+    wire.paused = True  # counting starts after sharding (and its one-off probes): the steps
 
     def parallelize_and_measure(model, c, dims):
         par = parallelize(model, c, dims)
         shards.extend(unit_shards(model))
-        wire.paused = False  # after sharding (and its one-off probes): the steps
+        wire.paused = False
         eval_step = par.eval_step
 
         def eval_unmeasured(x, y):
@@ -175,19 +123,15 @@ def _run_rank(cfg: TrainConfig, mode: str) -> dict:
         par.eval_step = eval_unmeasured
         return par
 
-    train_module.parallelize = parallelize_and_measure
-    try:
-        with wire:
-            summary = train(cfg)
-    finally:
-        train_module.parallelize = parallelize
+    with wire:
+        summary = train(cfg, parallelize=parallelize_and_measure)
     steps = len(summary["losses"])
     return {
         "mode": mode,
         "val_loss": summary["val_loss"],
         "losses": summary["losses"],
         "step_ms": summary["step_ms"],
-        "bytes": wire.bytes,
+        "bytes": {k: v for k, v in wire.by_scope.items() if k.rsplit("_", 1)[0] in COUNTED},
         "steps": steps,
         "shards": shards,
         "weight_stats": summary["weight_stats"],

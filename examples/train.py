@@ -100,9 +100,19 @@ class Parallel:
     weights: WeightGatherHandle | None = None  # --qwz's handle (no state to checkpoint)
 
 
-def parallelize(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Parallel:
-    """Shard the model over the mesh: FSDP (+ experts over ep), pipelined under --pp > 1."""
-    return (pipelined if cfg.pp > 1 else sharded)(model, cfg, dims)
+def parallelize(
+    model: Transformer,
+    cfg: TrainConfig,
+    dims: ParallelDims,
+    *,
+    attach: Callable[[Transformer, TrainConfig], object] | None = None,
+) -> Parallel:
+    """Shard the model over the mesh: FSDP (+ experts over ep), pipelined under --pp > 1.
+    ``attach`` puts the comms on the FSDP units (default :func:`attach_comm`, the flags'),
+    the seam through which a benchmark installs its own codec."""
+    if cfg.pp > 1:
+        return pipelined(model, cfg, dims)
+    return sharded(model, cfg, dims, attach=attach or attach_comm)
 
 
 def _mp_policy(cfg: TrainConfig) -> MixedPrecisionPolicy:
@@ -132,8 +142,14 @@ def attach_comm(model: Transformer, cfg: TrainConfig) -> CommHandle | WeightGath
     return register_comm_hook(model, config, weights=weights)
 
 
-def sharded(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Parallel:
-    """FSDP over the whole model (experts over --ep), --comm on every unit."""
+def sharded(
+    model: Transformer,
+    cfg: TrainConfig,
+    dims: ParallelDims,
+    attach: Callable[[Transformer, TrainConfig], object] = attach_comm,
+) -> Parallel:
+    """FSDP over the whole model (experts over --ep), ``attach``'s comm (--comm) on every
+    unit."""
     shard_model(model, cfg, dims)
     world = dist.get_world_size()
 
@@ -150,7 +166,7 @@ def sharded(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Paralle
     def eval_step(x: torch.Tensor, y: torch.Tensor) -> float:
         return global_mean(lm_loss(model(x), y))
 
-    handle = attach_comm(model, cfg)
+    handle = attach(model, cfg)
     if isinstance(handle, WeightGatherHandle):  # qwZ alone
         return Parallel([model], None, train_step, eval_step, weights=handle)
     weights = None if handle is None else handle.weights
@@ -241,8 +257,10 @@ def checkpointer(cfg: TrainConfig, par: Parallel, optimizer, scheduler, device) 
 # ---------------------------------------------------------------- the training loop
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Train inside an initialised process group; return the per-step losses and summary."""
+def train(cfg: TrainConfig, *, parallelize: Callable[..., Parallel] = parallelize) -> dict:
+    """Train inside an initialised process group; return the per-step losses and summary.
+    ``parallelize`` (default :func:`parallelize`) shards the model and returns its
+    :class:`Parallel`: the seam through which a benchmark measures or swaps the comms."""
     rank, world = dist.get_rank(), dist.get_world_size()
     check_world(cfg, world)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else None
@@ -434,7 +452,9 @@ def launch_owning(argv: list[str], cfg: TrainConfig) -> None:
         owner.release()
 
 
-def main(argv: list[str] | None = None) -> dict | None:
+def main(argv: list[str] | None = None, *, own_process_group: bool = True) -> dict | None:
+    """Parse ``argv`` and train. ``own_process_group=False``: a caller that holds the
+    default process group already (one job for several runs) keeps it, open."""
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     os.environ[LEASE_ENV] = repr(cfg.lease)  # the lease of this job's checkpoint locks too
@@ -442,7 +462,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         launch_owning(argv, cfg)
         return None
     exit_with_launcher()  # under torchrun: an orphan never keeps training
-    init_distributed(cfg)
+    if own_process_group:
+        init_distributed(cfg)
     try:
         t0 = time.perf_counter()
         try:
@@ -473,7 +494,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             print(json.dumps(result), flush=True)
         return summary
     finally:
-        dist.destroy_process_group()
+        if own_process_group:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

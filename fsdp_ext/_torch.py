@@ -18,6 +18,7 @@ import importlib
 import inspect
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_items as 
 # ``_checkpoint_wrapped_module`` and ``_orig_mod`` dropped).
 from torch.distributed.checkpoint.state_dict import _get_fqns as dcp_fqns
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 # 2.11-2.15: the comm interfaces a custom reduce-scatter / all-gather implements.
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -111,6 +113,7 @@ __all__ = [
     "DefaultReduceScatter",
     "FSDP1Policy",
     "FSDPParamGroup",
+    "FSDPUnit",
     "MetadataReadError",
     "PipelineStageBase",
     "ReduceScatter",
@@ -127,6 +130,7 @@ __all__ = [
     "fsdp_mesh_info",
     "fsdp_params",
     "fsdp_state_id",
+    "fsdp_units",
     "gather_dtype",
     "gathered_bytes",
     "gathering_for_backward",
@@ -212,6 +216,43 @@ def param_groups(module: nn.Module) -> list[FSDPParamGroup]:
 def param_group(module: nn.Module) -> FSDPParamGroup | None:
     """The unit's single param group (None when it manages no parameter)."""
     return module._get_fsdp_state()._fsdp_param_group
+
+
+@dataclass(frozen=True)
+class FSDPUnit:
+    """One FSDP state (one ``fully_shard`` call): its modules and their names in pre-order
+    (the root's name is ``""``), and its param groups (none when it manages no parameter)."""
+
+    names: tuple[str, ...]
+    modules: tuple[nn.Module, ...]
+    groups: tuple[FSDPParamGroup, ...]
+
+    @property
+    def fqn(self) -> str:
+        """The name of its first module."""
+        return self.names[0]
+
+    @property
+    def module(self) -> nn.Module:
+        """Its first module (any of them reaches the same state)."""
+        return self.modules[0]
+
+
+def fsdp_units(model: nn.Module) -> list[FSDPUnit]:
+    """Every FSDP unit at and below ``model``, each once, in the order FSDP's root keeps its
+    states (``named_modules()`` pre-order, a unit placed at its first module): the one walk
+    every part of fsdp_ext makes over units."""
+    found: dict[int, tuple[list[str], list[nn.Module], nn.Module]] = {}
+    for fqn, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        names, modules, _ = found.setdefault(fsdp_state_id(module), ([], [], module))
+        names.append(fqn)
+        modules.append(module)
+    return [
+        FSDPUnit(tuple(names), tuple(modules), tuple(param_groups(first)))
+        for names, modules, first in found.values()
+    ]
 
 
 # ---- FSDPParamGroup / FSDPParam reads: attributes that look public but are FSDP internals.

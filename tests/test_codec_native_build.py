@@ -2,7 +2,8 @@
 
 The library is compiled with ``-march=native`` into a per-user cache that may be shared (a
 home directory on NFS, a container image layer). A library built on one CPU, or with other
-flags, must never be loaded for another: the cache key holds both. Here a second "machine"
+flags, or by another compiler version, must never be loaded for another: the cache key
+holds all three. Here a second "machine"
 is a process in its own mount namespace whose ``/proc/cpuinfo`` names other CPU features;
 it shares the cache directory with this one. ``FSDP_EXT_NATIVE_CPU=0`` must keep the
 compiler from ever running and the library from ever loading.
@@ -20,7 +21,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 COMPILER_LOG = """#!/bin/sh
-# a C compiler that records each run, then hands over to the real one
+# a C compiler that records each build, then hands over to the real one; its --version is
+# the file beside it (an upgrade in place rewrites it)
+if [ "$1" = "--version" ]; then cat "{version}"; exit 0; fi
 echo "$@" >> "{log}"
 exec {cc} "$@"
 """
@@ -32,8 +35,10 @@ def _compiler(tmp_path: Path) -> tuple[Path, Path]:
     if cc is None:
         pytest.skip("no C compiler on this machine")
     log = tmp_path / "cc.log"
+    version = tmp_path / "cc.version"
+    version.write_text("cc (test) 1.0\n")
     script = tmp_path / "cc"
-    script.write_text(COMPILER_LOG.format(log=log, cc=cc))
+    script.write_text(COMPILER_LOG.format(log=log, cc=cc, version=version))
     script.chmod(0o755)
     return script, log
 
@@ -99,9 +104,10 @@ def test_a_shared_cache_builds_again_for_another_cpu_and_reuses_for_the_same(tmp
     assert len(log.read_text().splitlines()) == 2
 
 
-def test_other_compiler_flags_get_their_own_library(tmp_path):
-    """A release that changes the flags (say, drops -ffp-contract=off) must not load the
-    library the old flags built into the same cache."""
+def test_other_compiler_flags_or_version_get_their_own_library(tmp_path):
+    """A release that changes the flags (say, drops -ffp-contract=off), or a compiler
+    upgraded in place (same path, new version), must not load the library the old flags or
+    compiler built into the same cache."""
     compiler, log = _compiler(tmp_path)
     env = _env(tmp_path, compiler)
     plain = _python(BUILD, env)
@@ -114,6 +120,10 @@ def test_other_compiler_flags_get_their_own_library(tmp_path):
     runs = log.read_text().splitlines()
     assert len(runs) == 2
     assert "-fno-trapping-math" in runs[0] and "-fno-trapping-math" not in runs[1]
+    (tmp_path / "cc.version").write_text("cc (test) 2.0\n")  # the package upgraded
+    upgraded = _python(BUILD, env)
+    assert upgraded not in (plain, changed), "another compiler version's library was reused"
+    assert len(log.read_text().splitlines()) == 3
 
 
 SENDER = "from fsdp_ext.kernels.cpu_native import native_sender\nprint(native_sender())\n"

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 
 from fsdp_ext import LoCoConfig, register_comm_hook
 from fsdp_ext.comm import Codec, register_codec
-from fsdp_ext.testing import run_distributed
+from fsdp_ext.testing import WireCounter, run_distributed
 from tests.meshes import cpu_mesh
 
 
@@ -79,31 +79,12 @@ def _bf16_mean(grads):
     return total * (1.0 / len(grads))
 
 
-class _WireBytes:
-    """Counts the bytes each all_to_all_single hands to other ranks (outside the library)."""
-
-    def __init__(self):
-        self.sent = 0
-        self._original = dist.all_to_all_single
-
-        def counting(output, input, *args, **kwargs):
-            group = kwargs.get("group")
-            world = dist.get_world_size(group)
-            self.sent += input.numel() * input.element_size() * (world - 1) // world
-            return self._original(output, input, *args, **kwargs)
-
-        dist.all_to_all_single = counting
-
-    def close(self):
-        dist.all_to_all_single = self._original
-
-
 def _train_flat(steps):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model()
     handle = register_comm_hook(model, LoCoConfig(codec="bf16_test"))
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    wire = _WireBytes()
+    wire = WireCounter().open()  # counted outside the library
     try:
         for step in range(steps):
             x, y = _batch(rank, step)
@@ -125,7 +106,7 @@ def _train_flat(steps):
     return dict(
         params=params,
         expected=[p.detach() for p in ref.parameters()],
-        wire=wire.sent,
+        wire=wire.sent["all_to_all"],
         fp32_wire=fp32_bytes * steps,
         header=handle.header(),
         stats=handle.stats,

@@ -94,13 +94,34 @@ def test_cost_model_matches_the_hand_formula(link_mbit):
         assert got == pytest.approx(_hand_formula(c, m), rel=1e-9), c.name
 
 
-def test_layout_payload_sizes_are_the_codecs():
-    from fsdp_ext.comm import LoCoConfig, QuantizedAllGather, make_codec
+@pytest.mark.parametrize("param_bytes", [4, 2])
+def test_cost_model_bytes_are_the_collectives_choices(param_bytes):
+    """At 1 byte/s, no latency and free codecs, the predicted seconds are the bytes sent:
+    they equal what the collectives themselves choose to send (``wire_for`` of a real
+    ``LoCoReduceScatter``; ``choose_wire`` of the weight codec on FSDP's padded shards), for
+    units that compress, units too small to, and several parameters per unit."""
+    from types import SimpleNamespace
 
-    q4, q8 = make_codec("absmax", LoCoConfig()), make_codec("int8_blockwise", QuantizedAllGather())
-    for n in (1, 100, 128, 1000, 65537, 1 << 20):
-        assert LAYOUT.q4_bytes(n) == q4.payload_bytes(n)
-        assert LAYOUT.q8_bytes(n) == q8.payload_bytes(n)
+    import torch
+
+    from fsdp_ext.comm import LoCoConfig, LoCoReduceScatter, choose_wire, make_codec
+
+    w = 2
+    layout = Layout(world=w, node_size=w, param_bytes=param_bytes)
+    free = CodecSpeed(0.0, 0.0)
+    m = Measurements(intra=Hop(1.0, 0.0), inter=None, codecs=dict.fromkeys(KEYS, free))
+    grads = LoCoReduceScatter(LoCoConfig(group_size=layout.grad_group_size))
+    # the qwZ codec as a QuantizedAllGather of this group size builds it (reads group_size)
+    weights = make_codec("int8_blockwise", SimpleNamespace(group_size=layout.weight_group_size))
+    for params in ([100], [64], [1000, 3], [1 << 16, 7, 7, 300], [513] * 5):
+        shards = [-(-p // w) for p in params]  # FSDP pads each parameter to whole shards
+        pred = predict(Candidate("qwz", False, "q4"), layout, m, [[], params]).seconds
+        weight_wire = choose_wire(weights, shards, param_bytes)
+        assert pred["weights"] == 2 * (w - 1) * weight_wire.wire_bytes, params
+        grad_wire = grads.wire_for(sum(shards), torch.float32)
+        # a compressed row goes to each peer once; a plain one by gloo's ring all-reduce
+        sent = grad_wire.payload_bytes if grad_wire.compressed else 2 * grad_wire.plain_bytes
+        assert pred["grads"] == (w - 1) * sent, params
 
 
 def test_candidates_cover_each_collective_and_hop():

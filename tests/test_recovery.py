@@ -19,6 +19,7 @@ import pytest
 
 from examples.model import ModelConfig
 from examples.train import TrainConfig, train
+from fsdp_ext.lab import process_environ
 from fsdp_ext.testing import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,15 +45,6 @@ def _torchrun(out: Path, *extra: str) -> subprocess.Popen:
     )
 
 
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    pairs = (item.partition(b"=") for item in raw.split(b"\0") if item)
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, _, v in pairs}
-
-
 def _children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
@@ -66,7 +58,7 @@ def _children(pid: int) -> list[int]:
 def _rank_pid(launcher: int, rank: int) -> int | None:
     """The worker of global rank ``rank`` that torchrun ``launcher`` started first."""
     for pid in _children(launcher):
-        env = _environ(pid)
+        env = process_environ(pid)
         if env.get("RANK") == str(rank) and env.get("TORCHELASTIC_RESTART_COUNT") == "0":
             return pid
     return None

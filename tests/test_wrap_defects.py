@@ -13,7 +13,7 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 
 import fsdp_ext
 from benchmarks.wrap_models import MLPBlock, ModelWithFineGrainedBlock
-from fsdp_ext.testing import run_distributed
+from fsdp_ext.testing import WireCounter, run_distributed
 from tests.test_wrap_policy import _TiedBlocks, _TiedHead
 
 WORLD = 2
@@ -51,8 +51,6 @@ def _lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _defects_rank() -> dict:
-    from benchmarks.wrap import CollectiveCounter
-
     mesh = init_device_mesh("cpu", (WORLD,))
     out = {}
     for name, (factory, vocab, policy) in _MODELS.items():
@@ -71,16 +69,16 @@ def _defects_rank() -> dict:
         out[name] = {"units": units, "losses": losses}
     # A CustomPolicy dict for the root is not applied (FSDP1 wraps the root with the
     # caller's kwargs): the root stays gathered after forward and gathers once a step.
-    counter = CollectiveCounter()
+    counter = WireCounter().open()  # this rank's process only
     model = ModelWithFineGrainedBlock(num_block=2)
     policy = CustomPolicy(
         lambda m: {"reshard_after_forward": True} if m is model else isinstance(m, MLPBlock)
     )
     fsdp_ext.fully_shard(model, auto_wrap_policy=policy, mesh=mesh)
     model(torch.randn(2, 128)).sum().backward()
-    before = counter.snapshot()["all_gather"]
+    before = counter.calls.get("all_gather", 0)
     model(torch.randn(2, 128)).sum().backward()
-    out["root_gathers"] = counter.snapshot()["all_gather"] - before
+    out["root_gathers"] = counter.calls.get("all_gather", 0) - before
     out["root_auto_reshard"] = model._get_fsdp_state()._auto_reshard_after_forward
     return out
 

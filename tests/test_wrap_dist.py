@@ -19,7 +19,7 @@ from benchmarks.wrap_models import (
     ModelWithFineGrainedBlock,
     RMSNorm,
 )
-from fsdp_ext.testing import run_distributed
+from fsdp_ext.testing import WireCounter, run_distributed
 from tests.hf_models import TINY_DECODER, tiny_qwen2_moe_config
 
 WORLD = 2
@@ -40,10 +40,8 @@ def _deepspeed_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train_deepspeed_model(steps: int) -> tuple[dict[str, list[float]], dict[str, int]]:
-    from benchmarks.wrap import CollectiveCounter
-
     mesh = init_device_mesh("cpu", (WORLD,))
-    counter = CollectiveCounter()
+    counter = WireCounter().open()  # this rank's process only
     policies = {
         "per_module": _is_param_leaf,
         "granularity_100": fsdp_ext.GranularityPolicy(100),
@@ -64,7 +62,7 @@ def _train_deepspeed_model(steps: int) -> tuple[dict[str, list[float]], dict[str
         )
         optim = torch.optim.Adam(model.parameters(), lr=1e-3)
         losses[name] = []
-        before = counter.snapshot()["all_gather"]
+        before = counter.calls.get("all_gather", 0)
         for step in range(steps):
             x, y = _deepspeed_batch(dist.get_rank(), step)
             loss = F.cross_entropy(model(x), y)
@@ -72,7 +70,7 @@ def _train_deepspeed_model(steps: int) -> tuple[dict[str, list[float]], dict[str
             optim.step()
             optim.zero_grad()
             losses[name].append(loss.item())
-        gathers[name] = (counter.snapshot()["all_gather"] - before) // steps
+        gathers[name] = (counter.calls.get("all_gather", 0) - before) // steps
     return losses, gathers
 
 

@@ -45,6 +45,19 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+def _compiler_id(compiler: str) -> str:
+    """The compiler's path and its ``--version``: an upgrade in place (same path, new code
+    generator) builds anew rather than loading what the old one made."""
+    try:
+        done = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+        version = done.stdout + done.stderr
+    except (OSError, subprocess.SubprocessError) as exc:
+        version = f"unknown ({type(exc).__name__})"
+    return f"{compiler}\n{version}"
+
+
 def default_cache_dir() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "fsdp_ext" / "native"
@@ -55,11 +68,11 @@ def find_compiler() -> str | None:
 
 
 def build_library(compiler: str, cache_dir: Path) -> Path:
-    """The shared library for this source, compiler and CPU, built once (atomically: ranks
-    that race each build to a temporary name and rename it into place)."""
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + compiler.encode() + _cpu_id().encode()
-    ).hexdigest()[:16]
+    """The shared library for this source, flags, compiler (and its version) and CPU, built
+    once (atomically: ranks that race each build to a temporary name and rename it into
+    place)."""
+    parts = (" ".join(FLAGS), _compiler_id(compiler), _cpu_id())
+    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join(parts).encode()).hexdigest()[:16]
     target = cache_dir / f"quantize_ef_native-{key}.so"
     if target.exists():
         return target

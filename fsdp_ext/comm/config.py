@@ -11,10 +11,13 @@ from fsdp_ext.node_size import resolve_node_size
 
 ERROR_DTYPES = (torch.int8, torch.bfloat16, torch.float32)
 
+#: the codec a config names by default (and the only one before codecs had names)
+DEFAULT_CODEC = "absmax"
+
 
 @dataclass(frozen=True)
 class LoCoConfig:
-    """Settings of 4-/8-bit LoCo gradient compression (ZeRO++ qgZ with LoCo error feedback).
+    """Settings of LoCo gradient compression (ZeRO++ qgZ with LoCo error feedback).
 
     ``err_beta`` and ``reset_interval`` are ZeRO++'s ``zeropp_loco_param = {err_beta, reset_T}``.
     ``error_feedback=False`` turns LoCo off and leaves plain absmax quantisation (qgZ).
@@ -23,7 +26,9 @@ class LoCoConfig:
     ``"auto"`` takes ``k`` from the launcher's ``LOCAL_WORLD_SIZE``, so a job on a single node
     sends full precision (there is no scarce link to save).
     ``codec`` names the wire format in :data:`fsdp_ext.comm.registry.CODECS`; the default,
-    ``"absmax"``, is the LoCo / qgZ codec that the other fields describe.
+    ``"absmax"``, is the LoCo / qgZ codec that the other fields describe (``bits`` 4 or 8).
+    Which values of ``bits`` (and of the other fields a codec reads) are valid is the
+    codec's to say: the config builds it once here and reports its refusal.
     """
 
     bits: int = 4
@@ -33,11 +38,9 @@ class LoCoConfig:
     error_dtype: torch.dtype = torch.int8
     intra_node_size: int | str | None = None
     error_feedback: bool = True
-    codec: str = "absmax"
+    codec: str = DEFAULT_CODEC
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or self.bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {self.bits!r}")
         gs = self.group_size
         if not isinstance(gs, int) or isinstance(gs, bool) or gs < 32 or gs & (gs - 1):
             raise ValueError(f"group_size must be a power of two >= 32, got {gs!r}")
@@ -60,12 +63,14 @@ class LoCoConfig:
             raise ValueError(f"error_feedback must be a bool, got {self.error_feedback!r}")
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {sorted(CODECS)}, got {self.codec!r}")
-        self._check_cuda_limits()
+        self._check_codec()
 
-    def _check_cuda_limits(self) -> None:
-        """Refuse here, before any worker starts, a setting the codec's CUDA kernels cannot
-        run (a group size they are not built for): the same config then runs on CPU and
-        GPU alike, and never fails at registration or in the first backward."""
+    def _check_codec(self) -> None:
+        """Ask the codec what it accepts: building it checks the settings it reads (the
+        absmax codec takes ``bits`` 4 or 8; another codec its own), and its ``check_device``
+        refuses a setting its CUDA kernels cannot run (a group size they are not built for).
+        Both happen here, before any worker starts, so the same config runs on CPU and GPU
+        alike and never fails at registration or in the first backward."""
         try:
             codec = make_codec(self.codec, self)
         except (AttributeError, TypeError, ValueError) as exc:

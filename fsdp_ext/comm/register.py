@@ -12,21 +12,24 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_ext._torch import (
     DefaultReduceScatter,
     canonical_fqn,
-    fsdp_state_id,
     group_device,
     is_hsdp_group,
-    param_groups,
     shard_process_group,
     trainable_fsdp_params,
 )
 from fsdp_ext.comm.all_reduce_hook import LoCoAllReduceHook
 from fsdp_ext.comm.codec import Codec, WireChoice
-from fsdp_ext.comm.config import LoCoConfig
+from fsdp_ext.comm.config import DEFAULT_CODEC, LoCoConfig
 from fsdp_ext.comm.hierarchical import NodeGroups, all_shard_groups, build_node_groups
 from fsdp_ext.comm.reduce_scatter import LoCoReduceScatter
-from fsdp_ext.comm.registry import LEGACY_CODEC, make_codec
+from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.stats import CommStats
-from fsdp_ext.comm.unit import SUPPORTED_REDUCE_DTYPES, UnitBinding, reduce_dtype_of
+from fsdp_ext.comm.unit import (
+    SUPPORTED_REDUCE_DTYPES,
+    UnitBinding,
+    comm_units,
+    reduce_dtype_of,
+)
 from fsdp_ext.comm.weight_config import QuantizedAllGather
 from fsdp_ext.comm.weight_register import WeightGatherHandle, register_weight_all_gather
 
@@ -162,8 +165,8 @@ class CommHandle:
         if mine is None:
             differences = [f"the checkpoint holds no LoCo state for rank {dist.get_rank()}"]
         else:
-            # checkpoints from before codecs had names hold the absmax codec's header
-            saved = {"codec": LEGACY_CODEC, **mine["header"]}
+            # checkpoints from before codecs had names hold the default codec's header
+            saved = {"codec": DEFAULT_CODEC, **mine["header"]}
             for key in ("codec", *self._codec.format_keys):
                 if saved.get(key) != now[key]:
                     raise ValueError(
@@ -245,27 +248,6 @@ def layout_changes(
     return "; ".join(parts)
 
 
-def _fsdp_units(model: torch.nn.Module) -> list[tuple[str, FSDPModule, object]]:
-    """(name, module, param group) per FSDP unit; a unit of several modules appears once,
-    named by its modules' names joined with "+"."""
-    seen: dict[int, list] = {}
-    for fqn, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = fsdp_state_id(module)
-        if state in seen:
-            seen[state][0].append(fqn or "<root>")
-            continue
-        groups = param_groups(module)
-        if len(groups) > 1:
-            raise ValueError(
-                f"unit {fqn or '<root>'} has several param groups (per-parameter meshes); "
-                "give each mesh its own fully_shard call to use LoCo"
-            )
-        seen[state] = [[fqn or "<root>"], module, groups[0] if groups else None]
-    return [("+".join(names), module, group) for names, module, group in seen.values()]
-
-
 def check_codec_device(codec: Codec, device: torch.device, fqn: str) -> None:
     """Refuse, at registration, a codec setting the kernels on ``device`` cannot run (e.g. a
     group size the CUDA kernels are not tiled for): the middle of the first backward would
@@ -301,7 +283,7 @@ def register_comm_hook(
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {strict!r}")
     codec = make_codec(config.codec, config)
-    units_found = _fsdp_units(model)
+    units_found = comm_units(model, "LoCo")
     if not units_found:
         raise ValueError("model has no FSDP unit: call fully_shard before register_comm_hook")
     names = {

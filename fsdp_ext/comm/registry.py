@@ -23,9 +23,6 @@ CODECS: dict[str, CodecFactory] = {
     "int8_blockwise": BlockwiseInt8Codec.from_config,  # qwZ weights, no feedback
 }
 
-#: the codec of checkpoints written before codecs had names
-LEGACY_CODEC = "absmax"
-
 
 def register_codec(name: str, factory: CodecFactory) -> None:
     """Make ``LoCoConfig(codec=name)`` build its codec with ``factory(config)``."""

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_ext._torch import (
     FSDPParamGroup,
+    fsdp_units,
     group_device,
     group_modules,
     padded_shard_numel,
@@ -27,6 +28,26 @@ from fsdp_ext._torch import (
 from fsdp_ext.comm.layout import ParamLayout, Present
 
 SUPPORTED_REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def comm_units(
+    model: nn.Module, feature: str
+) -> list[tuple[str, nn.Module, FSDPParamGroup | None]]:
+    """(name, module, param group or None) of each FSDP unit of ``model``, in
+    :func:`fsdp_ext._torch.fsdp_units` order; a unit of several modules is named by their
+    names joined with "+" (the root's is "<root>"). A unit with several param groups
+    (per-parameter meshes through ``shard_placement_fn``) is refused: FSDP2 takes one comm
+    per unit, which ``feature`` needs."""
+    out = []
+    for unit in fsdp_units(model):
+        name = "+".join(n or "<root>" for n in unit.names)
+        if len(unit.groups) > 1:
+            raise ValueError(
+                f"unit {name} has several param groups (per-parameter meshes); FSDP2 takes one "
+                f"comm per unit, so give each mesh its own fully_shard call to use {feature}"
+            )
+        out.append((name, unit.module, unit.groups[0] if unit.groups else None))
+    return out
 
 
 def reduce_dtype_of(group: FSDPParamGroup) -> torch.dtype:

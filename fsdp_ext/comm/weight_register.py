@@ -7,12 +7,11 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_ext._torch import (
     DefaultAllGather,
-    fsdp_state_id,
     group_device,
-    param_groups,
     shard_process_group,
 )
 from fsdp_ext.comm.codec import WireChoice
+from fsdp_ext.comm.unit import comm_units
 from fsdp_ext.comm.weight_all_gather import QuantizedWeightAllGather, WeightGatherStats
 from fsdp_ext.comm.weight_config import QuantizedAllGather
 
@@ -79,40 +78,21 @@ def register_weight_all_gather(
     config = config if config is not None else QuantizedAllGather()
     if not isinstance(config, QuantizedAllGather):
         raise TypeError(f"config must be a QuantizedAllGather, got {type(config).__name__}")
-    comms: dict[str, tuple[FSDPModule, QuantizedWeightAllGather]] = {}
-    names: dict[int, list[str]] = {}
-    for fqn, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = fsdp_state_id(module)
-        if state in names:  # one unit of several modules: fully_shard([a, b])
-            names[state].append(fqn or "<root>")
-            continue
-        names[state] = [fqn or "<root>"]
-        groups = param_groups(module)
-        if len(groups) > 1:
-            raise ValueError(
-                f"unit {fqn or '<root>'} has several param groups (per-parameter meshes); "
-                "FSDP2 takes one all-gather comm per unit, so give each mesh its own "
-                "fully_shard call to use QuantizedAllGather"
-            )
-        if not groups or shard_process_group(groups[0]) is None:
+    by_name: dict[str, tuple[FSDPModule, QuantizedWeightAllGather]] = {}
+    for name, module, group in comm_units(model, "QuantizedAllGather"):
+        if group is None or shard_process_group(group) is None:
             continue  # no parameter, or replicate-only (nothing is gathered)
-        group = groups[0]
-        comm = QuantizedWeightAllGather(config, group, fqn or "<root>")
+        comm = QuantizedWeightAllGather(config, group, name)
         device = group_device(group)
         try:
             comm.codec.check_device(device)
         except ValueError as exc:
-            raise ValueError(f"unit {fqn or '<root>'} gathers on {device}: {exc}") from exc
-        comms[state] = (module, comm)
-    if not comms:
+            raise ValueError(f"unit {name} gathers on {device}: {exc}") from exc
+        by_name[name] = (module, comm)
+    if not by_name:
         raise ValueError(
             "model has no FSDP unit to gather: call fully_shard before register_weight_all_gather"
         )
-    by_name = {}
-    for state, (module, comm) in comms.items():
-        comm.fqn = "+".join(names[state])
+    for module, comm in by_name.values():
         module.set_custom_all_gather(comm)
-        by_name[comm.fqn] = (module, comm)
     return WeightGatherHandle(by_name)

@@ -10,7 +10,7 @@ link. See docs/cluster.md.
 from fsdp_ext.lab.cleanup import clean_stale
 from fsdp_ext.lab.cluster import DEFAULT_TIMEOUT_S, Cluster, LabResult
 from fsdp_ext.lab.counters import NodeBytes
-from fsdp_ext.lab.faults import Fault, FaultEvent
+from fsdp_ext.lab.faults import Fault, FaultEvent, process_environ
 from fsdp_ext.lab.network import FABRIC_DEVICE
 from fsdp_ext.lab.rates import parse_rate
 from fsdp_ext.lab.requirements import APT_INSTALL, LabUnavailable, unavailable_reason
@@ -27,5 +27,6 @@ __all__ = [
     "NodeBytes",
     "clean_stale",
     "parse_rate",
+    "process_environ",
     "unavailable_reason",
 ]

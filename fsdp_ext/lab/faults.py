@@ -27,7 +27,7 @@ from fsdp_ext.lab.cleanup import namespace_pids
 from fsdp_ext.lab.network import FABRIC_DEVICE
 from fsdp_ext.lab.system import run_tool
 
-__all__ = ["FAULT_KINDS", "Fault", "FaultEvent", "FaultInjector", "rank_pids"]
+__all__ = ["FAULT_KINDS", "Fault", "FaultEvent", "FaultInjector", "process_environ", "rank_pids"]
 
 FAULT_KINDS = ("kill-node", "kill-rank", "link-down", "storage-down")
 KILL_DEADLINE_S = 10.0
@@ -77,7 +77,9 @@ class FaultEvent:
     note: str
 
 
-def _environ(pid: int) -> dict[str, str]:
+def process_environ(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` started with (empty once it is gone), read from
+    ``/proc``: how a rank's processes are told apart from the outside."""
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
@@ -88,7 +90,7 @@ def _environ(pid: int) -> dict[str, str]:
 
 def rank_pids(namespace: str, rank: int) -> list[int]:
     """Processes in ``namespace`` whose environment says they are global rank ``rank``."""
-    return [p for p in namespace_pids(namespace) if _environ(p).get("RANK") == str(rank)]
+    return [p for p in namespace_pids(namespace) if process_environ(p).get("RANK") == str(rank)]
 
 
 def kill_namespace(namespace: str) -> int:

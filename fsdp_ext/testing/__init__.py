@@ -1,7 +1,8 @@
 """Test utilities shared by the test suite and the benchmarks (as torch keeps
 its FSDP test helpers under ``torch.testing``): run a function on real multi-process gloo ranks,
-count what FSDP2's collectives send, kernel launches and host syncs (``gpu_counters``), and
-DCP's stock planning steps for simulated plans.
+count what a rank's collectives send (:class:`WireCounter`, the one wire-byte count of the
+benchmarks), kernel launches and host syncs (``gpu_counters``), and DCP's stock planning
+steps for simulated plans.
 
 Not imported by the library itself.
 """
@@ -11,10 +12,10 @@ from fsdp_ext.testing.collectives import (
     CountingAllGather,
     CountingReduceScatter,
     fsdp_units,
-    ring_bytes,
 )
 from fsdp_ext.testing.gpu_counters import HostSyncs, KernelLaunches
 from fsdp_ext.testing.multiprocess import RankError, RankTimeout, run_distributed
+from fsdp_ext.testing.wire import WireCounter, sent_bytes
 
 __all__ = [
     "CountingAllGather",
@@ -23,9 +24,10 @@ __all__ = [
     "KernelLaunches",
     "RankError",
     "RankTimeout",
+    "WireCounter",
     "create_write_items",
     "dedup_save_plans",
     "fsdp_units",
-    "ring_bytes",
     "run_distributed",
+    "sent_bytes",
 ]

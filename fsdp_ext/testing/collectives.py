@@ -1,8 +1,9 @@
 """Count what FSDP2 puts on the wire, from the tensors it hands to its collectives.
 
 ``unit.set_custom_reduce_scatter(CountingReduceScatter())`` (or ``set_custom_all_gather``)
-runs the stock collective and records each call and the bytes a ring sends to other ranks:
-``(W - 1) / W`` of the reduce-scatter's input and of the all-gather's output. Benchmarks and
+runs the stock collective and records each call and the bytes a ring sends to other ranks
+(:func:`fsdp_ext.testing.wire.sent_bytes`: ``(W - 1) / W`` of the reduce-scatter's input,
+``W - 1`` times the all-gather's). Benchmarks and
 tests read the counters instead of FSDP2's private state.
 """
 
@@ -16,17 +17,16 @@ from fsdp_ext._torch import (
     AllGather,
     ReduceScatter,
     all_gather_into,
-    fsdp_state_id,
-    param_groups,
     reduce_scatter_into,
 )
+from fsdp_ext._torch import fsdp_units as all_fsdp_units
+from fsdp_ext.testing.wire import sent_bytes
 
-__all__ = ["CountingAllGather", "CountingReduceScatter", "fsdp_units", "ring_bytes"]
+__all__ = ["CountingAllGather", "CountingReduceScatter", "fsdp_units"]
 
 
-def ring_bytes(tensor: torch.Tensor, world: int) -> int:
-    """Bytes one rank sends in a ring collective over ``tensor`` (the full buffer)."""
-    return tensor.numel() * tensor.element_size() * (world - 1) // world
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class _Counting:
@@ -48,7 +48,7 @@ class CountingReduceScatter(_Counting, ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.calls += 1
-        self.wire_bytes += ring_bytes(input_tensor, group.size())
+        self.wire_bytes += sent_bytes("reduce_scatter", _nbytes(input_tensor), group.size())
         return reduce_scatter_into(
             output_tensor, input_tensor, op=op, group=group, async_op=async_op
         )
@@ -59,7 +59,7 @@ class CountingAllGather(_Counting, AllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.calls += 1
-        self.wire_bytes += ring_bytes(output_tensor, group.size())
+        self.wire_bytes += sent_bytes("all_gather", _nbytes(input_tensor), group.size())
         return all_gather_into(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
@@ -67,11 +67,4 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, FSDPModule]]:
     """(fqn, module) of every FSDP unit below and at ``model`` that manages parameters, in
     pre-order; a unit of several modules (``fully_shard([a, b])``) appears once, under its
     first module's name (the root's is ``""``)."""
-    seen: set[int] = set()
-    units = []
-    for fqn, module in model.named_modules():
-        if isinstance(module, FSDPModule) and fsdp_state_id(module) not in seen:
-            seen.add(fsdp_state_id(module))
-            if param_groups(module):
-                units.append((fqn, module))
-    return units
+    return [(unit.fqn, unit.module) for unit in all_fsdp_units(model) if unit.groups]

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_ext._torch import (
@@ -31,11 +30,11 @@ from fsdp_ext._torch import (
     GROUP_TRANSITIONS_BEFORE,
     FSDPParamGroup,
     fsdp_params,
+    fsdp_units,
     gathered_bytes,
     has_all_gather_in_flight,
     is_sharded_post_forward,
     is_unsharded,
-    param_groups,
     sharded_post_forward_data,
     unsharded_accumulated_grad,
     unsharded_param,
@@ -112,11 +111,7 @@ class UnshardedBytesTracker:
     def __enter__(self) -> UnshardedBytesTracker:
         if self._modules is not None:
             self._groups = {
-                id(g): g
-                for root in self._modules
-                for m in root.modules()
-                if isinstance(m, FSDPModule)
-                for g in param_groups(m)
+                id(g): g for root in self._modules for unit in fsdp_units(root) for g in unit.groups
             }
         tracker = self
         for name in (*GROUP_TRANSITIONS_BEFORE, *GROUP_TRANSITIONS_AFTER):

@@ -25,11 +25,11 @@ from fsdp_ext._torch import (
     auto_reshard_after_forward,
     fsdp_params,
     fsdp_state_id,
+    fsdp_units,
     gather_dtype,
     gathered_bytes,
     group_reshard_after_forward,
     param_group,
-    param_groups,
     sharded_param,
 )
 from fsdp_ext.wrap.cost import CostModel
@@ -170,10 +170,8 @@ def fsdp_unsharded_bytes(root: nn.Module) -> dict[int, int]:
     post-EP/TP size) in the parameter dtype of the unit's mixed-precision policy.
     """
     sizes: dict[int, int] = {}
-    for module in root.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in param_groups(module):
+    for unit in fsdp_units(root):
+        for group in unit.groups:
             for p in fsdp_params(group):
                 sizes[id(sharded_param(p))] = gathered_bytes(p, gather_dtype(group, p))
     return sizes
@@ -441,10 +439,8 @@ def with_existing_units(root: nn.Module, units: list[nn.Module]) -> list[nn.Modu
     They manage their own parameters, so the units around them must not count them, and
     they are unsharded in turn like any other unit: both matter to the peak estimate.
     """
-    selected = set(units)
-    return [
-        m for m in root.modules() if m is not root and (m in selected or isinstance(m, FSDPModule))
-    ]
+    selected = set(units) | {m for unit in fsdp_units(root) for m in unit.modules}
+    return [m for m in root.modules() if m is not root and m in selected]
 
 
 def unit_groups(root: nn.Module, units: list[nn.Module]) -> list[Group]:

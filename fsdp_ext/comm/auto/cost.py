@@ -18,7 +18,8 @@ follow gloo's algorithms as measured in the lab (docs/cluster.md): a ring all-ga
 steps of one shard), the reduce-scatter as a ring all-reduce of the whole input (2 (W - 1)
 steps of one shard), a direct all-to-all (one round, every peer at once). Nodes hold
 consecutive ranks. A unit whose 4-bit or int8 payload would not be smaller than its raw
-bytes is sent raw, with no codec time (the codecs' "never more bytes than fp32" rule).
+bytes is sent raw, with no codec time: the bytes and that choice are the codecs' own
+(:func:`~fsdp_ext.comm.codec.choose_wire`, as the collectives call it), never re-derived here.
 
 Compute is the same for every candidate and not predicted: the figures are the
 communication and codec milliseconds a step adds, which is what the choice compares.
@@ -29,6 +30,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+
+from fsdp_ext.comm.absmax_codec import AbsmaxCodec
+from fsdp_ext.comm.blockwise_int8_codec import BlockwiseInt8Codec
+from fsdp_ext.comm.codec import Codec, WireChoice, choose_wire
 
 __all__ = [
     "Candidate",
@@ -96,7 +102,7 @@ class Measurements:
 class Layout:
     """The job's shape: ``world`` ranks, ``node_size`` per node (consecutive ranks), FSDP's
     shard group of ``world / replicas`` ranks (``replicas > 1``: HSDP), the parameter dtype's
-    bytes, and the codecs' payload sizes as functions of a row's element count."""
+    bytes, and the group sizes of the codecs whose wire choices it predicts."""
 
     world: int
     node_size: int
@@ -126,14 +132,24 @@ class Layout:
     def nodes(self) -> int:
         return self.world // self.node_size
 
-    def q4_bytes(self, n: int) -> int:
-        """4-bit payload of a row of ``n``: packed codes plus one fp32 scale per group."""
-        groups = -(-n // self.grad_group_size)
-        return groups * (self.grad_group_size // 2 + FP32)
+    @cached_property
+    def grad_codec(self) -> Codec:
+        """The 4-bit gradient codec (q4 and LoCo send the same bytes)."""
+        return AbsmaxCodec(4, self.grad_group_size)
 
-    def q8_bytes(self, n: int) -> int:
-        groups = -(-n // self.weight_group_size)
-        return groups * (self.weight_group_size + FP32)
+    @cached_property
+    def weight_codec(self) -> Codec:
+        """The qwZ weight codec."""
+        return BlockwiseInt8Codec(self.weight_group_size)
+
+    def grad_wire(self, n: int) -> WireChoice:
+        """A gradient row of ``n`` fp32 values, as ``LoCoReduceScatter.wire_for`` sends it."""
+        return choose_wire(self.grad_codec, [n], FP32)
+
+    def weight_wire(self, shards: Sequence[int]) -> WireChoice:
+        """A unit's weight row (each parameter's shard encoded on its own), as
+        ``QuantizedWeightAllGather.wire_for`` sends it in the parameter dtype."""
+        return choose_wire(self.weight_codec, shards, self.param_bytes)
 
 
 @dataclass(frozen=True, order=True)
@@ -279,8 +295,7 @@ def predict(
         shards = [_shard(p, w) for p in params]
         s = sum(shards)
         gathers = 1 if index == root else 2
-        raw = s * lay.param_bytes
-        q8 = sum(lay.q8_bytes(x) for x in shards)
+        weight_wire = lay.weight_wire(shards)
         for g in range(gathers):
             backward = g == 1
             if backward and candidate.hpz:  # inside the node, the forward's values, unquantised
@@ -290,15 +305,15 @@ def predict(
             quantised = candidate.weights == "qwz" or (
                 candidate.weights == "qwz_forward" and not backward
             )
-            if quantised and q8 < raw:
-                pred.add("weights", net.ring(w - 1, q8, w, k))
+            if quantised and weight_wire.compressed:
+                pred.add("weights", net.ring(w - 1, weight_wire.payload_bytes, w, k))
                 pred.add(
                     "weights_codec",
                     codec["weight_encode"].seconds(s, len(params))
                     + codec["weight_decode"].seconds(s * w, len(params)),
                 )
             else:
-                pred.add("weights", net.ring(w - 1, raw, w, k))
+                pred.add("weights", net.ring(w - 1, weight_wire.plain_bytes, w, k))
         _gradients(pred, net, lay, codec, candidate, s)
     return pred
 
@@ -309,8 +324,8 @@ def _gradients(pred, net, lay: Layout, codec, candidate: Candidate, s: int) -> N
     nodes = max(1, w // k)
     encode = codec["loco_encode" if candidate.gradients == "loco" else "q4_encode"]
     decode = codec["grad_decode"]
-    q4 = lay.q4_bytes(s)
-    compressed = candidate.gradients != "stock" and q4 < s * FP32
+    q4 = lay.grad_wire(s).payload_bytes
+    compressed = candidate.gradients != "stock" and lay.grad_wire(s).compressed
     if not compressed or w == 1:
         # gloo reduces and scatters by a ring all-reduce of the whole input
         pred.add("grads", net.ring(2 * (w - 1), s * FP32, w, k))
@@ -326,9 +341,9 @@ def _gradients(pred, net, lay: Layout, codec, candidate: Candidate, s: int) -> N
     if r > 1:  # HSDP: replicas hold consecutive shard groups, so they sit on other nodes
         per_node = max(1, lay.node_size // w)
         part = _shard(s, r)
-        if compressed and lay.q4_bytes(part) < part * FP32:
+        if compressed and lay.grad_wire(part).compressed:
             # the hook: a 4-bit reduce-scatter, then a 4-bit all-gather of the reduced part
-            q4p = lay.q4_bytes(part)
+            q4p = lay.grad_wire(part).payload_bytes
             pred.add("all_reduce", net.all_to_all(q4p, r, per_node))
             pred.add("all_reduce", net.ring(r - 1, q4p, r, per_node))
             pred.add(
