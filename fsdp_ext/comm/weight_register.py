@@ -14,7 +14,7 @@ from fsdp_ext._torch import (
 )
 from fsdp_ext.comm.codec import WireChoice
 from fsdp_ext.comm.weight_all_gather import QuantizedWeightAllGather, WeightGatherStats
-from fsdp_ext.comm.weight_config import QuantizedAllGather
+from fsdp_ext.comm.weight_config import WeightQuantConfig
 
 __all__ = ["WeightGatherHandle", "register_weight_all_gather"]
 
@@ -67,7 +67,7 @@ class WeightGatherHandle:
 
 
 def register_weight_all_gather(
-    model: torch.nn.Module, config: QuantizedAllGather | None = None
+    model: torch.nn.Module, config: WeightQuantConfig | None = None
 ) -> WeightGatherHandle:
     """Install a :class:`QuantizedWeightAllGather` on every FSDP unit of ``model``.
 
@@ -76,9 +76,9 @@ def register_weight_all_gather(
     groups (per-parameter meshes through ``shard_placement_fn``) is refused, since FSDP2
     takes one all-gather comm per unit; so is a group size the CUDA kernels lack.
     """
-    config = config if config is not None else QuantizedAllGather()
-    if not isinstance(config, QuantizedAllGather):
-        raise TypeError(f"config must be a QuantizedAllGather, got {type(config).__name__}")
+    config = config if config is not None else WeightQuantConfig()
+    if not isinstance(config, WeightQuantConfig):
+        raise TypeError(f"config must be a WeightQuantConfig, got {type(config).__name__}")
     comms: dict[str, tuple[FSDPModule, QuantizedWeightAllGather]] = {}
     names: dict[int, list[str]] = {}
     for fqn, module in model.named_modules():
@@ -94,7 +94,7 @@ def register_weight_all_gather(
             raise ValueError(
                 f"unit {fqn or '<root>'} has several param groups (per-parameter meshes); "
                 "FSDP2 takes one all-gather comm per unit, so give each mesh its own "
-                "fully_shard call to use QuantizedAllGather"
+                "fully_shard call to use WeightQuantConfig"
             )
         if not groups or shard_process_group(groups[0]) is None:
             continue  # no parameter, or replicate-only (nothing is gathered)
