@@ -95,9 +95,9 @@ def test_cost_model_matches_the_hand_formula(link_mbit):
 
 
 def test_layout_payload_sizes_are_the_codecs():
-    from fsdp_ext.comm import LoCoConfig, QuantizedAllGather, make_codec
+    from fsdp_ext.comm import LoCoConfig, WeightQuantConfig, make_codec
 
-    q4, q8 = make_codec("absmax", LoCoConfig()), make_codec("int8_blockwise", QuantizedAllGather())
+    q4, q8 = make_codec("absmax", LoCoConfig()), make_codec("int8_blockwise", WeightQuantConfig())
     for n in (1, 100, 128, 1000, 65537, 1 << 20):
         assert LAYOUT.q4_bytes(n) == q4.payload_bytes(n)
         assert LAYOUT.q8_bytes(n) == q8.payload_bytes(n)
