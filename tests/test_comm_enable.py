@@ -175,7 +175,7 @@ def _sharded(reshard):
     mesh = init_device_mesh("cpu", (WORLD,))
     net = Net()
     fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh, reshard_after_forward=reshard)
-    return net, mesh
+    return net
 
 
 def _train(net) -> list[float]:
@@ -205,10 +205,10 @@ ZEROPP = CommConfig(
 def _rank_enable() -> dict:
     hpz = fsdp_ext.node_local_reshard(mesh=None, intra_node_size=NODE, world_size=WORLD)
     out = {}
-    net, _ = _sharded(True)
+    net = _sharded(True)
     out["stock"] = _train(net)
 
-    net, _ = _sharded(hpz)
+    net = _sharded(hpz)
     handle = enable(net, ZEROPP)
     out["zeropp"] = _train(net)
     out["secondary"] = dict(handle.secondary_shards)
@@ -217,17 +217,17 @@ def _rank_enable() -> dict:
     out["state_keys"] = sorted(handle.state_dict())
 
     # qwZ and hpZ alone: no gradient state, gradients as stock
-    net, _ = _sharded(hpz)
+    net = _sharded(hpz)
     handle = enable(net, CommConfig(weights="int8", secondary_shards="node", node_size=NODE))
     out["no_grad_state"] = handle.state_dict(), handle.gradient_config, handle.stats.bytes_sent
 
     # enable then remove: the stock run, bit for bit
-    net, _ = _sharded(True)
+    net = _sharded(True)
     enable(net, CommConfig(gradients="loco", weights="int8")).remove()
     out["removed"] = _train(net)
 
     # hpZ asked for, but the units reshard over both nodes: refused, naming the fix
-    net, _ = _sharded(True)
+    net = _sharded(True)
     with pytest.raises(ValueError) as error:
         enable(net, ZEROPP)
     out["off_error"] = str(error.value)
