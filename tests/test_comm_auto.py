@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import fsdp_ext
 from fsdp_ext.comm.auto import (
     Candidate,
     CodecSpeed,
@@ -116,6 +117,13 @@ def test_slow_link_chooses_zeropp():
     assert d.hpz_node_size == 2
     assert d.weight_config().backward and d.gradient_config().intra_node_size == 2
     assert d.gradient_config().error_feedback
+    # the whole choice as the one config fsdp_ext.comm.enable takes
+    assert d.comm_config() == fsdp_ext.CommConfig(
+        gradients=d.gradient_config(),
+        weights=d.weight_config(),
+        secondary_shards="node",
+        node_size=2,
+    )
 
 
 def test_fast_link_with_slow_codec_chooses_stock():
