@@ -84,6 +84,20 @@ def test_the_old_name_in_a_from_import_warns():
         from fsdp_ext.comm import QuantizedAllGather  # noqa: F401
 
 
+def test_the_adapters_old_loco_argument_warns_and_means_comm_gradients():
+    from fsdp_ext.integrations._common import comm_from_arguments
+
+    old = r"prepare\(loco=\.\.\.\) is deprecated.*use prepare\(comm=CommConfig\(gradients="
+    with pytest.warns(FutureWarning, match=old):
+        comm = comm_from_arguments(None, LoCoConfig(bits=8), "prepare")
+    assert comm == CommConfig(gradients=LoCoConfig(bits=8))
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="not both"):
+        comm_from_arguments(CommConfig(), LoCoConfig(), "prepare")
+    with pytest.raises(TypeError, match=r"comm must be a fsdp_ext\.CommConfig or None"):
+        comm_from_arguments(LoCoConfig(), None, "prepare")
+    assert comm_from_arguments(CommConfig(), None, "prepare") is None  # nothing on: stock
+
+
 OLD_NAMES = {"QuantizedAllGather"}
 # keyword arguments that are deprecated on these calls
 OLD_KEYWORDS = {
