@@ -65,11 +65,11 @@ from fsdp_ext.kernels.quantize_ef import (  # noqa: E402
     quantize_ef_to_payload_reference,
 )
 
-from fsdp_ext.comm import Codec, QuantizedAllGather, make_codec  # noqa: E402
+from fsdp_ext.comm import Codec, WeightQuantConfig, make_codec  # noqa: E402
 from fsdp_ext.testing import KernelLaunches  # noqa: E402
 
 GROUP, BITS, CHUNKS = 128, 4, 8  # LoCo defaults; 8 ranks' chunks per reduction
-QWZ_GROUP = 256  # QuantizedAllGather's default
+QWZ_GROUP = 256  # WeightQuantConfig's default
 CODEC = ("quantize_ef", "dequantize_reduce")
 
 
@@ -155,7 +155,7 @@ def unit_decode(device: torch.device, reps: int, scale: int = 1) -> dict:
     world = 8
     segments = [-(-n // scale) // world for n in BLOCK_7B]
     n = sum(segments)
-    codec = make_codec("int8_blockwise", QuantizedAllGather(group_size=QWZ_GROUP))
+    codec = make_codec("int8_blockwise", WeightQuantConfig(group_size=QWZ_GROUP))
     gen = torch.Generator().manual_seed(2)
     rows = (torch.randn(world, n, generator=gen) * 0.02).to(device, torch.bfloat16)
     out = torch.empty_like(rows)

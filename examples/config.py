@@ -22,9 +22,10 @@ import torch
 from examples.model import Block, ModelConfig
 from fsdp_ext import (
     AutoDecision,
+    CommConfig,
     GranularityPolicy,
     LoCoConfig,
-    QuantizedAllGather,
+    WeightQuantConfig,
     auto_config,
     plan_units,
     unit_sizes,
@@ -44,6 +45,7 @@ __all__ = [
     "check_run_dir",
     "check_world",
     "comm_config",
+    "comm_settings",
     "decide_comm",
     "parse_args",
     "run_record",
@@ -440,13 +442,24 @@ def comm_config(cfg: TrainConfig, world_size: int) -> LoCoConfig | None:
     return replace(config, intra_node_size=node_size(cfg, world_size))
 
 
-def weights_config(cfg: TrainConfig) -> QuantizedAllGather | None:
+def weights_config(cfg: TrainConfig) -> WeightQuantConfig | None:
     """--qwz's int8 parameter all-gather (None: the stock all-gather)."""
     if cfg.comm == AUTO:
         return _decided(cfg).weight_config()
     if not cfg.qwz:
         return None
-    return QuantizedAllGather(group_size=cfg.qwz_group_size, backward=not cfg.qwz_forward_only)
+    return WeightQuantConfig(group_size=cfg.qwz_group_size, backward=not cfg.qwz_forward_only)
+
+
+def comm_settings(cfg: TrainConfig, world_size: int) -> CommConfig:
+    """--comm, --qwz and --hpz as the one ``CommConfig`` that ``fsdp_ext.comm.enable``
+    takes (under --comm auto, what it chose; decide_comm sets --hpz to its choice)."""
+    return CommConfig(
+        gradients=comm_config(cfg, world_size),
+        weights=weights_config(cfg),
+        secondary_shards="node" if cfg.hpz else None,
+        node_size=node_size(cfg, world_size) if cfg.hpz else "auto",
+    )
 
 
 def _decided(cfg: TrainConfig) -> AutoDecision:

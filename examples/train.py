@@ -39,12 +39,11 @@ from examples.config import (
     WRAP_POLICIES,
     TrainConfig,
     check_world,
-    comm_config,
+    comm_settings,
     decide_comm,
     node_size,
     parse_args,
     run_record,
-    weights_config,
 )
 from examples.data import get_batch, load_corpus, unigram_entropy
 from examples.model import Transformer
@@ -53,15 +52,12 @@ from fsdp_ext import (
     CommHandle,
     DirectoryOwnedError,
     ParallelDims,
-    WeightGatherHandle,
     apply_expert_parallel,
     build_pipeline,
     clip_grad_norm_,
     node_local_reshard,
     pipeline_step,
     reduce_pipeline_loss,
-    register_comm_hook,
-    register_weight_all_gather,
     shard_moe_model,
 )
 from fsdp_ext.checkpoint import (
@@ -71,6 +67,7 @@ from fsdp_ext.checkpoint import (
     claim,
     exit_with_launcher,
 )
+from fsdp_ext.comm import enable
 
 __all__ = [
     "WRAP_POLICIES",
@@ -93,11 +90,11 @@ class Parallel:
     """What the training loop needs from the parallel layout, pipelined or not."""
 
     parts: list[nn.Module]  # this rank's model parts: the whole model, or its pp stages
-    comm: CommHandle | None  # the gradient codec's handle (its error buffers are checkpointed)
+    comm: CommHandle | None  # --comm/--qwz/--hpz's handle (None: all stock); LoCo's
+    # error buffers are checkpointed
     train_step: Callable[[torch.Tensor, torch.Tensor], float]  # forward + backward: global loss
     eval_step: Callable[[torch.Tensor, torch.Tensor], float]  # forward only: global loss
     pp_mesh: DeviceMesh | None = None  # for the gradient norm over the stages
-    weights: WeightGatherHandle | None = None  # --qwz's handle (no state to checkpoint)
 
 
 def parallelize(
@@ -133,13 +130,11 @@ def shard_model(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Tra
     )
 
 
-def attach_comm(model: Transformer, cfg: TrainConfig) -> CommHandle | WeightGatherHandle | None:
-    """The --comm codec on every FSDP unit (none for `--comm default`), and with --qwz the
-    int8 parameter all-gather (its handle alone under `--comm default`)."""
-    config, weights = comm_config(cfg, dist.get_world_size()), weights_config(cfg)
-    if config is None:
-        return None if weights is None else register_weight_all_gather(model, weights)
-    return register_comm_hook(model, config, weights=weights)
+def attach_comm(model: Transformer, cfg: TrainConfig) -> CommHandle | None:
+    """--comm's codec, --qwz's int8 all-gather and --hpz's check on every FSDP unit, through
+    one ``fsdp_ext.comm.enable``; None when all three are stock."""
+    settings = comm_settings(cfg, dist.get_world_size())
+    return enable(model, settings) if settings.enabled else None
 
 
 def sharded(
@@ -166,11 +161,7 @@ def sharded(
     def eval_step(x: torch.Tensor, y: torch.Tensor) -> float:
         return global_mean(lm_loss(model(x), y))
 
-    handle = attach(model, cfg)
-    if isinstance(handle, WeightGatherHandle):  # qwZ alone
-        return Parallel([model], None, train_step, eval_step, weights=handle)
-    weights = None if handle is None else handle.weights
-    return Parallel([model], handle, train_step, eval_step, weights=weights)
+    return Parallel([model], attach(model, cfg), train_step, eval_step)
 
 
 def pipelined(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Parallel:
@@ -182,7 +173,7 @@ def pipelined(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Paral
         n_microbatches=cfg.microbatches,
         loss_fn=lm_loss,
         auto_wrap_policy=WRAP_POLICIES[cfg.wrap],
-        comm=comm_config(cfg, dist.get_world_size()),
+        comm=comm_settings(cfg, dist.get_world_size()),
         mp_policy=_mp_policy(cfg),
     )
 
@@ -242,7 +233,7 @@ def checkpointer(cfg: TrainConfig, par: Parallel, optimizer, scheduler, device) 
     directory for this job's life (refusing a second live job) and resumes from the newest
     intact checkpoint. The data position is the step: batches are a pure function of it."""
     extra = {"scheduler": scheduler, "rng": RNGState(device)}
-    if par.comm is not None:
+    if par.comm is not None and par.comm.gradient_config is not None:
         extra["comm"] = par.comm
     return Checkpointer(
         cfg.checkpoint_root,
@@ -346,6 +337,7 @@ def _train_loop(cfg, par, params, optimizer, scheduler, ckpt, mode, dims, device
     val_loss = sum(val) / cfg.val_batches
     entropy = unigram_entropy(corpus.train)
     median_ms = statistics.median(step_ms) if step_ms else None
+    gradients = None if par.comm is None or par.comm.gradient_config is None else par.comm
     log(f"validation loss {val_loss:.4f} nats | unigram entropy of the bytes {entropy:.4f} nats")
     return {
         "start_step": start_step,
@@ -356,8 +348,10 @@ def _train_loop(cfg, par, params, optimizer, scheduler, ckpt, mode, dims, device
         "step_ms": median_ms,
         "tokens_per_s": tokens_per_step / median_ms * 1e3 if median_ms else None,
         "world_size": world,
-        "comm_stats": None if par.comm is None else asdict(par.comm.stats),
-        "weight_stats": None if par.weights is None else asdict(par.weights.stats),
+        "comm_stats": None if gradients is None else asdict(gradients.stats),
+        "weight_stats": None
+        if par.comm is None or par.comm.weights is None
+        else asdict(par.comm.weight_stats),
         "comm_auto": None if cfg.auto is None else cfg.auto.choice.name,
     }
 

@@ -25,12 +25,13 @@ from fsdp_ext.checkpoint import (
 )
 from fsdp_ext.comm import (
     AutoDecision,
+    CommConfig,
     CommHandle,
     CommStats,
     LoCoConfig,
     LoCoReduceScatter,
-    QuantizedAllGather,
     WeightGatherHandle,
+    WeightQuantConfig,
     auto_config,
     register_comm_hook,
     register_weight_all_gather,
@@ -77,6 +78,7 @@ __all__ = [
     "CheckpointReport",
     "CheckpointSpaceError",
     "Checkpointer",
+    "CommConfig",
     "CommHandle",
     "CommStats",
     "CostModel",
@@ -88,7 +90,6 @@ __all__ = [
     "MoE",
     "ParallelDims",
     "PipelineState",
-    "QuantizedAllGather",
     "SafeLoadPlanner",
     "SpreadFileSystemWriter",
     "SpreadSavePlanner",
@@ -97,6 +98,7 @@ __all__ = [
     "UnshardedBytesTracker",
     "VerifiedFileSystemReader",
     "WeightGatherHandle",
+    "WeightQuantConfig",
     "WrapPlan",
     "all_to_all_stats",
     "apply_expert_parallel",
@@ -120,3 +122,10 @@ __all__ = [
     "unit_sizes",
     "verify_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Deprecated names (``QuantizedAllGather``), with a warning naming the new one."""
+    from fsdp_ext._deprecated import renamed_attribute
+
+    return renamed_attribute(__name__, name, globals())

@@ -51,9 +51,7 @@ def main() -> dict:
         torch.manual_seed(0)
         net = nn.Sequential(*(Block(256) for _ in range(4)), nn.Linear(256, 16)).to(device)
         fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh)
-        handle = fsdp_ext.register_comm_hook(
-            net, fsdp_ext.LoCoConfig(), weights=fsdp_ext.QuantizedAllGather()
-        )
+        handle = fsdp_ext.comm.enable(net, fsdp_ext.CommConfig(gradients="loco", weights="int8"))
         optim = torch.optim.AdamW(net.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(1)
         x, y = torch.randn(64, 256, generator=gen), torch.randn(64, 16, generator=gen)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import fsdp_ext
 from fsdp_ext.comm.auto import (
     Candidate,
     CodecSpeed,
@@ -111,7 +112,7 @@ def test_cost_model_bytes_are_the_collectives_choices(param_bytes):
     free = CodecSpeed(0.0, 0.0)
     m = Measurements(intra=Hop(1.0, 0.0), inter=None, codecs=dict.fromkeys(KEYS, free))
     grads = LoCoReduceScatter(LoCoConfig(group_size=layout.grad_group_size))
-    # the qwZ codec as a QuantizedAllGather of this group size builds it (reads group_size)
+    # the qwZ codec as a WeightQuantConfig of this group size builds it (reads group_size)
     weights = make_codec("int8_blockwise", SimpleNamespace(group_size=layout.weight_group_size))
     for params in ([100], [64], [1000, 3], [1 << 16, 7, 7, 300], [513] * 5):
         shards = [-(-p // w) for p in params]  # FSDP pads each parameter to whole shards
@@ -137,6 +138,13 @@ def test_slow_link_chooses_zeropp():
     assert d.hpz_node_size == 2
     assert d.weight_config().backward and d.gradient_config().intra_node_size == 2
     assert d.gradient_config().error_feedback
+    # the whole choice as the one config fsdp_ext.comm.enable takes
+    assert d.comm_config() == fsdp_ext.CommConfig(
+        gradients=d.gradient_config(),
+        weights=d.weight_config(),
+        secondary_shards="node",
+        node_size=2,
+    )
 
 
 def test_fast_link_with_slow_codec_chooses_stock():

@@ -117,7 +117,7 @@ def _qwz_steps(steps: int, group_size: int) -> dict:
     net = Net()
     _shard(net, mesh)
     handle = fsdp_ext.register_weight_all_gather(
-        net, fsdp_ext.QuantizedAllGather(group_size=group_size)
+        net, fsdp_ext.WeightQuantConfig(group_size=group_size)
     )
     seen = []
     net.blocks[1].up.register_forward_pre_hook(lambda m, _: seen.append(m.weight.detach().clone()))
@@ -222,8 +222,8 @@ def _options_rank(group_size: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     for name, config, mp in [
-        ("bf16", fsdp_ext.QuantizedAllGather(group_size=group_size), torch.bfloat16),
-        ("forward_only", fsdp_ext.QuantizedAllGather(group_size=group_size, backward=False), None),
+        ("bf16", fsdp_ext.WeightQuantConfig(group_size=group_size), torch.bfloat16),
+        ("forward_only", fsdp_ext.WeightQuantConfig(group_size=group_size, backward=False), None),
     ]:
         torch.manual_seed(0)
         net = Net()
@@ -266,7 +266,7 @@ def test_mixed_precision_and_forward_only():
 def test_the_weight_codec_keeps_the_seams_contract():
     """``int8_blockwise`` through the codec seam: payload size, decode of every row, and
     decode_reduce = the fp32 sum of the decoded rows in row order, scaled once, cast once."""
-    codec = make_codec("int8_blockwise", fsdp_ext.QuantizedAllGather(group_size=64))
+    codec = make_codec("int8_blockwise", fsdp_ext.WeightQuantConfig(group_size=64))
     rows = torch.randn(3, 150, generator=torch.Generator().manual_seed(3))
     payload = torch.empty(3, codec.payload_bytes(150), dtype=torch.uint8)
     assert payload.shape[1] == 3 * (64 + 4) and codec.padded(150) == 192
@@ -282,7 +282,7 @@ def test_the_weight_codec_keeps_the_seams_contract():
     # every group size the config accepts has a CUDA kernel: nothing fails after parsing
     for group_size in (32, 64, 128, 256, 512, 1024, 2048, 4096):
         make_codec(
-            "int8_blockwise", fsdp_ext.QuantizedAllGather(group_size=group_size)
+            "int8_blockwise", fsdp_ext.WeightQuantConfig(group_size=group_size)
         ).check_device(torch.device("cuda"))
     with pytest.raises(ValueError, match="group_size in"):
         BlockwiseInt8Codec(8192).check_device(torch.device("cuda"))
@@ -295,9 +295,9 @@ def test_the_weight_codec_keeps_the_seams_contract():
         ({"group_size": 100}, "group_size must be a power of two from 32 to 4096"),
         ({"backward": "yes"}, "backward must be a bool"),
         ({"codec": "zstd"}, "codec must be one of"),
-        ({"codec": "absmax"}, "cannot be built from a QuantizedAllGather"),
+        ({"codec": "absmax"}, "cannot be built from a WeightQuantConfig"),
     ],
 )
 def test_bad_configs_are_refused_naming_the_field(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
-        fsdp_ext.QuantizedAllGather(**kwargs)
+        fsdp_ext.WeightQuantConfig(**kwargs)

@@ -112,7 +112,7 @@ def _train_rank() -> dict:
         fully_shard(getattr(net, unit), mesh=mesh)
     fully_shard(net, mesh=mesh)
     handle = fsdp_ext.register_comm_hook(
-        net, fsdp_ext.LoCoConfig(), weights=fsdp_ext.QuantizedAllGather(group_size=256)
+        net, fsdp_ext.LoCoConfig(), weights=fsdp_ext.WeightQuantConfig(group_size=256)
     )
     spy = _Spy()
     modules = {"<root>": net, **{u: getattr(net, u) for u in UNITS}}

@@ -52,7 +52,7 @@ def _counted_step() -> dict:
     net = Net()
     fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh)
     handle = fsdp_ext.register_comm_hook(
-        net, fsdp_ext.LoCoConfig(group_size=32), weights=fsdp_ext.QuantizedAllGather(group_size=64)
+        net, fsdp_ext.LoCoConfig(group_size=32), weights=fsdp_ext.WeightQuantConfig(group_size=64)
     )
     optim = torch.optim.SGD(net.parameters(), lr=1e-2)
     x, y = torch.randn(4, 64), torch.randn(4, 8)

@@ -163,7 +163,7 @@ def _zeropp_rank() -> dict:
     handle = fsdp_ext.register_comm_hook(
         net,
         fsdp_ext.LoCoConfig(intra_node_size="auto", group_size=32),
-        weights=fsdp_ext.QuantizedAllGather(group_size=32),
+        weights=fsdp_ext.WeightQuantConfig(group_size=32),
     )
     forward, backward = [], []
 

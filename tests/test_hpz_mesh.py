@@ -97,7 +97,7 @@ def _hsdp_rank() -> dict:
         net = Net()
         fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh, reshard_after_forward=raf)
         weights = fsdp_ext.register_weight_all_gather(
-            net, fsdp_ext.QuantizedAllGather(group_size=32)
+            net, fsdp_ext.WeightQuantConfig(group_size=32)
         )
         optim = torch.optim.AdamW(net.parameters(), lr=1e-2)
         restore: list = []

@@ -162,7 +162,7 @@ def _loco_run(checkpoint_dir: str, resume: bool, with_loco: bool = True) -> dict
         accelerator,
         _qwen2_moe(),
         lambda params: torch.optim.AdamW(params, lr=1e-2),
-        loco=loco,
+        comm=fsdp_ext.CommConfig(gradients=loco),
     )
     losses, first, at_checkpoint = [], RESUME_AT if resume else 0, None
     if resume:
@@ -298,7 +298,10 @@ def _tiny_edges(checkpoint_dir: str) -> dict:
     # LoCo's error buffers through save_state / load_state, each rank its own
     accelerator = _accelerator(None)
     model, optimizer, handle = prepare(
-        accelerator, _Tiny(), opt, loco=fsdp_ext.LoCoConfig(bits=4, group_size=32)
+        accelerator,
+        _Tiny(),
+        opt,
+        comm=fsdp_ext.CommConfig(gradients=fsdp_ext.LoCoConfig(group_size=32)),
     )
     for step in range(2):
         _tiny_step(accelerator, model, optimizer, step)

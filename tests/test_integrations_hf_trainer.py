@@ -45,8 +45,8 @@ def _budget():
     return fsdp_ext.GranularityPolicy(memory_budget_bytes=BUDGET_BYTES)
 
 
-def _loco():
-    return fsdp_ext.LoCoConfig(bits=4, group_size=32)
+def _comm():
+    return fsdp_ext.CommConfig(gradients=fsdp_ext.LoCoConfig(bits=4, group_size=32))
 
 
 def _qwen2_moe():
@@ -147,11 +147,11 @@ def _run_trainer(
     **recipe,
 ) -> dict:
     """The budget policy with LoCo for STEPS steps, a checkpoint every SAVE_AT steps;
-    ``recipe`` replaces ``auto_wrap_policy`` / ``loco``; ``stock`` runs the plain Trainer."""
+    ``recipe`` replaces ``auto_wrap_policy`` / ``comm``; ``stock`` runs the plain Trainer."""
     from torch.distributed.fsdp import FSDPModule
 
     set_launch_env(WORLD)
-    recipe = {} if stock else {"auto_wrap_policy": _budget(), "loco": _loco(), **recipe}
+    recipe = {} if stock else {"auto_wrap_policy": _budget(), "comm": _comm(), **recipe}
     trainer = _trainer_class(stock)(
         model=_qwen2_moe(),
         args=_args(output_dir, **(train_args or {})),
@@ -197,7 +197,7 @@ def _adapter_losses(steps: list[dict], output_dir: str) -> list[float]:
         # the Trainer puts weight_decay in its param groups, not in these kwargs
         lambda params: optimizer_cls(params, weight_decay=args.weight_decay, **optimizer_kwargs),
         auto_wrap_policy=_budget(),
-        loco=_loco(),
+        comm=_comm(),
     )
     losses = []
     for step in steps:
@@ -238,7 +238,7 @@ def _per_block_and_stock(output_dir: str) -> dict:
 
     out = {"planned": sorted(u.fqn for u in fsdp_ext.plan_units(_qwen2_moe(), _default()).units)}
     short = {"max_steps": 4, "save_strategy": "no"}
-    per_block = {"auto_wrap_policy": None, "loco": None}
+    per_block = {"auto_wrap_policy": None, "comm": None}
     for name, recipe in {"per_block": per_block, "stock": {}}.items():
         AcceleratorState._reset_state(reset_partial_state=True)
         out[name] = _run_trainer(

@@ -119,7 +119,7 @@ def _parallel_dims(ep: int = 1):
     return dims
 
 
-def _shard(model, wrap: str, dims, policy=None, loco=None, **options):
+def _shard(model, wrap: str, dims, policy=None, loco=None, comm=None, **options):
     """torchtitan's FSDP step (``wrap="torchtitan"``) or the drop-in, same arguments.
 
     Gradient division off makes FSDP reduce with ``PREMUL_SUM(1.0)``, which gloo refuses
@@ -137,8 +137,10 @@ def _shard(model, wrap: str, dims, policy=None, loco=None, **options):
         apply_fsdp_to_decoder(*args, **kwargs)
         handle = None
     else:
-        handle = tt_fsdp.apply_fsdp(*args, **kwargs, auto_wrap_policy=policy, loco=loco)
-    if loco is None:
+        if loco is not None:
+            comm = fsdp_ext.CommConfig(gradients=loco)
+        handle = tt_fsdp.apply_fsdp(*args, **kwargs, auto_wrap_policy=policy, comm=comm)
+    if comm is None or comm.gradients is None:
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
@@ -576,8 +578,20 @@ def test_a_checkpoint_without_loco_state_loads_with_exclude_from_loading(tmp_pat
         ({"pp_enabled": 1}, TypeError, "pp_enabled must be a bool"),
         ({"ep_degree": 0}, ValueError, "ep_degree must be an int >= 1"),
         ({"ep_degree": 2}, ValueError, "needs edp_mesh"),
-        ({"loco": "4bit"}, TypeError, "loco must be a LoCoConfig"),
-        ({"loco": fsdp_ext.LoCoConfig(), "ep_degree": 2}, ValueError, "loco with ep_degree=2"),
+        ({"comm": "4bit"}, TypeError, "comm must be a fsdp_ext.CommConfig"),
+        (
+            {"comm": fsdp_ext.CommConfig(gradients="loco"), "ep_degree": 2},
+            ValueError,
+            "comm with ep_degree=2",
+        ),
+        (
+            {
+                "comm": fsdp_ext.CommConfig(secondary_shards="node"),
+                "reshard_after_forward_policy": "never",
+            },
+            ValueError,
+            "'never' keeps full copies: pick one",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_sharded(change, error, named):

@@ -54,7 +54,7 @@ def _int_param_phase(mesh, x, y) -> dict:
     torch.manual_seed(0)
     net = _with_int_param(Net())
     _shard(net, mesh)
-    handle = fsdp_ext.register_weight_all_gather(net, fsdp_ext.QuantizedAllGather(group_size=GROUP))
+    handle = fsdp_ext.register_weight_all_gather(net, fsdp_ext.WeightQuantConfig(group_size=GROUP))
     seen = {}
     block = net.blocks[0]
     block.register_forward_pre_hook(  # after FSDP's own pre-forward: the gathered weights
@@ -80,8 +80,8 @@ def _root_phase(mesh, x, y) -> dict:
     grads = {}
     for name, config in [
         ("stock", None),
-        ("forward_only", fsdp_ext.QuantizedAllGather(group_size=GROUP, backward=False)),
-        ("both", fsdp_ext.QuantizedAllGather(group_size=GROUP)),
+        ("forward_only", fsdp_ext.WeightQuantConfig(group_size=GROUP, backward=False)),
+        ("both", fsdp_ext.WeightQuantConfig(group_size=GROUP)),
     ]:
         torch.manual_seed(0)
         net = Net()
@@ -113,7 +113,7 @@ def test_a_non_float_parameter_leaves_its_units_float_weights_quantized(runs):
     torch.manual_seed(0)
     net = Net()
     want = quantized_copy(net, WORLD, GROUP)["blocks.0.up.weight"]
-    codec = make_codec("int8_blockwise", fsdp_ext.QuantizedAllGather(group_size=GROUP))
+    codec = make_codec("int8_blockwise", fsdp_ext.WeightQuantConfig(group_size=GROUP))
     segments = _block0_segments(net)
     raw = -(-len(STEPS) // WORLD) * STEPS.element_size()  # the int rows travel as bytes
     payload = codec.unit_payload_bytes(segments) + raw

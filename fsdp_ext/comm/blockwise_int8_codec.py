@@ -38,7 +38,7 @@ class BlockwiseInt8Codec(Codec):
 
     @classmethod
     def from_config(cls, config: Any) -> BlockwiseInt8Codec:
-        """From a :class:`~fsdp_ext.comm.weight_config.QuantizedAllGather` (or anything with
+        """From a :class:`~fsdp_ext.comm.weight_config.WeightQuantConfig` (or anything with
         a ``group_size``)."""
         return cls(config.group_size)
 

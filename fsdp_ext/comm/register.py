@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp_ext._deprecated import warn_deprecated
 from fsdp_ext._torch import (
     DefaultReduceScatter,
     canonical_fqn,
@@ -30,7 +31,8 @@ from fsdp_ext.comm.unit import (
     comm_units,
     reduce_dtype_of,
 )
-from fsdp_ext.comm.weight_config import QuantizedAllGather
+from fsdp_ext.comm.weight_all_gather import WeightGatherStats
+from fsdp_ext.comm.weight_config import WeightQuantConfig
 from fsdp_ext.comm.weight_register import WeightGatherHandle, register_weight_all_gather
 
 logger = logging.getLogger("fsdp_ext.comm")
@@ -75,7 +77,11 @@ class _Unit:
 
 
 class CommHandle:
-    """Returned by :func:`register_comm_hook`; a DCP ``Stateful`` holding every error buffer.
+    """Returned by :func:`fsdp_ext.comm.enable` (and :func:`register_comm_hook`): one handle
+    for everything that is on. ``stats`` counts the gradients' bytes, ``weight_stats`` qwZ's;
+    ``weights`` is qwZ's handle and ``secondary_shards`` hpZ's secondary group per unit;
+    ``remove()`` gives every unit back FSDP's stock collectives. It is a DCP ``Stateful``
+    holding every error buffer (an empty state when the gradients are left to FSDP).
 
     Each rank saves its own buffers with a header: world size, config, and every unit's
     parameter layout (names and lengths, and a signature of them). Units and parameters are
@@ -89,13 +95,25 @@ class CommHandle:
     raises, naming what differs. The same layout resumes bit for bit.
     """
 
-    def __init__(self, units: dict[str, _Unit], config: LoCoConfig, *, strict: bool = False):
+    def __init__(self, units: dict[str, _Unit], config: LoCoConfig | None, *, strict: bool = False):
         self._units = units
-        self._config = config
-        self._codec = make_codec(config.codec, config)
+        self._config = config  # None: gradients left to FSDP (qwZ / hpZ alone)
+        self._codec = None if config is None else make_codec(config.codec, config)
         self.strict = strict
         self._removed = False
-        self.weights: WeightGatherHandle | None = None  # qwZ, when registered with weights=
+        self.weights: WeightGatherHandle | None = None  # qwZ's part, when it is on
+        # hpZ: each unit's reshard_after_forward (the secondary group's size), when it is on
+        self.secondary_shards: dict[str, bool | int] = {}
+
+    @property
+    def gradient_config(self) -> LoCoConfig | None:
+        """The gradient codec's settings (None: FSDP's own reduce-scatter)."""
+        return self._config
+
+    @property
+    def weight_stats(self) -> WeightGatherStats:
+        """qwZ's bytes (payload and the param-dtype equivalent); zeros when qwZ is off."""
+        return WeightGatherStats() if self.weights is None else self.weights.stats
 
     @property
     def stats(self) -> CommStats:
@@ -129,6 +147,8 @@ class CommHandle:
             unit.reduce_scatter.stats = CommStats()
             if unit.all_reduce_hook is not None:
                 unit.all_reduce_hook.stats = CommStats()
+        if self.weights is not None:
+            self.weights.reset_stats()
 
     def header(self) -> dict:
         """What a saved error state must match to be loaded as is: the job's shape, the
@@ -146,6 +166,8 @@ class CommHandle:
     def state_dict(self) -> dict:
         """``{"rank{r}": bytes}``: per-rank bytes, so a checkpoint from another world size or
         layout still loads through DCP (no size check) and reaches the header check."""
+        if self._config is None:
+            return {}  # no error buffers: qwZ and hpZ keep no state between steps
         for unit in self._units.values():
             unit.materialize()
         state = {
@@ -158,6 +180,8 @@ class CommHandle:
         return {f"rank{dist.get_rank()}": buffer.getvalue()}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if self._config is None:
+            return
         mine = state_dict.get(f"rank{dist.get_rank()}")
         if isinstance(mine, bytes):
             mine = torch.load(io.BytesIO(mine), weights_only=True)
@@ -264,12 +288,12 @@ def register_comm_hook(
     *,
     replicate_group: dist.ProcessGroup | None = None,
     strict: bool = False,
-    weights: QuantizedAllGather | None = None,
+    weights: WeightQuantConfig | None = None,
 ) -> CommHandle:
     """Install a :class:`LoCoReduceScatter` on every FSDP unit of ``model``.
 
-    ``weights``: also quantise the parameter all-gathers (ZeRO++ qwZ, see
-    :func:`register_weight_all_gather`); ``CommHandle.weights`` then holds their handle.
+    ``weights`` (deprecated: use :func:`fsdp_ext.comm.enable` with
+    ``CommConfig(gradients=..., weights=...)``): also quantise the parameter all-gathers.
 
     Every unit gets its own comm, sized over all of its trainable parameters (a unit of
     several modules, ``fully_shard([a, b])``, included). With ``replicate_group`` (HSDP),
@@ -277,6 +301,11 @@ def register_comm_hook(
     :class:`LoCoAllReduceHook`. ``strict`` governs checkpoint loads (see :class:`CommHandle`).
     Call it on every rank, after ``fully_shard``; unsupported reduce dtypes are refused here.
     """
+    if weights is not None:
+        warn_deprecated(
+            "register_comm_hook(weights=...)",
+            "fsdp_ext.comm.enable(model, CommConfig(gradients=..., weights=...))",
+        )
     config = config if config is not None else LoCoConfig()
     if not isinstance(config, LoCoConfig):
         raise TypeError(f"config must be a LoCoConfig, got {type(config).__name__}")

@@ -53,7 +53,7 @@ from fsdp_ext._torch import (
 )
 from fsdp_ext.comm.codec import Codec, WireChoice, choose_wire
 from fsdp_ext.comm.registry import make_codec
-from fsdp_ext.comm.weight_config import QuantizedAllGather
+from fsdp_ext.comm.weight_config import WeightQuantConfig
 
 __all__ = ["QuantizedWeightAllGather", "WeightGatherStats"]
 
@@ -113,7 +113,7 @@ class QuantizedWeightAllGather(AllGather):
     Runs synchronously and returns ``None`` (FSDP then waits on nothing).
     """
 
-    def __init__(self, config: QuantizedAllGather, group: FSDPParamGroup, fqn: str = ""):
+    def __init__(self, config: WeightQuantConfig, group: FSDPParamGroup, fqn: str = ""):
         self.config = config
         self.codec: Codec = make_codec(config.codec, config)  # feedback-free: checked there
         self.fqn = fqn

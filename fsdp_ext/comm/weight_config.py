@@ -8,14 +8,16 @@ import torch
 
 from fsdp_ext.comm.registry import CODECS, make_codec
 
-__all__ = ["QuantizedAllGather"]
+__all__ = ["WeightQuantConfig"]
 
 MIN_GROUP_SIZE, MAX_GROUP_SIZE = 32, 4096
 
 
 @dataclass(frozen=True)
-class QuantizedAllGather:
-    """FSDP's parameter all-gather sends block-wise int8 weights instead of the param dtype.
+class WeightQuantConfig:
+    """Settings of qwZ: FSDP's parameter all-gather sends block-wise int8 weights instead of
+    the param dtype (:class:`~fsdp_ext.comm.weight_all_gather.QuantizedWeightAllGather` does).
+    Named ``QuantizedAllGather`` in 0.1 (a deprecated alias, for one release).
 
     ``bits``: 8 (int8 codes, one fp32 absmax scale per group; 4-bit weights lose too much
     for pre-training, ZeRO++ section 5). ``group_size``: values per scale, a power of two
@@ -40,7 +42,7 @@ class QuantizedAllGather:
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or self.bits != 8:
-            raise ValueError(f"QuantizedAllGather.bits must be 8, got {self.bits!r}")
+            raise ValueError(f"WeightQuantConfig.bits must be 8, got {self.bits!r}")
         gs = self.group_size
         if (
             not isinstance(gs, int)
@@ -49,28 +51,28 @@ class QuantizedAllGather:
             or gs & (gs - 1)
         ):
             raise ValueError(
-                f"QuantizedAllGather.group_size must be a power of two from {MIN_GROUP_SIZE} to "
+                f"WeightQuantConfig.group_size must be a power of two from {MIN_GROUP_SIZE} to "
                 f"{MAX_GROUP_SIZE}, got {gs!r}"
             )
         if not isinstance(self.backward, bool):
-            raise ValueError(f"QuantizedAllGather.backward must be a bool, got {self.backward!r}")
+            raise ValueError(f"WeightQuantConfig.backward must be a bool, got {self.backward!r}")
         if self.codec not in CODECS:
             raise ValueError(
-                f"QuantizedAllGather.codec must be one of {sorted(CODECS)}, got {self.codec!r}"
+                f"WeightQuantConfig.codec must be one of {sorted(CODECS)}, got {self.codec!r}"
             )
         try:
             codec = make_codec(self.codec, self)
         except (AttributeError, TypeError) as exc:
             raise ValueError(
-                f"QuantizedAllGather.codec={self.codec!r} cannot be built from a "
-                f"QuantizedAllGather ({exc}); its factory wants another config"
+                f"WeightQuantConfig.codec={self.codec!r} cannot be built from a "
+                f"WeightQuantConfig ({exc}); its factory wants another config"
             ) from exc
         try:  # the CUDA kernels' limits, checked on every device before any worker starts
             codec.check_device(torch.device("cuda"))
         except ValueError as exc:
-            raise ValueError(f"QuantizedAllGather: {exc}") from exc
+            raise ValueError(f"WeightQuantConfig: {exc}") from exc
         if codec.keeps_feedback:
             raise ValueError(
-                f"QuantizedAllGather.codec={self.codec!r} keeps error feedback; a weight "
+                f"WeightQuantConfig.codec={self.codec!r} keeps error feedback; a weight "
                 "all-gather takes a codec that is a pure function of the weights"
             )

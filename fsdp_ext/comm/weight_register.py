@@ -13,7 +13,7 @@ from fsdp_ext._torch import (
 from fsdp_ext.comm.codec import WireChoice
 from fsdp_ext.comm.unit import comm_units
 from fsdp_ext.comm.weight_all_gather import QuantizedWeightAllGather, WeightGatherStats
-from fsdp_ext.comm.weight_config import QuantizedAllGather
+from fsdp_ext.comm.weight_config import WeightQuantConfig
 
 __all__ = ["WeightGatherHandle", "register_weight_all_gather"]
 
@@ -66,7 +66,7 @@ class WeightGatherHandle:
 
 
 def register_weight_all_gather(
-    model: torch.nn.Module, config: QuantizedAllGather | None = None
+    model: torch.nn.Module, config: WeightQuantConfig | None = None
 ) -> WeightGatherHandle:
     """Install a :class:`QuantizedWeightAllGather` on every FSDP unit of ``model``.
 
@@ -75,11 +75,11 @@ def register_weight_all_gather(
     groups (per-parameter meshes through ``shard_placement_fn``) is refused, since FSDP2
     takes one all-gather comm per unit; so is a group size the CUDA kernels lack.
     """
-    config = config if config is not None else QuantizedAllGather()
-    if not isinstance(config, QuantizedAllGather):
-        raise TypeError(f"config must be a QuantizedAllGather, got {type(config).__name__}")
+    config = config if config is not None else WeightQuantConfig()
+    if not isinstance(config, WeightQuantConfig):
+        raise TypeError(f"config must be a WeightQuantConfig, got {type(config).__name__}")
     by_name: dict[str, tuple[FSDPModule, QuantizedWeightAllGather]] = {}
-    for name, module, group in comm_units(model, "QuantizedAllGather"):
+    for name, module, group in comm_units(model, "WeightQuantConfig"):
         if group is None or shard_process_group(group) is None:
             continue  # no parameter, or replicate-only (nothing is gathered)
         comm = QuantizedWeightAllGather(config, group, name)

@@ -27,9 +27,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
+from fsdp_ext._deprecated import warn_deprecated
 from fsdp_ext._torch import compiled_inner
-from fsdp_ext.comm import CommHandle
-from fsdp_ext.wrap import GranularityPolicy, fully_shard
+from fsdp_ext.comm import CommConfig, CommHandle, LoCoConfig
+from fsdp_ext.wrap import GranularityPolicy, fully_shard, node_local_reshard
 
 LOCO_STATE_FILE = "fsdp_ext_loco_rank{rank}.pt"
 
@@ -46,9 +47,11 @@ __all__ = [
     "CPU_FSDP_DROPPED",
     "LOCO_STATE_FILE",
     "check_plugin",
+    "comm_from_arguments",
     "comm_state_path",
     "fsdp2_plugin",
     "fully_shard_kwargs",
+    "hpz_reshard_after_forward",
     "keep_fsdp_on_cpu",
     "load_comm_state",
     "optimizer_param_names",
@@ -57,6 +60,34 @@ __all__ = [
     "save_comm_state",
     "shard",
 ]
+
+
+# ------------------------------------------------------------------------- ZeRO++
+
+
+def comm_from_arguments(
+    comm: CommConfig | None, loco: LoCoConfig | None, where: str
+) -> CommConfig | None:
+    """An adapter's ``comm=``, or its deprecated ``loco=`` (with the warning), checked."""
+    if loco is not None:
+        instead = f"{where}(comm=CommConfig(gradients=...))"
+        warn_deprecated(f"{where}(loco=...)", instead, stacklevel=4)
+        if comm is not None:
+            raise ValueError(f"{where}: pass comm= or the deprecated loco=, not both")
+        if not isinstance(loco, LoCoConfig):
+            raise TypeError(f"loco must be a LoCoConfig or None, got {type(loco).__name__}")
+        return CommConfig(gradients=loco)
+    if comm is not None and not isinstance(comm, CommConfig):
+        raise TypeError(f"comm must be a fsdp_ext.CommConfig or None, got {type(comm).__name__}")
+    return comm if comm is not None and comm.enabled else None
+
+
+def hpz_reshard_after_forward(comm: CommConfig | None, mesh: Any, default: Any) -> Any:
+    """``reshard_after_forward`` for the units: the ranks per node of ``mesh`` under hpZ
+    (``comm.secondary_shards="node"``), else ``default``."""
+    if comm is None or not comm.hpz:
+        return default
+    return node_local_reshard(mesh, comm.node_size, dist.get_world_size())
 
 
 # ------------------------------------------------------------------------- LoCo state
@@ -180,10 +211,17 @@ def fully_shard_kwargs(accelerator: Any, plugin: Any) -> dict[str, Any]:
     return kwargs
 
 
-def shard(accelerator: Any, model: nn.Module, *, auto_wrap_policy: Any = None) -> nn.Module:
+def shard(
+    accelerator: Any,
+    model: nn.Module,
+    *,
+    auto_wrap_policy: Any = None,
+    comm: CommConfig | None = None,
+) -> nn.Module:
     """Check the plugin, shard ``model`` in place with the plugin's settings, and turn the
     plugin's own wrap policy off, so that a later ``accelerator.prepare`` takes ``model``
-    as it is."""
+    as it is. Under hpZ (``comm.secondary_shards="node"``) every unit keeps its
+    post-forward copy sharded over its node's ranks, whatever the plugin's reshard says."""
     plugin = fsdp2_plugin(accelerator)
     policy = GranularityPolicy() if auto_wrap_policy is None else auto_wrap_policy
     if accelerator.mixed_precision != "no":
@@ -192,7 +230,11 @@ def shard(accelerator: Any, model: nn.Module, *, auto_wrap_policy: Any = None) -
         for param in model.parameters():
             if param.requires_grad and param.dtype != torch.float32:
                 param.data = param.data.to(torch.float32)
-    fully_shard(model, auto_wrap_policy=policy, **fully_shard_kwargs(accelerator, plugin))
+    kwargs = fully_shard_kwargs(accelerator, plugin)
+    kwargs["reshard_after_forward"] = hpz_reshard_after_forward(
+        comm, kwargs.get("mesh"), kwargs["reshard_after_forward"]
+    )
+    fully_shard(model, auto_wrap_policy=policy, **kwargs)
     plugin.auto_wrap_policy = None  # prepare would re-derive it from renamed FSDP classes
     plugin.transformer_cls_names_to_wrap = None
     return model

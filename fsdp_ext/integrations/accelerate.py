@@ -7,8 +7,10 @@ other policy without a word, and it skips a model that is already an ``FSDPModul
 adapter shards first, with the plugin's mesh, mixed precision, offload and reshard settings,
 turns the plugin's own wrap policy off (it would look for layer classes FSDP2 renamed), gives
 the optimizer the sharded parameters, and then calls ``prepare``, which sets up everything
-else (gradient clipping, state dicts, dataloaders). With ``loco=`` it registers LoCo, and
-``save_state`` / ``load_state`` keep its error buffers, one file per rank.
+else (gradient clipping, state dicts, dataloaders). With ``comm=CommConfig(...)`` it turns
+on ZeRO++ (LoCo / qgZ gradients, qwZ weights, hpZ secondary shards) through
+``fsdp_ext.comm.enable``, and ``save_state`` / ``load_state`` keep LoCo's error buffers, one
+file per rank.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import torch
 from torch import nn
 
 from fsdp_ext._torch import compiled_inner
-from fsdp_ext.comm import LoCoConfig, register_comm_hook
+from fsdp_ext.comm import CommConfig, LoCoConfig, enable
 from fsdp_ext.integrations._common import (
     check_plugin,
+    comm_from_arguments,
     keep_fsdp_on_cpu,
     load_comm_state,
     optimizer_param_names,
@@ -45,6 +48,7 @@ def prepare(
     optimizer: OptimizerOrFactory,
     *other: Any,
     auto_wrap_policy: Any = None,
+    comm: CommConfig | None = None,
     loco: LoCoConfig | None = None,
 ) -> tuple[Any, ...]:
     """``accelerator.prepare(model, optimizer, *other)`` with fsdp-ext's sharding.
@@ -53,9 +57,11 @@ def prepare(
     param groups and hyper-parameters carry over to the sharded parameters, its state
     must still be empty), or a factory ``params -> optimizer``. ``auto_wrap_policy``:
     anything :func:`fsdp_ext.fully_shard` takes (default ``GranularityPolicy()``, one unit
-    per block). ``loco``: register LoCo on every unit and keep its error buffers in
-    ``save_state`` / ``load_state``. Returns what ``prepare`` returns, then the
-    ``CommHandle`` (None without ``loco``): ``model, optimizer, handle = prepare(...)``.
+    per block). ``comm``: ZeRO++ on every unit (``fsdp_ext.comm.enable``; hpZ shards
+    with the node's ranks), LoCo's error buffers kept in ``save_state`` / ``load_state``;
+    ``loco`` (deprecated) is ``comm=CommConfig(gradients=loco)``. Returns what ``prepare``
+    returns, then the ``CommHandle`` (None without ``comm``):
+    ``model, optimizer, handle = prepare(...)``.
     Call it on every rank, on a model ``accelerator.prepare`` has not seen.
     """
     refuse_sharded(
@@ -63,19 +69,20 @@ def prepare(
         "pass the unsharded model to fsdp_ext.integrations.accelerate.prepare in place of "
         "accelerator.prepare; it shards with auto_wrap_policy, then calls accelerator.prepare",
     )
-    if loco is not None and not isinstance(loco, LoCoConfig):
-        raise TypeError(f"loco must be a LoCoConfig or None, got {type(loco).__name__}")
+    comm = comm_from_arguments(comm, loco, "prepare")
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
         raise ValueError("optimizer must not have stepped yet: its state cannot be resharded")
     names = {p: n for n, p in model.named_parameters()}
-    shard(accelerator, model, auto_wrap_policy=auto_wrap_policy)
+    shard(accelerator, model, auto_wrap_policy=auto_wrap_policy, comm=comm)
     optimizer = _optimizer_for(optimizer, model, names)
     group_names = optimizer_param_names(optimizer, model)
     prepared = accelerator.prepare(model, optimizer, *other)
     restore_optimizer_params(optimizer, prepared[0], group_names)
-    if loco is None:
+    if comm is None:
         return (*prepared, None)
-    handle = register_comm_hook(prepared[0], loco)
+    handle = enable(prepared[0], comm)
+    if comm.gradients is None:
+        return (*prepared, handle)  # qwZ and hpZ keep no state between steps
     # every rank runs both hooks with the checkpoint directory (before accelerate's own
     # files): each writes and reads its own part
     accelerator.register_save_state_pre_hook(

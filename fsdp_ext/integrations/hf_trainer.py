@@ -1,4 +1,4 @@
-"""HF ``Trainer``: shard with an fsdp-ext policy, optionally with LoCo, under FSDP2.
+"""HF ``Trainer``: shard with an fsdp-ext policy, optionally with ZeRO++, under FSDP2.
 
 The ``Trainer`` builds its own ``Accelerator`` from ``TrainingArguments(fsdp=True,
 fsdp_config={"version": 2})`` and calls ``accelerator.prepare`` inside ``train()``, so a
@@ -6,8 +6,9 @@ user cannot call :func:`fsdp_ext.integrations.accelerate.prepare` in its place. 
 the ``Trainer`` creates the optimizer right before that ``prepare``, from ``self.model``;
 :class:`FSDPExtTrainer` shards the model there (``create_optimizer``, a documented override
 point), so the optimizer is built over the sharded parameters and ``prepare`` takes the
-model as it is. LoCo's error buffers are kept as with accelerate: every rank writes its own
-file next to the optimizer state in each checkpoint and reads it back on
+model as it is; ``comm=CommConfig(...)`` turns ZeRO++ on there (``fsdp_ext.comm.enable``;
+hpZ shards with the node's ranks). LoCo's error buffers are kept as with accelerate: every
+rank writes its own file next to the optimizer state in each checkpoint and reads it back on
 ``resume_from_checkpoint`` (:mod:`fsdp_ext.integrations._common`).
 """
 
@@ -21,11 +22,12 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer
 
 from fsdp_ext._torch import compiled_inner
-from fsdp_ext.comm import CommHandle, LoCoConfig, register_comm_hook
+from fsdp_ext.comm import CommConfig, CommHandle, LoCoConfig, enable
 from fsdp_ext.integrations._common import (
     CPU_FSDP_DROPPED,
     LOCO_STATE_FILE,
     check_plugin,
+    comm_from_arguments,
     load_comm_state,
     optimizer_param_names,
     refuse_sharded,
@@ -42,25 +44,27 @@ _WRAP_KEYS = ("auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_para
 
 
 class FSDPExtTrainer(Trainer):
-    """``Trainer`` whose FSDP2 units come from an fsdp-ext policy, with optional LoCo.
+    """``Trainer`` whose FSDP2 units come from an fsdp-ext policy, with optional ZeRO++.
 
     ``auto_wrap_policy``: anything :func:`fsdp_ext.fully_shard` takes (default
     ``GranularityPolicy()``, one unit per block); the units are what
     ``fsdp_ext.plan_units(model, auto_wrap_policy)`` prints. The plugin's mesh, mixed
     precision, offload and ``reshard_after_forward`` apply as with accelerate's own wrap.
-    ``loco``: register LoCo on every unit; ``self.comm_handle`` is the ``CommHandle``
-    once ``train()`` has sharded the model. Everything else is the stock ``Trainer``.
+    ``comm``: ZeRO++ on every unit (``fsdp_ext.comm.enable``); ``self.comm_handle`` is the
+    ``CommHandle`` once ``train()`` has sharded the model. ``loco`` (deprecated) is
+    ``comm=CommConfig(gradients=loco)``. Everything else is the stock ``Trainer``.
     """
 
     def __init__(
         self,
         *args: Any,
         auto_wrap_policy: Any = None,
+        comm: CommConfig | None = None,
         loco: LoCoConfig | None = None,
         **kwargs: Any,
     ):
         self.auto_wrap_policy = auto_wrap_policy
-        self.loco = loco
+        self.comm = comm_from_arguments(comm, loco, "FSDPExtTrainer")
         self.comm_handle: CommHandle | None = None
         self._optimizer_param_names: list[list[str]] | None = None
         super().__init__(*args, **kwargs)
@@ -108,9 +112,11 @@ class FSDPExtTrainer(Trainer):
         """Shard ``self.model`` first (once), so the optimizer holds the sharded parameters."""
         if not isinstance(compiled_inner(self.model), FSDPModule):
             # (a second train() sees the model torch.compile'd by the first one's prepare)
-            shard(self.accelerator, self.model, auto_wrap_policy=self.auto_wrap_policy)
-            if self.loco is not None:
-                self.comm_handle = register_comm_hook(self.model, self.loco)
+            shard(
+                self.accelerator, self.model, auto_wrap_policy=self.auto_wrap_policy, comm=self.comm
+            )
+            if self.comm is not None:
+                self.comm_handle = enable(self.model, self.comm)
         optimizer = super().create_optimizer(model)
         self._optimizer_param_names = optimizer_param_names(optimizer, self.model)
         return optimizer

@@ -1,4 +1,4 @@
-"""torchtitan: its FSDP step with an fsdp-ext wrap policy, and LoCo in its checkpoints.
+"""torchtitan: its FSDP step with an fsdp-ext wrap policy, ZeRO++, and LoCo in its checkpoints.
 
 ``apply_fsdp(model, dp_mesh, ..., auto_wrap_policy=...)`` takes the arguments of
 ``torchtitan.distributed.fsdp.apply_fsdp_to_decoder`` (0.3.0) and replaces it inside a
@@ -7,6 +7,8 @@ embedding alone, ``[norm, lm_head]`` as one unit that is only resharded after fo
 under ``"always"`` (or ``[tok_embeddings, norm, lm_head]`` with tied weights), and the
 root last. The policy picks the units of the decoder blocks; the default,
 ``GranularityPolicy()``, picks one per block, which is torchtitan's plan exactly.
+``comm=CommConfig(...)`` turns ZeRO++ on (``fsdp_ext.comm.enable``); under hpZ every unit
+torchtitan reshards after forward keeps its post-forward copy on the node's ranks.
 Mixed precision (``cast_forward_inputs=False``), CPU offload, the reshard policy, MoE
 expert placement, gradient division off and EP prefetching are torchtitan's.
 
@@ -34,7 +36,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Shard
 
 from fsdp_ext._torch import ShardPlacementResult, fsdp_mesh_info, fsdp_state_id
-from fsdp_ext.comm import CommHandle, LoCoConfig, register_comm_hook
+from fsdp_ext.comm import CommConfig, CommHandle, LoCoConfig, enable
+from fsdp_ext.integrations._common import comm_from_arguments, hpz_reshard_after_forward
 from fsdp_ext.wrap import GranularityPolicy, WrapPlan, check_wrap, fully_shard
 
 __all__ = ["SPMD_BACKENDS", "apply_fsdp", "check_spmd_backend", "plan_fsdp", "with_comm_state"]
@@ -62,14 +65,16 @@ def apply_fsdp(
     enable_symm_mem: bool = False,
     *,
     auto_wrap_policy: object = None,
+    comm: CommConfig | None = None,
     loco: LoCoConfig | None = None,
 ) -> CommHandle | None:
     """``apply_fsdp_to_decoder`` with ``auto_wrap_policy`` choosing the blocks' units.
 
     ``auto_wrap_policy``: anything :func:`fsdp_ext.fully_shard` takes (default
-    ``GranularityPolicy()``: one unit per block, torchtitan's plan). ``loco``: register
-    LoCo on every unit and return the ``CommHandle`` (put it in the checkpoint with
-    :func:`with_comm_state`); None otherwise. Call it on every rank, where torchtitan
+    ``GranularityPolicy()``: one unit per block, torchtitan's plan). ``comm``: ZeRO++ on
+    every unit, returning the ``CommHandle`` (put LoCo's state in the checkpoint with
+    :func:`with_comm_state`); None otherwise. ``loco`` (deprecated) is
+    ``comm=CommConfig(gradients=loco)``. Call it on every rank, where torchtitan
     calls ``apply_fsdp_to_decoder``: after TP/EP, activation checkpointing and compile,
     before ``to_empty`` and ``init_weights``.
     """
@@ -81,18 +86,22 @@ def apply_fsdp(
     _check_arguments(
         model, param_dtype, reduce_dtype, pp_enabled, reshard_after_forward_policy, ep_degree
     )
-    if loco is not None and not isinstance(loco, LoCoConfig):
-        raise TypeError(f"loco must be a LoCoConfig or None, got {type(loco).__name__}")
-    if loco is not None and ep_degree > 1:
+    comm = comm_from_arguments(comm, loco, "apply_fsdp")
+    if comm is not None and ep_degree > 1:
         raise ValueError(
-            f"loco with ep_degree={ep_degree} > 1 is not supported: experts on edp_mesh give "
+            f"comm with ep_degree={ep_degree} > 1 is not supported: experts on edp_mesh give "
             "each MoE unit two param groups (per-parameter meshes), and FSDP2 takes a custom "
-            "reduce-scatter only on a unit with one"
+            "reduce-scatter or all-gather only on a unit with one"
+        )
+    if comm is not None and comm.hpz and reshard_after_forward_policy == "never":
+        raise ValueError(
+            "comm=CommConfig(secondary_shards='node') reshards every unit to its node; "
+            "reshard_after_forward_policy='never' keeps full copies: pick one"
         )
     policy, kwargs = _shard_fixed_units(
         model, dp_mesh, param_dtype, reduce_dtype, pp_enabled, cpu_offload,
         reshard_after_forward_policy, ep_degree, edp_mesh, dp_mesh_dims, edp_mesh_dims,
-        auto_wrap_policy,
+        auto_wrap_policy, comm,
     )  # fmt: skip
     fully_shard(model, auto_wrap_policy=policy, **kwargs)
     if enable_symm_mem:
@@ -100,7 +109,7 @@ def apply_fsdp(
     disable_fsdp_gradient_division(model)  # the trainer divides by the global token count
     if ep_degree > 1:
         _prefetch_in_order(model)
-    return register_comm_hook(model, loco) if loco is not None else None
+    return enable(model, comm) if comm is not None else None
 
 
 def plan_fsdp(
@@ -157,6 +166,7 @@ def _shard_fixed_units(
     dp_mesh_dims: Any,
     edp_mesh_dims: Any,
     auto_wrap_policy: object,
+    comm: CommConfig | None = None,
 ) -> tuple[object, dict[str, Any]]:
     """Check the arguments, shard torchtitan's fixed units, and return the policy and the
     ``fully_shard`` kwargs for the rest."""
@@ -172,6 +182,8 @@ def _shard_fixed_units(
     reshard_after_forward = get_fsdp_reshard_after_forward_policy(
         reshard_after_forward_policy, pp_enabled
     )
+    if reshard_after_forward:  # hpZ: the node's ranks instead of the whole dp mesh
+        reshard_after_forward = hpz_reshard_after_forward(comm, dp_mesh, reshard_after_forward)
     mp_policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
     )
@@ -184,8 +196,8 @@ def _shard_fixed_units(
         model, fsdp_config, reshard_after_forward_policy, reshard_after_forward
     )
     kwargs = dict(fsdp_config)
-    if not reshard_after_forward:
-        kwargs["reshard_after_forward"] = False
+    if reshard_after_forward is not True:  # False, or hpZ's ranks per node
+        kwargs["reshard_after_forward"] = reshard_after_forward
     # else None: FSDP2 reshards every unit but the root, as torchtitan's True and its
     # root call without the argument do
     placement = _expert_shard_placement_fn(model, dp_mesh, ep_degree, edp_mesh, edp_mesh_dims)
@@ -244,11 +256,11 @@ def _shard_embedding_and_head(
     model: nn.Module,
     fsdp_config: dict[str, Any],
     policy_name: str,
-    reshard_after_forward: bool,
+    reshard_after_forward: bool | int,
 ) -> None:
     """torchtitan's fixed units: the embedding, and ``[norm, lm_head]`` kept unsharded after
     forward (FSDP would prefetch it right away for backward) unless ``"always"``."""
-    keep_head = policy_name == "always"
+    keep_head = reshard_after_forward if policy_name == "always" else False
     if getattr(model, "enable_weight_tying", False):
         # tok_embeddings and lm_head share a weight: one unit, one all-gather
         modules = [m for m in (model.tok_embeddings, model.norm, model.lm_head) if m is not None]

@@ -16,12 +16,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from fsdp_ext._torch import ReduceScatter
-from fsdp_ext.comm import LoCoConfig, register_comm_hook
+from fsdp_ext.comm import CommConfig, LoCoConfig, enable
 from fsdp_ext.moe import MoE, apply_expert_parallel, shard_moe_model
 from fsdp_ext.parallel_dims import ParallelDims
 from fsdp_ext.pipeline.split import Cost, build_stage, find_blocks, plan_stages
 from fsdp_ext.pipeline.stage import GRAD_SYNC_MODES, FSDPPipelineStage
-from fsdp_ext.wrap import GranularityPolicy, fully_shard
+from fsdp_ext.wrap import GranularityPolicy, fully_shard, node_local_reshard
 
 # name -> (schedule class, stage placement). "loop": stage s on pp rank s % pp;
 # "v": rank r holds stages r and 2 * pp - 1 - r; "single": one stage per rank.
@@ -67,13 +67,32 @@ def _check_args(
         raise ValueError(
             f"reshard_after_forward must be None, a bool or an int, got {reshard_after_forward!r}"
         )
-    if comm is not None and not isinstance(comm, (LoCoConfig, ReduceScatter)):
+    if comm is not None and not isinstance(comm, (CommConfig, LoCoConfig, ReduceScatter)):
         raise TypeError(
-            f"comm must be None, a LoCoConfig or an FSDP ReduceScatter, got {type(comm).__name__}"
+            "comm must be None, a CommConfig, a LoCoConfig or an FSDP ReduceScatter, got "
+            f"{type(comm).__name__}"
         )
     if isinstance(comm, LoCoConfig) and parallel_dims.dp_replicate > 1:
         raise ValueError("comm=LoCoConfig under PP supports dp_replicate=1 only (no HSDP)")
-    if schedule in SPLIT_BACKWARD_SCHEDULES and (grad_sync != "deferred" or reshard_after_forward):
+    gradients = isinstance(comm, CommConfig) and comm.gradients is not None
+    if gradients and parallel_dims.dp_replicate > 1:
+        raise ValueError(
+            "comm=CommConfig(gradients=...) under PP supports dp_replicate=1 only (no HSDP)"
+        )
+    hpz = isinstance(comm, CommConfig) and comm.hpz
+    if hpz and reshard_after_forward is not None:
+        raise ValueError(
+            "comm=CommConfig(secondary_shards='node') sets reshard_after_forward to the ranks "
+            f"per node; leave reshard_after_forward None, got {reshard_after_forward!r}"
+        )
+    if hpz and parallel_dims.ep_enabled:
+        raise ValueError(
+            "comm=CommConfig(secondary_shards='node') with ep > 1: torch cannot reshard "
+            "expert-parallel experts to a node; use ep=1 or drop secondary_shards"
+        )
+    if schedule in SPLIT_BACKWARD_SCHEDULES and (
+        grad_sync != "deferred" or reshard_after_forward or hpz
+    ):
         # Their weight-gradient pass runs after FSDP's post-backward hook has fired, so a
         # per-microbatch reduction or a resharded parameter misses it (measured: wrong or
         # missing gradients on gloo).
@@ -108,8 +127,10 @@ def build_pipeline(
     - Each local stage gets expert parallelism if it holds :class:`MoE` layers, then
       ``fsdp_ext.fully_shard`` over the dp mesh (``shard_moe_model`` when ``ep > 1``)
       with ``auto_wrap_policy`` (default ``GranularityPolicy()``: one unit per block).
-    - ``comm``: a ``LoCoConfig`` (``register_comm_hook`` per stage; the handle is
-      ``stage.comm_handle``) or an FSDP ``ReduceScatter`` set on every unit.
+    - ``comm``: a ``CommConfig`` (``fsdp_ext.comm.enable`` per stage, ZeRO++'s qgZ/LoCo,
+      qwZ and hpZ; the handle is ``stage.comm_handle``; hpZ sets ``reshard_after_forward``
+      to the dp ranks per node), a ``LoCoConfig`` (gradients alone) or an FSDP
+      ``ReduceScatter`` set on every unit.
     - ``grad_sync``: ``"deferred"`` (one reduce-scatter per unit per step; unsharded
       gradients held across microbatches) or ``"per_microbatch"`` (gradients sharded).
     - ``reshard_after_forward`` defaults to False under PP (one all-gather per step).
@@ -153,7 +174,11 @@ def build_pipeline(
     plan = plan_stages(model, num_stages, cost=cost)
     if dist.get_rank() == 0:
         print(plan)
+    if isinstance(comm, LoCoConfig):
+        comm = CommConfig(gradients=comm)
     reshard = False if reshard_after_forward is None else reshard_after_forward
+    if isinstance(comm, CommConfig) and comm.hpz:
+        reshard = node_local_reshard(parallel_dims.dp_mesh, comm.node_size)
     device = torch.device(parallel_dims.world_mesh.device_type)
     stages = []
     for index in stage_indices(schedule, pp_rank, pp, stages_per_rank):
@@ -221,8 +246,8 @@ def _shard_stage(module, parallel_dims, auto_wrap_policy, reshard, kwargs) -> No
 def _register_comm(module: nn.Module, comm):
     if comm is None:
         return None
-    if isinstance(comm, LoCoConfig):
-        return register_comm_hook(module, comm)
+    if isinstance(comm, CommConfig):
+        return enable(module, comm) if comm.enabled else None
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             unit.set_custom_reduce_scatter(comm)

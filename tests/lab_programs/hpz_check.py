@@ -49,7 +49,7 @@ def phase(reshard_after_forward) -> dict:
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,
     )
-    handle = fsdp_ext.register_weight_all_gather(model, fsdp_ext.QuantizedAllGather())
+    handle = fsdp_ext.register_weight_all_gather(model, fsdp_ext.WeightQuantConfig())
     x = torch.randn(8, 512, generator=torch.Generator().manual_seed(rank), requires_grad=True)
     delta = {"link_tx": 0, "loopback": 0}
     for _ in range(steps):

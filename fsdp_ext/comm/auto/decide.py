@@ -31,7 +31,8 @@ from fsdp_ext.comm.auto.cost import (
 )
 from fsdp_ext.comm.auto.measure import measure
 from fsdp_ext.comm.config import LoCoConfig
-from fsdp_ext.comm.weight_config import QuantizedAllGather
+from fsdp_ext.comm.weight_config import WeightQuantConfig
+from fsdp_ext.comm.zeropp import CommConfig
 
 __all__ = ["AutoDecision", "auto_config", "choose", "slowest"]
 
@@ -42,9 +43,10 @@ COLUMNS = ("weights", "weights_intra", "weights_codec", "grads", "grads_intra", 
 class AutoDecision:
     """The choice of :func:`auto_config`, the same on every rank, and why.
 
-    ``gradient_config()`` / ``weight_config()`` / ``hpz_node_size`` are what
-    ``register_comm_hook(model, gradient_config(), weights=weight_config())`` and
-    ``reshard_after_forward=node_local_reshard(mesh, hpz_node_size)`` take (None: stock).
+    ``comm_config()`` is what ``fsdp_ext.comm.enable(model, ...)`` takes; its parts,
+    ``gradient_config()`` / ``weight_config()`` / ``hpz_node_size``, are None where the
+    choice is FSDP's stock collective (hpZ: shard with
+    ``reshard_after_forward=node_local_reshard(mesh, hpz_node_size)``).
     """
 
     choice: Candidate
@@ -53,6 +55,15 @@ class AutoDecision:
     predictions: list[Prediction] = field(default_factory=list)
     fixed: dict[str, object] = field(default_factory=dict)
     tolerance: float = 0.05
+
+    def comm_config(self) -> CommConfig:
+        """The whole choice, as :func:`fsdp_ext.comm.enable` takes it."""
+        return CommConfig(
+            gradients=self.gradient_config(),
+            weights=self.weight_config(),
+            secondary_shards="node" if self.choice.hpz else None,
+            node_size=self.layout.node_size,
+        )
 
     def gradient_config(self) -> LoCoConfig | None:
         c = self.choice
@@ -65,10 +76,10 @@ class AutoDecision:
             intra_node_size=node,
         )
 
-    def weight_config(self) -> QuantizedAllGather | None:
+    def weight_config(self) -> WeightQuantConfig | None:
         if self.choice.weights == "stock":
             return None
-        return QuantizedAllGather(
+        return WeightQuantConfig(
             group_size=self.layout.weight_group_size,
             backward=self.choice.weights == "qwz",
         )

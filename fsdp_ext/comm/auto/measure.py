@@ -26,7 +26,7 @@ from fsdp_ext._torch import all_gather_into
 from fsdp_ext.comm.auto.cost import CODEC_KEYS, CodecSpeed, Hop, Measurements
 from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.registry import make_codec
-from fsdp_ext.comm.weight_config import QuantizedAllGather
+from fsdp_ext.comm.weight_config import WeightQuantConfig
 
 __all__ = ["measure"]
 
@@ -112,7 +112,7 @@ def _time_call(fn, reps: int) -> float:
 def _codec_calls(n: int) -> dict[str, object]:
     """One call of each codec operation on ``n`` elements (4 rows, as a reduce-scatter)."""
     loco, q4 = LoCoConfig(), LoCoConfig(error_feedback=False)
-    weights = QuantizedAllGather()
+    weights = WeightQuantConfig()
     grad_loco, grad_q4 = make_codec(loco.codec, loco), make_codec(q4.codec, q4)
     weight = make_codec(weights.codec, weights)
     rows = 4
