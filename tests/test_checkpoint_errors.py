@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from fsdp_ext.checkpoint import (
-    CheckpointFS,
     CheckpointIntegrityError,
     CheckpointSpaceError,
+    LocalStorage,
     SafeLoadPlanner,
     SpreadFileSystemWriter,
     SpreadSavePlanner,
@@ -207,7 +207,7 @@ def test_layer_key_returning_a_non_str_names_layer_key(tmp_path):
     assert sorted(os.listdir(tmp_path)) == []  # nothing written, the lock released
 
 
-class FullDisk(CheckpointFS):
+class FullDisk(LocalStorage):
     """Streams fail with ENOSPC once ``room`` bytes have gone to data files."""
 
     def __init__(self, room: int):
