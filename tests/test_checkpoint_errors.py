@@ -36,6 +36,7 @@ from fsdp_ext.checkpoint import (
     SpreadSavePlanner,
     UnsafeCheckpointError,
     VerifiedFileSystemReader,
+    remove_checkpoint,
     verify_checkpoint,
 )
 from fsdp_ext.checkpoint.__main__ import main as cli
@@ -357,3 +358,29 @@ def test_sizes_are_checked_without_checksums(tmp_path):
     with pytest.raises(CheckpointException) as err:
         load(path, require_checksums=False)
     assert f"{data_file}: size {size} bytes" in str(err.value)
+
+
+class _PruneAfterOpening(SafeLoadPlanner):
+    """Removes the checkpoint once the reader has opened it (after ``.metadata``, before any
+    data file): what a prune of another job does to a load in flight."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def create_local_plan(self):
+        remove_checkpoint(self.path)
+        return super().create_local_plan()
+
+
+def test_a_checkpoint_removed_while_being_read_says_so(tmp_path):
+    path = save(tmp_path / "ckpt")
+    got = {k: torch.zeros_like(v) if torch.is_tensor(v) else -1 for k, v in state().items()}
+    with pytest.raises(CheckpointException) as err:
+        dcp.load(
+            got, storage_reader=VerifiedFileSystemReader(path), planner=_PruneAfterOpening(path)
+        )
+    error = cause(err)
+    assert isinstance(error, CheckpointIntegrityError)
+    assert "was removed while being read (pruned, or replaced by a later save)" in str(error)
+    assert not path.exists()
