@@ -360,27 +360,33 @@ def test_sizes_are_checked_without_checksums(tmp_path):
     assert f"{data_file}: size {size} bytes" in str(err.value)
 
 
-class _PruneAfterOpening(SafeLoadPlanner):
-    """Removes the checkpoint once the reader has opened it (after ``.metadata``, before any
-    data file): what a prune of another job does to a load in flight."""
+class _ReplaceAfterOpening(SafeLoadPlanner):
+    """Once the reader has opened the checkpoint (after ``.metadata``, before any data
+    file), removes it (a prune of another job) or saves other values over it (a later save,
+    publishing by a directory swap: the path itself stays the same directory name)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, how: str):
         super().__init__()
-        self.path = path
+        self.path, self.how = path, how
 
     def create_local_plan(self):
-        remove_checkpoint(self.path)
+        if self.how == "prune":
+            remove_checkpoint(self.path)
+        else:
+            save(self.path, state(seed=1), fs=LocalStorage(swap=True))
         return super().create_local_plan()
 
 
-def test_a_checkpoint_removed_while_being_read_says_so(tmp_path):
+@pytest.mark.parametrize("how", ["prune", "overwrite"])
+def test_a_checkpoint_removed_while_being_read_says_so(tmp_path, how):
+    """Every file comes from the directory the reader opened, never from what is at the
+    path by the time it reads."""
     path = save(tmp_path / "ckpt")
     got = {k: torch.zeros_like(v) if torch.is_tensor(v) else -1 for k, v in state().items()}
+    reader = VerifiedFileSystemReader(path)
     with pytest.raises(CheckpointException) as err:
-        dcp.load(
-            got, storage_reader=VerifiedFileSystemReader(path), planner=_PruneAfterOpening(path)
-        )
+        dcp.load(got, storage_reader=reader, planner=_ReplaceAfterOpening(path, how))
     error = cause(err)
     assert isinstance(error, CheckpointIntegrityError)
     assert "was removed while being read (pruned, or replaced by a later save)" in str(error)
-    assert not path.exists()
+    assert path.exists() == (how == "overwrite")
