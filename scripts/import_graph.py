@@ -5,7 +5,9 @@
     python scripts/import_graph.py --png docs/import_graph.png   # the rooms, drawn
     python scripts/import_graph.py --check         # exit 1 on a cycle, a layering break
                                                    # a private torch name or a read of FSDP's
-                                                   # internal objects outside _torch.py
+                                                   # internal objects outside _torch.py,
+                                                   # or a checkpoint module's file I/O
+                                                   # outside its storage (fs.py)
 
 Every ``import`` counts, function-local ones included, and importing ``a.b.c`` also
 imports the packages ``a.b`` and ``a`` (their ``__init__`` runs first), as Python does.
@@ -621,6 +623,93 @@ def fsdp_internal_reads(root: Path = ROOT, dirs: Iterable[str] = PRIVATE_SCAN) -
     return sorted(set(found), key=lambda u: (u.path, u.line, u.text))
 
 
+# ------------------------------------------------------------------ checkpoint storage
+
+CHECKPOINT_ROOM = "fsdp_ext/checkpoint"
+# the checkpoint modules that may touch files, and why
+STORAGE_IO_OK = {
+    "fsdp_ext/checkpoint/fs.py": "the local storage implementation",
+    "fsdp_ext/checkpoint/processes.py": "reads /proc about this machine's processes",
+}
+OS_FILE_OPS = frozenset(
+    {
+        "access", "chmod", "chown", "close", "fdopen", "fstat", "fsync", "fdatasync",
+        "ftruncate", "link", "listdir", "lstat", "makedirs", "mkdir", "open", "pread",
+        "preadv", "pwrite", "pwritev", "read", "readlink", "remove", "removedirs", "rename",
+        "renames", "replace", "rmdir", "scandir", "stat", "statvfs", "symlink", "truncate",
+        "unlink", "utime", "walk", "write",
+    }
+)  # fmt: skip
+OS_PATH_QUERIES = frozenset(
+    {
+        "exists", "getatime", "getctime", "getmtime", "getsize", "isdir", "isfile", "islink",
+        "ismount", "lexists", "realpath", "samefile",
+    }
+)  # fmt: skip
+# pathlib's I/O methods by their positional arity: a storage method of the same name takes
+# the path as its first argument (``fs.unlink(path)``), so it has one argument more
+PATH_IO_ARITY = {
+    "exists": 0, "glob": 1, "hardlink_to": 1, "is_dir": 0, "is_file": 0, "is_symlink": 0,
+    "iterdir": 0, "lstat": 0, "mkdir": 0, "open": None, "read_bytes": 0, "read_text": 0,
+    "readlink": 0, "rename": 1, "replace": 1, "resolve": 0, "rglob": 1, "rmdir": 0,
+    "samefile": 1, "stat": 0, "symlink_to": 1, "touch": 0, "unlink": 0, "write_bytes": 1,
+    "write_text": 1,
+}  # fmt: skip
+# ``dataclasses.replace(obj, field=...)`` and ``str.replace(a, b)`` are no file operations
+_KEYWORDLESS = {"rename", "replace"}
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return None if head is None else f"{head}.{node.attr}"
+    return None
+
+
+def _storage_bypasses(tree: ast.Module) -> Iterator[tuple[int, str]]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in ("os", "os.path", "shutil"):
+            for alias in node.names:
+                ops = {"os": OS_FILE_OPS, "os.path": OS_PATH_QUERIES}.get(node.module)
+                if ops is None or alias.name in ops:
+                    yield node.lineno, f"from {node.module} import {alias.name}"
+        if not isinstance(node, ast.Call):
+            continue
+        name = _dotted(node.func) or ""
+        head, _, attr = name.rpartition(".")
+        file_call = (
+            name in ("open", "io.open")
+            or head == "shutil"
+            or (head == "os" and attr in OS_FILE_OPS)
+            or (head == "os.path" and attr in OS_PATH_QUERIES)
+        )
+        if file_call:
+            yield node.lineno, f"{name}()"
+        elif isinstance(node.func, ast.Attribute) and node.func.attr in PATH_IO_ARITY:
+            arity = PATH_IO_ARITY[node.func.attr]
+            if arity is not None and len(node.args) != arity:
+                continue
+            if node.func.attr in _KEYWORDLESS and node.keywords:
+                continue
+            yield node.lineno, f"Path I/O .{node.func.attr}()"
+
+
+def storage_bypasses(root: Path = ROOT) -> list[PrivateUse]:
+    """File operations in checkpoint modules other than the storage implementation:
+    ``open()``, ``os`` file operations and path queries, ``shutil``, and pathlib's I/O
+    methods. Everything else reaches files through a ``CheckpointStorage``."""
+    found = []
+    for path in sorted((root / CHECKPOINT_ROOM).rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in STORAGE_IO_OK:
+            continue
+        for line, text in _storage_bypasses(ast.parse(path.read_text())):
+            found.append(PrivateUse(rel, line, f"{text} outside the checkpoint storage"))
+    return sorted(set(found), key=lambda u: (u.path, u.line, u.text))
+
+
 # ------------------------------------------------------------------------------ output
 
 
@@ -758,6 +847,7 @@ def main(argv: list[str] | None = None) -> int:
     problems += surface_problems(graph)
     problems += [f"private torch name: {u}" for u in private_torch_uses()]
     problems += [f"FSDP internals: {u}" for u in fsdp_internal_reads()]
+    problems += [f"checkpoint file I/O: {u}" for u in storage_bypasses()]
     for problem in problems:
         print(problem)
     print(f"{len(graph.modules)} modules, {len(problems)} problems")

@@ -253,3 +253,45 @@ def test_checker_ignores_docstrings_comments_and_own_names(tmp_path):
             ''',
     }
     assert _problems(_tree(tmp_path, files)) == []
+
+
+# ------------------------------------------------- checkpoint file I/O only in its storage
+
+
+def test_checkpoint_modules_touch_files_only_through_their_storage():
+    assert [str(u) for u in ig.storage_bypasses()] == []
+
+
+_LOOK_ALIKES = """\
+import dataclasses, os
+def f(fs, p, q, plan, s):
+    fs.unlink(p); fs.rmdir(p); fs.readlink(p); fs.rename(p, q); fs.mkdir(p)
+    fs.open_read(p).read(); fs.exists(p); fs.symlink("x", p)
+    dataclasses.replace(plan, storage_data=1); s.replace("a", "b")
+    return os.getpid(), os.environ.get("X"), os.fspath(p), os.path.join(p, "x")
+"""
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("def f(p):\n    return open(p, 'rb')\n", "reader.py:8: open()"),
+        ("import os\ndef f(p):\n    return os.open(p, 0)\n", "reader.py:9: os.open()"),
+        ("import os\ndef f(p):\n    return os.path.lexists(p)\n", "os.path.lexists()"),
+        ("from pathlib import Path\ndef f(p):\n    return Path(p).read_bytes()\n", ".read_bytes()"),
+        ("def f(p):\n    p.unlink()\n", "Path I/O .unlink()"),
+        ("def f(p, q):\n    p.replace(q)\n", "Path I/O .replace()"),
+        ("def f(p):\n    return list(p.iterdir())\n", "Path I/O .iterdir()"),
+        ("def f(p):\n    p.mkdir(parents=True)\n", "Path I/O .mkdir()"),
+        ("from os import listdir\n", "from os import listdir"),
+        ("import shutil\ndef f(p):\n    shutil.rmtree(p)\n", "shutil.rmtree()"),
+    ],
+)
+def test_storage_checker_catches_a_planted_file_operation(tmp_path, code, expected):
+    room = tmp_path / "fsdp_ext/checkpoint"
+    room.mkdir(parents=True)
+    (room / "fs.py").write_text(code)  # the storage itself may
+    (room / "reader.py").write_text(_LOOK_ALIKES + code.replace("def f(", "def g("))
+    found = [str(u) for u in ig.storage_bypasses(tmp_path)]
+    assert len(found) == 1 and expected in found[0], found
+    assert found[0].startswith("fsdp_ext/checkpoint/reader.py:")

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from fsdp_ext.checkpoint import (
-    CheckpointFS,
     CheckpointIntegrityError,
+    LocalStorage,
     SafeLoadPlanner,
     SpreadFileSystemWriter,
     SpreadSavePlanner,
@@ -51,7 +51,7 @@ def state(seed: int) -> dict:
     return {"layers.0.w": torch.randn(4, 2, generator=gen)}
 
 
-class StopBeforePublish(CheckpointFS):
+class StopBeforePublish(LocalStorage):
     """Fails the save as it starts ``.metadata``: the plan record stays, nothing published."""
 
     def before(self, op, path):

@@ -22,8 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fsdp_ext.checkpoint import (
-    CheckpointFS,
     CheckpointIntegrityError,
+    LocalStorage,
     SpreadFileSystemWriter,
     SpreadSavePlanner,
     UnsafeCheckpointError,
@@ -47,7 +47,7 @@ def state(seed: int) -> dict:
     }
 
 
-class StopBeforePublish(CheckpointFS):
+class StopBeforePublish(LocalStorage):
     """Fails the save when ``finish`` starts writing ``.metadata``: every rank's files and
     done records are written, the plan is still there, nothing is published."""
 

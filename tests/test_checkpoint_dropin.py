@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 
 from fsdp_ext.checkpoint import (
-    CheckpointFS,
     CheckpointIntegrityError,
+    LocalStorage,
     SafeLoadPlanner,
     SpreadFileSystemWriter,
     SpreadSavePlanner,
@@ -59,7 +59,7 @@ def state(seed: int) -> dict:
     }
 
 
-def save(path, seed: int, fs: CheckpointFS | None = None, **kwargs) -> None:
+def save(path, seed: int, fs: LocalStorage | None = None, **kwargs) -> None:
     dcp.save(
         state(seed),
         storage_writer=SpreadFileSystemWriter(path, min_file_bytes=0, fs=fs, **kwargs),
@@ -155,7 +155,7 @@ def test_a_stock_checkpoint_is_overwritten_in_place_as_stock_does(tmp_path):
     assert torch.equal(got["embed"], state(2)["embed"])
 
 
-class KillAt(CheckpointFS):
+class KillAt(LocalStorage):
     """SIGKILLs its own process just before operation number ``at`` (0-based)."""
 
     def __init__(self, at: int):

@@ -28,14 +28,15 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from fsdp_ext.checkpoint import (
-    CheckpointFS,
     CheckpointIntegrityError,
     CheckpointSpaceError,
+    LocalStorage,
     SafeLoadPlanner,
     SpreadFileSystemWriter,
     SpreadSavePlanner,
     UnsafeCheckpointError,
     VerifiedFileSystemReader,
+    remove_checkpoint,
     verify_checkpoint,
 )
 from fsdp_ext.checkpoint.__main__ import main as cli
@@ -207,7 +208,7 @@ def test_layer_key_returning_a_non_str_names_layer_key(tmp_path):
     assert sorted(os.listdir(tmp_path)) == []  # nothing written, the lock released
 
 
-class FullDisk(CheckpointFS):
+class FullDisk(LocalStorage):
     """Streams fail with ENOSPC once ``room`` bytes have gone to data files."""
 
     def __init__(self, room: int):
@@ -357,3 +358,45 @@ def test_sizes_are_checked_without_checksums(tmp_path):
     with pytest.raises(CheckpointException) as err:
         load(path, require_checksums=False)
     assert f"{data_file}: size {size} bytes" in str(err.value)
+
+
+class _ReplaceAfterOpening(SafeLoadPlanner):
+    """Once the reader has opened the checkpoint (after ``.metadata``, before any data
+    file), removes it (a prune of another job) or saves other values over it (a later save,
+    publishing by a directory swap: the path itself stays the same directory name)."""
+
+    def __init__(self, path: Path, how: str):
+        super().__init__()
+        self.path, self.how = path, how
+
+    def create_local_plan(self):
+        if self.how == "prune":
+            remove_checkpoint(self.path)
+        else:
+            save(self.path, state(seed=1), fs=LocalStorage(swap=True))
+        return super().create_local_plan()
+
+
+@pytest.mark.parametrize("how", ["prune", "overwrite"])
+def test_a_checkpoint_removed_while_being_read_says_so(tmp_path, how):
+    """Every file comes from the directory the reader opened, never from what is at the
+    path by the time it reads."""
+    path = save(tmp_path / "ckpt")
+    got = {k: torch.zeros_like(v) if torch.is_tensor(v) else -1 for k, v in state().items()}
+    reader = VerifiedFileSystemReader(path)
+    with pytest.raises(CheckpointException) as err:
+        dcp.load(got, storage_reader=reader, planner=_ReplaceAfterOpening(path, how))
+    error = cause(err)
+    assert isinstance(error, CheckpointIntegrityError)
+    assert "was removed while being read (pruned, or replaced by a later save)" in str(error)
+    assert path.exists() == (how == "overwrite")
+
+
+def test_the_old_storage_name_warns_and_is_the_local_storage():
+    import fsdp_ext.checkpoint as checkpoint
+
+    with pytest.warns(DeprecationWarning, match="CheckpointFS is now LocalStorage"):
+        old = checkpoint.CheckpointFS
+    assert old is LocalStorage
+    with pytest.raises(TypeError, match="fs must be a CheckpointStorage"):
+        VerifiedFileSystemReader("x", fs=object())

@@ -20,8 +20,8 @@ from torch import nn
 from fsdp_ext import Checkpointer, DirectoryOwnedError, latest_intact
 from fsdp_ext.checkpoint import (
     CheckpointBusyError,
-    CheckpointFS,
     CheckpointPrunedError,
+    LocalStorage,
     checkpoint_steps,
     load_intact,
     read_lease,
@@ -222,7 +222,7 @@ def test_a_dead_host_lets_go_within_its_lease(tmp_path, capfd):
         refused_s = time.monotonic() - t0
         assert refused_s < lease + 1.5
         with pytest.raises(CheckpointBusyError, match="on host node-b"):
-            acquire(CheckpointFS(), root / "step-0000005", LockOwner.here("save-a"))
+            acquire(LocalStorage(), root / "step-0000005", LockOwner.here("save-a"))
     finally:
         killed = power_off(host_b)
     assert len(killed) >= 1
@@ -242,7 +242,7 @@ def test_a_dead_host_lets_go_within_its_lease(tmp_path, capfd):
         )
     )
     with pytest.warns(UserWarning, match="on host node-b.*lease expired"):
-        acquire(CheckpointFS(), root / "step-0000005", LockOwner.here("save-a"))
+        acquire(LocalStorage(), root / "step-0000005", LockOwner.here("save-a"))
     assert json.loads(os.readlink(lock_path(root / "step-0000005")))["save_id"] == "save-a"
     mine.release()
 
@@ -269,7 +269,7 @@ def test_the_same_run_takes_over_from_a_dead_host_at_once(tmp_path, monkeypatch)
     t0 = time.monotonic()
     with pytest.warns(UserWarning, match="earlier attempt of this run \\(run-42\\) on host node-b"):
         mine = claim(root, lease_s=lease)
-        acquire(CheckpointFS(), root / "step-0000005", LockOwner.here("save-a"))
+        acquire(LocalStorage(), root / "step-0000005", LockOwner.here("save-a"))
     took = time.monotonic() - t0
     assert took < 10  # not the 60 s lease
     print(json.dumps({"lease_s": lease, "same_run_took_over_s": round(took, 2)}))
@@ -315,9 +315,9 @@ def test_a_prune_skips_a_checkpoint_being_read_and_a_read_skips_one_being_pruned
     # a remover holding the lock: a reader backs off with an error that says so
     code = (
         "import sys, time; from pathlib import Path; "
-        "from fsdp_ext.checkpoint.fs import CheckpointFS; "
+        "from fsdp_ext.checkpoint.fs import LocalStorage; "
         "from fsdp_ext.checkpoint.lock import LockOwner, acquire; "
-        "acquire(CheckpointFS(), Path(sys.argv[1]), LockOwner.here('remove-test')); "
+        "acquire(LocalStorage(), Path(sys.argv[1]), LockOwner.here('remove-test')); "
         "print('held', flush=True); time.sleep(600)"
     )
     remover = subprocess.Popen(

@@ -1,6 +1,6 @@
 """The overwrite protocol: a SIGKILL at any step leaves the old or the new checkpoint, whole.
 
-Each save runs in a forked child whose ``CheckpointFS`` SIGKILLs the child just before its
+Each save runs in a forked child whose ``LocalStorage`` SIGKILLs the child just before its
 k-th filesystem operation, for every k of an overwrite. After each kill the path must load
 (with our reader and with the stock one) exactly the old values or exactly the new ones,
 ``verify_checkpoint`` must say which save it is, and the next save must succeed and leave
@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_ext.checkpoint import (
     CheckpointBusyError,
-    CheckpointFS,
     CheckpointPathError,
+    LocalStorage,
     SafeLoadPlanner,
     SpreadFileSystemWriter,
     SpreadSavePlanner,
@@ -69,7 +69,7 @@ def state(seed: int) -> dict:
     }
 
 
-def save(path: Path, seed: int, fs: CheckpointFS | None = None, **kwargs) -> None:
+def save(path: Path, seed: int, fs: LocalStorage | None = None, **kwargs) -> None:
     dcp.save(
         state(seed),
         storage_writer=SpreadFileSystemWriter(path, min_file_bytes=0, fs=fs, **kwargs),
@@ -93,7 +93,7 @@ def loads(path: Path, seed: int) -> bool:
     return True
 
 
-class Recording(CheckpointFS):
+class Recording(LocalStorage):
     """Records every operation (name, path) in this process."""
 
     def __init__(self):
@@ -104,7 +104,7 @@ class Recording(CheckpointFS):
         self.ops.append((op, str(path)))
 
 
-class KillAt(CheckpointFS):
+class KillAt(LocalStorage):
     """SIGKILLs its own process just before operation number ``at`` (0-based)."""
 
     def __init__(self, at: int):
@@ -184,7 +184,7 @@ def test_sigkill_at_every_step_of_an_overwrite_leaves_old_or_new(tmp_path, layou
 
 
 def _fail_in_write(path: Path) -> None:
-    class Failing(CheckpointFS):
+    class Failing(LocalStorage):
         def before(self, op, p):
             if op == "write" and str(p).endswith(".distcp"):
                 raise OSError(5, "injected I/O error", str(p))
@@ -288,7 +288,7 @@ def test_remove_checkpoint_removes_link_and_versions(tmp_path, layout):
 # -- two jobs, one path --------------------------------------------------------------------
 
 
-class PauseInWrite(CheckpointFS):
+class PauseInWrite(LocalStorage):
     """Waits before writing its first data file until ``go`` exists."""
 
     def __init__(self, go: Path):

@@ -236,13 +236,10 @@ def test_a_region_copied_through_a_chunk_equals_narrow(
     pad = 7  # the tensor starts at an odd offset in the file, as in a DCP archive
     path.write_bytes(b"x" * pad + stored.numpy().tobytes())
     target = torch.full(lengths, -5).to(dtype)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        source = reader_module._FileBytes(path, fd=fd)
+    with path.open("rb", buffering=0) as stream:
+        source = reader_module._FileBytes(path, stream=stream)
         chunk = bytearray(chunk_items * dtype.itemsize)
         reader_module._copy_region(source, pad, shape, dtype, offsets, lengths, target, chunk)
-    finally:
-        os.close(fd)
     assert torch.equal(target, reader_module._narrow(stored, offsets, lengths))
 
 

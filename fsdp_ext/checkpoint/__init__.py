@@ -5,7 +5,7 @@ Everything is used through the stock ``dcp.save`` / ``dcp.async_save`` / ``dcp.l
 """
 
 from fsdp_ext.checkpoint.checkpointer import Checkpointer, ModelOptimizerState
-from fsdp_ext.checkpoint.fs import CheckpointFS
+from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.layers import default_layer_key
 from fsdp_ext.checkpoint.lock import (
     LEASE_ENV,
@@ -31,6 +31,7 @@ from fsdp_ext.checkpoint.ownership import (
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner, item_nbytes, spread_plans
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
 from fsdp_ext.checkpoint.resume import checkpoint_steps, latest_intact, load_intact, step_name
+from fsdp_ext.checkpoint.storage import CheckpointStorage
 from fsdp_ext.checkpoint.verify import CheckpointReport, verify_checkpoint
 from fsdp_ext.checkpoint.versions import CheckpointExistsError, remove_checkpoint
 from fsdp_ext.checkpoint.writer import SpreadFileSystemWriter
@@ -41,14 +42,15 @@ __all__ = [
     "RUN_ID_ENV",
     "CheckpointBusyError",
     "CheckpointExistsError",
-    "CheckpointFS",
     "CheckpointIntegrityError",
     "CheckpointPathError",
     "CheckpointPrunedError",
     "CheckpointReport",
     "CheckpointSpaceError",
+    "CheckpointStorage",
     "Checkpointer",
     "DirectoryOwnedError",
+    "LocalStorage",
     "ModelOptimizerState",
     "Ownership",
     "SafeLoadPlanner",
@@ -70,3 +72,11 @@ __all__ = [
     "unlock",
     "verify_checkpoint",
 ]
+
+
+def __getattr__(name: str):
+    if name == "CheckpointFS":  # the name before the storage protocol (one release)
+        from fsdp_ext.checkpoint import fs
+
+        return fs.CheckpointFS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

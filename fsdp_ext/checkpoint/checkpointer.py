@@ -52,6 +52,7 @@ from fsdp_ext.checkpoint.resume import (
     skipped_checkpoints,
     step_name,
 )
+from fsdp_ext.checkpoint.storage import CheckpointStorage
 from fsdp_ext.checkpoint.versions import remove_checkpoint
 from fsdp_ext.checkpoint.writer import SpreadFileSystemWriter
 
@@ -117,7 +118,8 @@ class Checkpointer:
     claims ``root`` for this job (a second live job gets :class:`DirectoryOwnedError` on
     every rank), and under torchrun each worker is set to die with its launcher.
     ``keep``: newest intact checkpoints kept (None: all). ``lease_s``: the lease of the
-    directory and of its locks (default ``$FSDP_EXT_LEASE_S``, else 60 s).
+    directory and of its locks (default ``$FSDP_EXT_LEASE_S``, else 60 s). ``fs``: where
+    the checkpoints are stored (default: the local filesystem).
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class Checkpointer:
         keep: int | None = 3,
         lease_s: float | None = None,
         die_with_launcher: bool = True,
+        fs: CheckpointStorage | None = None,
     ) -> None:
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
@@ -142,10 +145,15 @@ class Checkpointer:
                     f"extra[{name!r}] must be a Stateful (state_dict / load_state_dict) under "
                     f"a name other than 'model', got {type(value).__name__}"
                 )
+        if fs is not None and not isinstance(fs, CheckpointStorage):
+            raise TypeError(
+                f"fs must be a CheckpointStorage (LocalStorage, or another backend), got {fs!r}"
+            )
         if optimizer is not None and model is None:
             raise ValueError("optimizer needs model= (its state is keyed by parameter names)")
         self.root = Path(root)
         self.keep = keep
+        self.fs = fs
         self.state: dict[str, Any] = {}
         if model is not None:
             self.state["model"] = ModelOptimizerState(model, optimizer)
@@ -157,7 +165,7 @@ class Checkpointer:
         error = None
         if _leader():
             try:
-                self._ownership = claim(self.root, lease_s=lease_s)
+                self._ownership = claim(self.root, lease_s=lease_s, fs=fs)
             except DirectoryOwnedError as exc:
                 error = str(exc)
         error = _agree(error)
@@ -171,10 +179,10 @@ class Checkpointer:
         """Save every state as ``root/step-N`` (collective), then prune to ``keep``."""
         path = self.path(step)
         if _leader():
-            set_aside(path)  # a corrupt checkpoint of this step is kept, not overwritten
+            set_aside(path, self.fs)  # a corrupt checkpoint of this step is kept, not overwritten
         dcp.save(
             self.state,
-            storage_writer=SpreadFileSystemWriter(path),
+            storage_writer=SpreadFileSystemWriter(path, fs=self.fs),
             planner=SpreadSavePlanner(),
         )
         if _leader():
@@ -187,12 +195,12 @@ class Checkpointer:
         and never removed."""
         if self.keep is None:
             return []
-        skipped = skipped_checkpoints(self.root)
-        intact = [p for _s, p in checkpoint_steps(self.root) if p.name not in skipped]
+        skipped = skipped_checkpoints(self.root, self.fs)
+        intact = [p for _s, p in checkpoint_steps(self.root, self.fs) if p.name not in skipped]
         removed = []
         for path in intact[: -self.keep]:
             try:
-                remove_checkpoint(path)
+                remove_checkpoint(path, self.fs)
                 removed.append(path)
             except CheckpointBusyError as exc:
                 warnings.warn(f"prune: {exc}", stacklevel=2)
@@ -200,7 +208,7 @@ class Checkpointer:
 
     def resume(self) -> int:
         """Load the newest intact checkpoint (collective); its step, or 0 with none."""
-        step = load_intact(self.root, self.state, optional=self._extras)
+        step = load_intact(self.root, self.state, optional=self._extras, fs=self.fs)
         return 0 if step is None else step
 
     def close(self) -> None:

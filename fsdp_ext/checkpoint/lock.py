@@ -44,8 +44,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fsdp_ext._torch import thread_in_dcp_save
-from fsdp_ext.checkpoint.fs import LINK, CheckpointFS
+from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.manifest import CheckpointBusyError, CheckpointPathError
+from fsdp_ext.checkpoint.processes import boot_id, pid_running, process_start
+from fsdp_ext.checkpoint.storage import DIRECTORY, LINK, CheckpointStorage
 
 __all__ = [
     "DEFAULT_LEASE_S",
@@ -94,33 +96,6 @@ def run_id() -> str:
     return os.environ.get(RUN_ID_ENV) or os.environ.get("TORCHELASTIC_RUN_ID") or ""
 
 
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _process_start(pid: int) -> str:
-    """The start time of ``pid`` in clock ticks since boot, or "" if it is not running."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    # the command name (field 2) may hold spaces; fields after it are plain
-    return stat.rpartition(")")[2].split()[19]
-
-
-def _pid_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @dataclass(frozen=True)
 class LockOwner:
     save_id: str
@@ -139,9 +114,9 @@ class LockOwner:
         return cls(
             save_id=save_id,
             host=socket.gethostname(),
-            boot_id=_boot_id(),
+            boot_id=boot_id(),
             pid=pid,
-            pid_start=_process_start(pid),
+            pid_start=process_start(pid),
             thread=threading.get_ident(),
             since=round(time.time(), 3),
             run_id=run_id(),
@@ -172,7 +147,7 @@ class LockOwner:
     def on_this_machine(self) -> bool:
         return bool(self.boot_id) and (self.host, self.boot_id) == (
             socket.gethostname(),
-            _boot_id(),
+            boot_id(),
         )
 
     def same_run(self) -> bool:
@@ -198,9 +173,9 @@ class LockOwner:
                 )
             return None
         if self.pid != os.getpid():
-            if not _pid_running(self.pid):
+            if not pid_running(self.pid):
                 return f"its process {self.pid} has exited"
-            if self.pid_start and _process_start(self.pid) not in ("", self.pid_start):
+            if self.pid_start and process_start(self.pid) not in ("", self.pid_start):
                 return f"its process {self.pid} has exited (the pid was reused)"
             return None
         if self.thread == threading.get_ident():
@@ -219,14 +194,15 @@ class LockOwner:
 class _Heartbeat:
     """One daemon thread per process renews every lease it holds (touches the links)."""
 
-    held: dict[str, tuple[str, float]] = field(default_factory=dict)  # path -> (text, lease)
+    # path -> (its storage, the link's text, lease)
+    held: dict[str, tuple[CheckpointStorage, str, float]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     wake: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
 
-    def add(self, path: Path, text: str, lease_s: float) -> None:
+    def add(self, fs: CheckpointStorage, path: Path, text: str, lease_s: float) -> None:
         with self.lock:
-            self.held[str(path)] = (text, lease_s)
+            self.held[str(path)] = (fs, text, lease_s)
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(
                     target=self._run, name="fsdp_ext-lease-heartbeat", daemon=True
@@ -242,9 +218,9 @@ class _Heartbeat:
         while True:
             with self.lock:
                 held = dict(self.held)
-            for path, (text, _lease) in held.items():
-                renew(path, text)
-            period = min((lease for _t, lease in held.values()), default=DEFAULT_LEASE_S) / 4
+            for path, (fs, text, _lease) in held.items():
+                fs.renew_lease(path, text)
+            period = min((lease for *_, lease in held.values()), default=DEFAULT_LEASE_S) / 4
             self.wake.wait(max(0.05, period))
             self.wake.clear()
 
@@ -260,28 +236,17 @@ def _after_fork() -> None:  # a forked child holds none of its parent's leases
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def renew(path: str | os.PathLike, text: str) -> bool:
-    """Touch the lock at ``path`` if it still records ``text``; False if it is not ours."""
-    try:
-        if os.readlink(path) != text:
-            return False
-        os.utime(path, follow_symlinks=False)
-    except OSError:
-        return False
-    return True
-
-
-def heartbeat_age(path: str | os.PathLike) -> float | None:
+def heartbeat_age(fs: CheckpointStorage, path: str | os.PathLike) -> float | None:
     """Seconds since the lock's last heartbeat (its link's mtime); None if it is gone."""
     try:
-        return time.time() - os.lstat(path).st_mtime
+        return time.time() - fs.mtime(path)
     except FileNotFoundError:
         return None
 
 
-def hold(path: Path, owner: LockOwner) -> None:
+def hold(fs: CheckpointStorage, path: Path, owner: LockOwner) -> None:
     """Keep renewing ``path``'s lease for ``owner`` until :func:`let_go`."""
-    _HEARTBEAT.add(path, owner.encode(), owner.lease_s)
+    _HEARTBEAT.add(fs, path, owner.encode(), owner.lease_s)
 
 
 def let_go(path: Path) -> None:
@@ -305,7 +270,7 @@ def lock_path(target: Path) -> Path:
 
 
 def take(
-    fs: CheckpointFS,
+    fs: CheckpointStorage,
     path: Path,
     owner: LockOwner,
     *,
@@ -325,13 +290,13 @@ def take(
     while True:
         try:
             fs.symlink(mine, path)
-            hold(path, owner)
+            hold(fs, path, owner)
             return None
         except FileExistsError:
             pass
         try:
             text = fs.readlink(path)
-            mtime = os.lstat(path).st_mtime
+            mtime = fs.mtime(path)
         except FileNotFoundError:
             continue  # released meanwhile
         held = LockOwner.decode(text)
@@ -369,7 +334,7 @@ def take(
         # retaken it in between); if not, put it back.
         aside = path.with_name(f"{path.name}.stale-{owner.save_id}")
         try:
-            fs.replace(path, aside)
+            fs.rename(path, aside)
         except FileNotFoundError:
             continue
         moved = fs.readlink(aside)
@@ -383,7 +348,7 @@ def take(
         fs.unlink(aside)
 
 
-def acquire(fs: CheckpointFS, target: Path, owner: LockOwner) -> None:
+def acquire(fs: CheckpointStorage, target: Path, owner: LockOwner) -> None:
     """Take the lock of ``target`` for ``owner``; break it only if its holder is gone."""
     path = lock_path(target)
     held = take(fs, path, owner, what=f"save to {target}")
@@ -396,12 +361,12 @@ def acquire(fs: CheckpointFS, target: Path, owner: LockOwner) -> None:
         )
 
 
-def release(fs: CheckpointFS, target: Path, owner: LockOwner) -> None:
+def release(fs: CheckpointStorage, target: Path, owner: LockOwner) -> None:
     """Remove the lock if it is still ``owner``'s."""
     release_link(fs, lock_path(target), owner.encode())
 
 
-def release_link(fs: CheckpointFS, path: Path, text: str) -> None:
+def release_link(fs: CheckpointStorage, path: Path, text: str) -> None:
     let_go(path)
     try:
         if fs.readlink(path) == text:
@@ -411,7 +376,7 @@ def release_link(fs: CheckpointFS, path: Path, text: str) -> None:
 
 
 def unlock(
-    target: str | os.PathLike, fs: CheckpointFS | None = None
+    target: str | os.PathLike, fs: CheckpointStorage | None = None
 ) -> tuple[Path | None, LockOwner | None]:
     """Remove the lock of ``target`` whoever holds it (the manual last resort).
 
@@ -419,7 +384,7 @@ def unlock(
     (or the directory itself). Returns the link removed (None: none there) and the holder it
     recorded (None: not one of ours, removed all the same).
     """
-    fs = fs or CheckpointFS()
+    fs = fs if fs is not None else LocalStorage()
     target = Path(target)
     if target.name.endswith(".lock") or target.name == ".owner":
         path = target
@@ -443,7 +408,7 @@ def _is_read_lease(name: str, target: Path) -> bool:
     return name.startswith(f".{target.name}{_READ}")
 
 
-def readers(fs: CheckpointFS, target: Path) -> list[LockOwner]:
+def readers(fs: CheckpointStorage, target: Path) -> list[LockOwner]:
     """The live readers of ``target``; read leases of readers that are gone are removed."""
     live = []
     for name in fs.listdir(target.parent):
@@ -455,7 +420,7 @@ def readers(fs: CheckpointFS, target: Path) -> list[LockOwner]:
         except (FileNotFoundError, OSError):
             continue
         holder = LockOwner.decode(text)
-        age = heartbeat_age(path)
+        age = heartbeat_age(fs, path)
         if holder is None or age is None:
             continue
         if holder.stale_reason(age) is None or holder.pid == os.getpid():
@@ -466,7 +431,7 @@ def readers(fs: CheckpointFS, target: Path) -> list[LockOwner]:
     return live
 
 
-def refuse_if_read(fs: CheckpointFS, target: Path) -> None:
+def refuse_if_read(fs: CheckpointStorage, target: Path) -> None:
     """Raise :class:`CheckpointBusyError` if a live reader holds ``target``; call it under
     ``target``'s lock, before removing anything (a reader checks that lock after taking its
     lease, so one of the two always sees the other)."""
@@ -479,15 +444,15 @@ def refuse_if_read(fs: CheckpointFS, target: Path) -> None:
 
 
 @contextlib.contextmanager
-def read_lease(target: str | os.PathLike, fs: CheckpointFS | None = None) -> Iterator[None]:
+def read_lease(target: str | os.PathLike, fs: CheckpointStorage | None = None) -> Iterator[None]:
     """Hold a shared read lease on ``target`` while the block reads it, so no prune removes
     it meanwhile. Raises :class:`CheckpointPrunedError` when it is gone or being removed."""
-    fs = fs or CheckpointFS()
+    fs = fs if fs is not None else LocalStorage()
     target = Path(target)
     owner = LockOwner.here(f"read-{uuid.uuid4().hex[:12]}")
     path = target.parent / f".{target.name}{_READ}{owner.save_id[5:]}"
     fs.symlink(owner.encode(), path)
-    hold(path, owner)
+    hold(fs, path, owner)
     try:
         lock = lock_path(target)
         try:
@@ -497,10 +462,10 @@ def read_lease(target: str | os.PathLike, fs: CheckpointFS | None = None) -> Ite
         if (
             holder is not None
             and holder.save_id.startswith(_REMOVER)
-            and holder.stale_reason(heartbeat_age(lock)) is None
+            and holder.stale_reason(heartbeat_age(fs, lock)) is None
         ):
             raise CheckpointPrunedError(f"{target}: is being pruned ({holder.describe()})")
-        if fs.kind(target) not in (LINK, "directory"):
+        if fs.kind(target) not in (LINK, DIRECTORY):
             raise CheckpointPrunedError(f"{target}: was pruned before it could be read")
         yield
     finally:

@@ -18,11 +18,9 @@ the manifest too.
 from __future__ import annotations
 
 import json
-import os
 import warnings
 import zlib
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 
 MANIFEST_NAME = ".manifest.json"
 METADATA_NAME = ".metadata"
@@ -265,21 +263,13 @@ def checksum_bytes(data) -> str:
     return crc32_hex(zlib.crc32(data))
 
 
-def checksum_file(path: str | os.PathLike, block: int = 16 << 20) -> tuple[int, str]:
-    """Size and CRC-32 of a file on disk, read in blocks."""
+def checksum_stream(stream, block: int = 16 << 20) -> tuple[int, str]:
+    """Size and CRC-32 of what ``stream`` holds from where it stands, read in blocks."""
     crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+    while chunk := stream.read(block):
+        crc = zlib.crc32(chunk, crc)
+        size += len(chunk)
     return size, crc32_hex(crc)
-
-
-def read_manifest(directory: str | os.PathLike) -> Manifest | None:
-    path = Path(directory) / MANIFEST_NAME
-    if not path.is_file():
-        return None
-    return parse_manifest(path.read_bytes(), str(path))
 
 
 def parse_manifest(data: bytes, source: str) -> Manifest:

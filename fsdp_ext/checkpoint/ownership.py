@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_ext.checkpoint.fs import CheckpointFS
+from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.lock import (
     LockOwner,
     heartbeat_age,
@@ -29,6 +29,7 @@ from fsdp_ext.checkpoint.lock import (
     take,
 )
 from fsdp_ext.checkpoint.manifest import CheckpointBusyError
+from fsdp_ext.checkpoint.storage import CheckpointStorage
 
 __all__ = ["OWNER_NAME", "DirectoryOwnedError", "Ownership", "claim", "exit_with_launcher"]
 
@@ -49,7 +50,7 @@ class Ownership:
     root: Path
     owner: LockOwner
     joined: bool
-    fs: CheckpointFS
+    fs: CheckpointStorage
 
     def release(self) -> None:
         """Give the directory up (a finished job); a later job takes it at once."""
@@ -62,11 +63,11 @@ class Ownership:
 
 
 def claim(
-    root: str | os.PathLike, *, lease_s: float | None = None, fs: CheckpointFS | None = None
+    root: str | os.PathLike, *, lease_s: float | None = None, fs: CheckpointStorage | None = None
 ) -> Ownership:
     """Make this job the owner of ``root`` (created if missing), or raise
     :class:`DirectoryOwnedError` naming the live owner."""
-    fs = fs or CheckpointFS()
+    fs = fs if fs is not None else LocalStorage()
     root = Path(root)
     fs.makedirs(root)
     owner = LockOwner.here(f"owner-{uuid.uuid4().hex[:12]}", lease_s=lease_s)
@@ -81,7 +82,7 @@ def claim(
         return Ownership(root, owner, False, fs)
     if held.same_run() and held.on_this_machine():
         return Ownership(root, held, True, fs)  # our own launcher holds it
-    age = heartbeat_age(path)
+    age = heartbeat_age(fs, path)
     beat = "" if age is None else f", last heartbeat {age:.0f} s ago"
     raise DirectoryOwnedError(
         f"{root}: owned by a live job, {held.describe()} (lease {held.lease_s:g} s{beat}); "

@@ -44,7 +44,7 @@ from collections import deque
 from concurrent.futures import Future as PoolFuture
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -58,6 +58,7 @@ from fsdp_ext._torch import (
     set_state_dict_element,
     stored_tensor_layout,
 )
+from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
     MARKER,
@@ -71,6 +72,7 @@ from fsdp_ext.checkpoint.manifest import (
     crc32_hex,
     parse_manifest,
 )
+from fsdp_ext.checkpoint.storage import CheckpointStorage, StoredDirectory
 from fsdp_ext.checkpoint.unpickler import load_metadata, load_object_safely
 from fsdp_ext.checkpoint.verify_plan import assign_checks
 
@@ -107,26 +109,28 @@ class _Fetched(NamedTuple):
     checksum: str | None
 
 
-def _read_whole(dir_fd: int, name: str, size: int, checksums: bool) -> _Fetched:
+def _size(stream: BinaryIO) -> int:
+    return stream.seek(0, io.SEEK_END)
+
+
+def _read_whole(directory: StoredDirectory, name: str, size: int, checksums: bool) -> _Fetched:
     """Reads one file into a buffer of its own (file reads and zlib release the GIL)."""
-    fd = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
-    try:
-        on_disk = os.fstat(fd).st_size
+    with directory.open_read(name) as stream:
+        on_disk = _size(stream)
         if on_disk != size:
             return _Fetched(on_disk, None, None)
         data = bytearray(size)
-        _pread_exactly(fd, memoryview(data), 0)
-    finally:
-        os.close(fd)
+        _read_exactly(stream, memoryview(data), 0)
     return _Fetched(size, data, crc32_hex(zlib.crc32(data)) if checksums else None)
 
 
-def _pread_exactly(fd: int, view: memoryview, offset: int) -> int:
+def _read_exactly(stream: BinaryIO, view: memoryview, offset: int) -> int:
     """Fills ``view`` from ``offset``; returns how many bytes there were (short at the end)."""
+    stream.seek(offset)
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
+        n = stream.readinto(view[done:])
+        if not n:
             break
         done += n
     return done
@@ -137,8 +141,8 @@ class _ReadAhead:
     most ``budget`` bytes: a file's bytes count from the start of its read until
     :meth:`release`, once DCP is done with them (not when they are handed over)."""
 
-    def __init__(self, dir_fd: int, jobs: list[tuple[str, int, bool]], budget: int):
-        self._dir_fd = dir_fd
+    def __init__(self, directory: StoredDirectory, jobs: list[tuple[str, int, bool]], budget: int):
+        self._directory = directory
         self._pending = deque(jobs)
         # name -> (its read, the slot its bytes land in, size). The bytes go to a slot, not
         # to the future's result: a worker thread still holds the future for a moment after
@@ -158,7 +162,7 @@ class _ReadAhead:
             self._held += size
 
     def _fill(self, slot: list[_Fetched], name: str, size: int, checksums: bool) -> None:
-        slot.append(_read_whole(self._dir_fd, name, size, checksums))
+        slot.append(_read_whole(self._directory, name, size, checksums))
 
     def take(self, name: str) -> _Fetched | None:
         """The file read ahead (waiting for it), or None when it is not; its bytes stay
@@ -185,15 +189,17 @@ class _ReadAhead:
 class _FileBytes:
     """The bytes of one data file: in memory when read ahead, else read from the open file."""
 
-    def __init__(self, path: Path, *, fd: int | None = None, data: bytearray | None = None):
-        self.path, self.fd, self.data = path, fd, data
+    def __init__(
+        self, path: Path, *, stream: BinaryIO | None = None, data: bytearray | None = None
+    ):
+        self.path, self.stream, self.data = path, stream, data
 
     def readinto(self, offset: int, view: memoryview) -> None:
         if self.data is not None:
             got = max(0, min(len(view), len(self.data) - offset))
             view[:got] = memoryview(self.data)[offset : offset + got]
         else:
-            got = _pread_exactly(self.fd, view, offset)
+            got = _read_exactly(self.stream, view, offset)
         if got != len(view):
             raise CheckpointIntegrityError(
                 f"{self.path}: ends before byte {offset + len(view)} that {METADATA_NAME} "
@@ -206,9 +212,9 @@ class _FileBytes:
         return bytes(data)
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-        self.fd = self.data = None
+        if self.stream is not None:
+            self.stream.close()
+        self.stream = self.data = None
 
 
 class _Window(io.RawIOBase):
@@ -310,15 +316,20 @@ class VerifiedFileSystemReader(FileSystemReader):
         _extension_registry=None,  # stock's (experimental) stream extensions, passed on
         *,
         require_checksums: bool = True,
+        fs: CheckpointStorage | None = None,
     ) -> None:
         if not isinstance(require_checksums, bool):
             raise TypeError(f"require_checksums must be a bool, got {require_checksums!r}")
+        if fs is not None and not isinstance(fs, CheckpointStorage):
+            raise TypeError(
+                f"fs must be a CheckpointStorage (LocalStorage, or another backend), got {fs!r}"
+            )
         super().__init__(path, _extension_registry)
+        self.fs = fs if fs is not None else LocalStorage()
         self.require_checksums = require_checksums
         self.manifest: Manifest | None = None
         self._manifest_loaded = False
-        self._root: Path | None = None
-        self._dir_fd: int | None = None
+        self._directory: StoredDirectory | None = None
         self._close_dir: weakref.finalize | None = None
         self.checks_here: set[str] = set()  # files whose checksum this rank checks
 
@@ -331,40 +342,37 @@ class VerifiedFileSystemReader(FileSystemReader):
         """Forgets the opened directory: the next load opens the path afresh."""
         if self._close_dir is not None:
             self._close_dir()
-        self.manifest, self._manifest_loaded, self._root = None, False, None
-        self._dir_fd, self._close_dir = None, None
+        self.manifest, self._manifest_loaded = None, False
+        self._directory, self._close_dir = None, None
 
-    def _pin(self) -> int:
+    def _pin(self) -> StoredDirectory:
         """Opens the checkpoint's directory once; every later read goes through it."""
-        if self._dir_fd is None:
-            path = Path(self.path)
-            root = path.parent / os.readlink(path) if path.is_symlink() else path
+        if self._directory is None:
             try:
-                fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-            except (FileNotFoundError, NotADirectoryError) as exc:
+                directory = self.fs.open_directory(self.path)
+            except FileNotFoundError as exc:
                 raise CheckpointIntegrityError(
                     f"{self.path}: no such checkpoint directory"
                 ) from exc
-            self._root, self._dir_fd = root, fd
-            self._close_dir = weakref.finalize(self, os.close, fd)
-        return self._dir_fd
+            self._directory = directory
+            self._close_dir = weakref.finalize(self, directory.close)
+        return self._directory
 
     @property
     def root(self) -> Path:
         """The directory files are read from: the version the path linked to when opened."""
-        self._pin()
-        return self._root
+        return self._pin().path
 
-    def _open(self, name: str) -> int:
+    def _open(self, name: str) -> BinaryIO:
         """A file of the pinned directory, opened; a missing one raises naming it."""
         try:
-            return os.open(name, os.O_RDONLY, dir_fd=self._pin())
+            return self._pin().open_read(name)
         except FileNotFoundError as exc:
             raise self._missing(name) from exc
 
     def _missing(self, name: str) -> CheckpointIntegrityError:
         path = self.root / name
-        if os.fstat(self._pin()).st_nlink == 0:
+        if self._pin().removed():
             return CheckpointIntegrityError(
                 f"{path}: gone, because {self.root} was removed while being read (pruned, "
                 "or replaced by a later save); load again or load another checkpoint"
@@ -376,10 +384,10 @@ class VerifiedFileSystemReader(FileSystemReader):
     def _read_small(self, name: str) -> bytes | None:
         """A bookkeeping file's bytes, or None when it does not exist."""
         try:
-            fd = os.open(name, os.O_RDONLY, dir_fd=self._pin())
+            stream = self._pin().open_read(name)
         except FileNotFoundError:
             return None
-        with os.fdopen(fd, "rb") as stream:
+        with stream:
             return stream.read()
 
     def _load_manifest(self) -> Manifest | None:
@@ -555,11 +563,11 @@ class VerifiedFileSystemReader(FileSystemReader):
         if fetched is not None:
             check_record(str(path), record, fetched.size, fetched.checksum)
             return _FileBytes(path, data=fetched.data)
-        source = _FileBytes(path, fd=self._open(name))
+        source = _FileBytes(path, stream=self._open(name))
         if record is None:
             return source
         try:
-            check_record(str(path), record, os.fstat(source.fd).st_size, None)
+            check_record(str(path), record, _size(source.stream), None)
             if name in self.checks_here and self.manifest.checksum != NO_CHECKSUM:
                 check_record(str(path), record, record.size, self._hash(source, chunk.buffer()))
         except BaseException:
@@ -569,7 +577,7 @@ class VerifiedFileSystemReader(FileSystemReader):
 
     def _hash(self, source: _FileBytes, chunk: bytearray) -> str:
         view, crc, offset = memoryview(chunk), 0, 0
-        while n := _pread_exactly(source.fd, view, offset):
+        while n := _read_exactly(source.stream, view, offset):
             crc = zlib.crc32(view[:n], crc)
             offset += n
         return crc32_hex(crc)

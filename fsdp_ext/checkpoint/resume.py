@@ -24,9 +24,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.lock import CheckpointPrunedError, read_lease
 from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, UnsafeCheckpointError
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
+from fsdp_ext.checkpoint.storage import LINK, MISSING, CheckpointStorage
 from fsdp_ext.checkpoint.verify import verify_checkpoint
 
 __all__ = [
@@ -52,93 +54,107 @@ def step_name(step: int) -> str:
     return f"step-{step:07d}"
 
 
-def checkpoint_steps(root: str | os.PathLike) -> list[tuple[int, Path]]:
+def _storage(fs: CheckpointStorage | None) -> CheckpointStorage:
+    return fs if fs is not None else LocalStorage()
+
+
+def checkpoint_steps(
+    root: str | os.PathLike, fs: CheckpointStorage | None = None
+) -> list[tuple[int, Path]]:
     """Every ``step-N`` under ``root``, ordered by the number N (not by name)."""
     root = Path(root)
     try:
-        names = os.listdir(root)
+        names = _storage(fs).listdir(root)
     except FileNotFoundError:
         return []
     found = [(int(m.group(1)), root / n) for n in names if (m := _STEP.fullmatch(n))]
     return sorted(found)
 
 
-def skipped_checkpoints(root: str | os.PathLike) -> dict[str, str]:
+def skipped_checkpoints(
+    root: str | os.PathLike, fs: CheckpointStorage | None = None
+) -> dict[str, str]:
     """Checkpoints a resume skipped as corrupt, by name, with why."""
     try:
-        raw = json.loads((Path(root) / SKIPPED_RECORD).read_text())
+        raw = json.loads(_storage(fs).read_bytes(Path(root) / SKIPPED_RECORD))
     except (OSError, ValueError):
         return {}
     return {str(k): str(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
 
 
-def _record_skip(path: Path, why: str) -> None:
+def _record_skip(fs: CheckpointStorage, path: Path, why: str) -> None:
     warnings.warn(
         f"resume: skipping {path}: {why}; it is kept for inspection "
         f"(python -m fsdp_ext.checkpoint verify {path})",
         stacklevel=3,
     )
-    skipped = skipped_checkpoints(path.parent)
+    skipped = skipped_checkpoints(path.parent, fs)
     if skipped.get(path.name) == why:
         return
     skipped[path.name] = why
-    _write_skipped(path.parent, skipped)
+    _write_skipped(fs, path.parent, skipped)
 
 
-def _write_skipped(root: Path, skipped: dict[str, str]) -> None:
+def _write_skipped(fs: CheckpointStorage, root: Path, skipped: dict[str, str]) -> None:
     tmp = root / f".{SKIPPED_RECORD}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(skipped, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, root / SKIPPED_RECORD)
+    fs.write_file(tmp, (json.dumps(skipped, indent=1, sort_keys=True) + "\n").encode(), False)
+    fs.rename(tmp, root / SKIPPED_RECORD)
 
 
-def set_aside(path: Path) -> Path | None:
+def set_aside(path: Path, fs: CheckpointStorage | None = None) -> Path | None:
     """Before a save reuses the name of a checkpoint found corrupt, move it out of the way
     (``step-N.corrupt-<time>``: no longer a candidate, never pruned) instead of letting
     the save replace it. Returns where it went (None: nothing to move)."""
-    skipped = skipped_checkpoints(path.parent)
-    if path.name not in skipped or not os.path.lexists(path):
+    fs = _storage(fs)
+    skipped = skipped_checkpoints(path.parent, fs)
+    kind = fs.kind(path)
+    if path.name not in skipped or kind == MISSING:
         return None
     aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
-    real = Path(os.path.realpath(path))
-    if path.is_symlink():  # a link to its version directory: move the directory, then drop it
-        os.replace(real, aside)
-        os.unlink(path)
+    if kind == LINK:  # a link to its version directory: move the directory, then drop it
+        fs.rename(path.parent / fs.readlink(path), aside)
+        fs.unlink(path)
     else:
-        os.replace(path, aside)
+        fs.rename(path, aside)
     skipped[aside.name] = skipped.pop(path.name)
-    _write_skipped(path.parent, skipped)
+    _write_skipped(fs, path.parent, skipped)
     warnings.warn(f"{path}: corrupt, moved to {aside} before saving this step again", stacklevel=2)
     return aside
 
 
 def latest_intact(
-    root: str | os.PathLike, *, exclude: frozenset[str] = frozenset()
+    root: str | os.PathLike,
+    *,
+    exclude: frozenset[str] = frozenset(),
+    fs: CheckpointStorage | None = None,
 ) -> tuple[int, Path] | None:
     """``(step, path)`` of the newest checkpoint under ``root`` that verifies, or None.
 
     Corrupt ones are skipped with a warning and recorded (never deleted); ones pruned while
     being looked at are passed over. ``exclude``: names not to consider.
     """
-    choice, lease = _choose(Path(root), exclude)
+    choice, lease = _choose(_storage(fs), Path(root), exclude)
     lease.close()
     return choice
 
 
-def _choose(root: Path, exclude: frozenset[str]) -> tuple[tuple[int, Path] | None, ExitStack]:
+def _choose(
+    fs: CheckpointStorage, root: Path, exclude: frozenset[str]
+) -> tuple[tuple[int, Path] | None, ExitStack]:
     """The newest intact checkpoint, with its read lease still held (close the stack)."""
-    for step, path in reversed(checkpoint_steps(root)):
+    for step, path in reversed(checkpoint_steps(root, fs)):
         if path.name in exclude:
             continue
         lease = ExitStack()
         try:
-            lease.enter_context(read_lease(path))
+            lease.enter_context(read_lease(path, fs))
         except CheckpointPrunedError:
             continue
-        report = verify_checkpoint(path)
+        report = verify_checkpoint(path, fs=fs)
         if report.ok:
             return (step, path), lease
         lease.close()
-        _record_skip(path, report.problems[0])
+        _record_skip(fs, path, report.problems[0])
     return None, ExitStack()
 
 
@@ -168,26 +184,32 @@ def _broadcast(value: Any) -> Any:
 
 
 def load_intact(
-    root: str | os.PathLike, state: dict[str, Any], *, optional: Collection[str] = ()
+    root: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    optional: Collection[str] = (),
+    fs: CheckpointStorage | None = None,
 ) -> int | None:
     """Load the newest intact checkpoint under ``root`` into ``state`` (a DCP state dict);
     return its step, or None when there is none. Collective when a process group is up:
     rank 0 chooses, every rank loads; a checkpoint that fails to load on any rank (corrupt,
     pruned) is skipped with a warning and the next older one is tried. Keys of ``state``
-    named in ``optional`` with nothing saved under them are left as they are."""
+    named in ``optional`` with nothing saved under them are left as they are. ``fs``: where
+    the checkpoints are stored (default: the local filesystem)."""
+    fs = _storage(fs)
     root = Path(root)
     leader = not dist.is_initialized() or dist.get_rank() == 0
     tried: set[str] = set()
     while True:
         choice, lease = None, ExitStack()
         if leader:
-            choice, lease = _choose(root, frozenset(tried))
+            choice, lease = _choose(fs, root, frozenset(tried))
         choice = _broadcast(None if choice is None else (choice[0], str(choice[1])))
         if choice is None:
             return None
         step, path = choice
         try:
-            reader = VerifiedFileSystemReader(path)
+            reader = VerifiedFileSystemReader(path, fs=fs)
             saved = reader.read_metadata().state_dict_metadata
             dcp.load(
                 {k: v for k, v in state.items() if k not in optional or _has(saved, k)},
@@ -200,9 +222,9 @@ def load_intact(
             if cause is None:
                 raise
             tried.add(Path(path).name)
-            if isinstance(cause, CheckpointPrunedError) or not os.path.lexists(path):
+            if isinstance(cause, CheckpointPrunedError) or fs.kind(Path(path)) == MISSING:
                 warnings.warn(f"resume: {path} was pruned while being read: {cause}", stacklevel=2)
             elif leader:
-                _record_skip(Path(path), f"it failed to load: {cause}")
+                _record_skip(fs, Path(path), f"it failed to load: {cause}")
         finally:
             lease.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fsdp_ext.checkpoint.fs import DIRECTORY, LINK, MISSING, CheckpointFS
+from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.lock import LockOwner, lock_path
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -29,10 +29,11 @@ from fsdp_ext.checkpoint.manifest import (
     Manifest,
     UnsafeCheckpointError,
     check_record,
-    checksum_file,
-    read_manifest,
+    checksum_stream,
+    parse_manifest,
     read_plan_record,
 )
+from fsdp_ext.checkpoint.storage import DIRECTORY, FILE, LINK, MISSING, CheckpointStorage
 from fsdp_ext.checkpoint.unpickler import load_metadata
 from fsdp_ext.checkpoint.versions import Version, versions
 from fsdp_ext.checkpoint.writer import rank_done_name
@@ -78,31 +79,35 @@ class CheckpointReport:
         return "\n".join(lines)
 
 
-def verify_checkpoint(path, *, require_checksums: bool = True) -> CheckpointReport:
+def verify_checkpoint(
+    path, *, require_checksums: bool = True, fs: CheckpointStorage | None = None
+) -> CheckpointReport:
     """Verify the checkpoint at ``path``; never raises for a bad checkpoint.
 
     ``require_checksums``: a manifest recording no checksums (``checksums=False``) is a
     problem, because a changed byte would pass; with False, sizes alone are checked.
+    ``fs``: where it is stored (default: the local filesystem).
     """
     root = Path(path)
     report = CheckpointReport(str(root))
     try:
-        _verify(root, report, require_checksums)
+        _verify(fs if fs is not None else LocalStorage(), root, report, require_checksums)
     except Exception as exc:  # an unforeseen failure still gives a report, never a traceback
         report.problems.append(f"{root}: could not be verified ({type(exc).__name__}: {exc})")
     return report
 
 
-def _verify(root: Path, report: CheckpointReport, require_checksums: bool) -> None:
-    fs = CheckpointFS()
+def _verify(
+    fs: CheckpointStorage, root: Path, report: CheckpointReport, require_checksums: bool
+) -> None:
     directory = _resolve(fs, root, report)
     manifest = None
     if directory is not None:
-        manifest = _check_directory(directory, report, require_checksums)
+        manifest = _check_directory(fs, directory, report, require_checksums)
     _describe_neighbours(fs, root, report, manifest)
 
 
-def _resolve(fs: CheckpointFS, root: Path, report: CheckpointReport) -> Path | None:
+def _resolve(fs: CheckpointStorage, root: Path, report: CheckpointReport) -> Path | None:
     """The directory to check: the path itself, or the version it links to."""
     kind = fs.kind(root)
     if kind == LINK:
@@ -122,12 +127,17 @@ def _resolve(fs: CheckpointFS, root: Path, report: CheckpointReport) -> Path | N
     return root
 
 
-def _check_directory(directory: Path, report: CheckpointReport, require: bool) -> Manifest | None:
-    if not (directory / MANIFEST_NAME).is_file() and (directory / PLAN_NAME).is_file():
-        _report_unfinished(directory, report.problems)
+def _check_directory(
+    fs: CheckpointStorage, directory: Path, report: CheckpointReport, require: bool
+) -> Manifest | None:
+    manifest_path = directory / MANIFEST_NAME
+    if not _is_file(fs, manifest_path) and _is_file(fs, directory / PLAN_NAME):
+        _report_unfinished(fs, directory, report.problems)
         return None
     try:
-        manifest = read_manifest(directory)
+        manifest = None
+        if _is_file(fs, manifest_path):
+            manifest = parse_manifest(fs.read_bytes(manifest_path), str(manifest_path))
     except CheckpointIntegrityError as exc:
         report.problems.append(str(exc))
         return None
@@ -146,16 +156,16 @@ def _check_directory(directory: Path, report: CheckpointReport, require: bool) -
         report.files = manifest.files
         for rec in manifest.files.values():
             report.bytes_per_rank[rec.rank] = report.bytes_per_rank.get(rec.rank, 0) + rec.size
-            _check_file(directory / rec.name, rec, report, manifest.checksum)
-        if meta_path.is_file() and not _check_file(
-            meta_path, manifest.metadata, report, manifest.checksum
+            _check_file(fs, directory / rec.name, rec, report, manifest.checksum)
+        if _is_file(fs, meta_path) and not _check_file(
+            fs, meta_path, manifest.metadata, report, manifest.checksum
         ):
             return manifest  # altered metadata: do not even parse it
-    if not meta_path.is_file():
+    if not _is_file(fs, meta_path):
         report.problems.append(f"{meta_path}: missing (the save did not finish, or it was deleted)")
         return manifest
     try:
-        metadata = load_metadata(meta_path.read_bytes(), str(meta_path))
+        metadata = load_metadata(fs.read_bytes(meta_path), str(meta_path))
     except (CheckpointIntegrityError, UnsafeCheckpointError) as exc:
         report.problems.append(str(exc))
         return manifest
@@ -165,11 +175,18 @@ def _check_directory(directory: Path, report: CheckpointReport, require: bool) -
     return manifest
 
 
-def _check_file(path: Path, record: FileRecord, report: CheckpointReport, kind: str) -> bool:
-    if not path.is_file():
+def _is_file(fs: CheckpointStorage, path: Path) -> bool:
+    return fs.kind(path) == FILE
+
+
+def _check_file(
+    fs: CheckpointStorage, path: Path, record: FileRecord, report: CheckpointReport, kind: str
+) -> bool:
+    if not _is_file(fs, path):
         report.problems.append(f"{path}: missing ({record.size} bytes, rank {record.rank})")
         return False
-    size, checksum = checksum_file(path)
+    with fs.open_read(path) as stream:
+        size, checksum = checksum_stream(stream)
     try:
         check_record(str(path), record, size, None if kind == NO_CHECKSUM else checksum)
     except CheckpointIntegrityError as exc:
@@ -238,7 +255,7 @@ def _tiling_problem(size, chunks) -> str | None:
 
 
 def _describe_neighbours(
-    fs: CheckpointFS, root: Path, report: CheckpointReport, manifest: Manifest | None
+    fs: CheckpointStorage, root: Path, report: CheckpointReport, manifest: Manifest | None
 ) -> None:
     """Notes on the other versions of this path, and on a lock a save holds on it."""
     replaced = manifest.replaces if manifest is not None else None
@@ -249,7 +266,7 @@ def _describe_neighbours(
             continue
         report.notes.append(_describe(root, version, current, replaced))
         if not version.complete:
-            _report_unfinished(root.parent / version.name, report.notes, header=False)
+            _report_unfinished(fs, root.parent / version.name, report.notes, header=False)
     lock = lock_path(root)
     if fs.kind(lock) == LINK:
         owner = LockOwner.decode(fs.readlink(lock))
@@ -288,15 +305,17 @@ def _is_link_target(current: str) -> bool:
     return not current.startswith("save ")
 
 
-def _report_unfinished(partial: Path, lines: list[str], header: bool = True) -> None:
+def _report_unfinished(
+    fs: CheckpointStorage, partial: Path, lines: list[str], header: bool = True
+) -> None:
     """Name what a save that never published is missing: ranks, files, metadata."""
     if header:
         lines.append(f"{partial}: an unfinished save (never published)")
     plan_path = partial / PLAN_NAME
-    if not plan_path.is_file():
+    if not _is_file(fs, plan_path):
         return
     try:
-        expected = read_plan_record(plan_path.read_bytes(), str(plan_path))["files"]
+        expected = read_plan_record(fs.read_bytes(plan_path), str(plan_path))["files"]
     except CheckpointIntegrityError as exc:
         lines.append(str(exc))
         return
@@ -304,17 +323,19 @@ def _report_unfinished(partial: Path, lines: list[str], header: bool = True) -> 
     for name, info in sorted(expected.items()):
         by_rank[info["rank"]].append(name)
     for rank, names in sorted(by_rank.items()):
-        if not (partial / rank_done_name(rank)).is_file():
+        if not _is_file(fs, partial / rank_done_name(rank)):
             lines.append(
                 f"{partial / rank_done_name(rank)}: missing: rank {rank} did not finish writing "
                 f"{', '.join(names)}"
             )
     for rank, names in sorted(by_rank.items()):
-        lines += [f"{partial / n}: missing (rank {rank})" for n in names if not _exists(partial, n)]
+        lines += [
+            f"{partial / n}: missing (rank {rank})" for n in names if not _exists(fs, partial, n)
+        ]
     for name in (METADATA_NAME, MANIFEST_NAME):
-        if not (partial / name).is_file():
+        if not _is_file(fs, partial / name):
             lines.append(f"{partial / name}: missing (written after every rank finished)")
 
 
-def _exists(directory: Path, name: str) -> bool:
-    return "/" not in name and name not in ("", ".", "..") and (directory / name).is_file()
+def _exists(fs: CheckpointStorage, directory: Path, name: str) -> bool:
+    return "/" not in name and name not in ("", ".", "..") and _is_file(fs, directory / name)

@@ -3,7 +3,7 @@
 A save writes a complete new version in a directory beside the path, ``.NAME.v-<save id>``
 (every rank's files, ``.metadata``, the manifest, all fsynced), then publishes it in one
 atomic step. Which step depends on what the filesystem can do, found out once per
-filesystem by trying it (:meth:`CheckpointFS.can_exchange`):
+filesystem by trying it (:meth:`CheckpointStorage.can_exchange`):
 
 - **swap** (ext4, xfs, btrfs, tmpfs): the path is a real directory. The first save renames
   the version onto it; an overwrite swaps the two with ``renameat2(RENAME_EXCHANGE)``, so the
@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_ext.checkpoint.fs import DIRECTORY, FILE, LINK, MISSING, CheckpointFS
+from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.lock import LockOwner, acquire, lock_path, refuse_if_read, release
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -46,6 +46,7 @@ from fsdp_ext.checkpoint.manifest import (
     CheckpointPathError,
     Manifest,
 )
+from fsdp_ext.checkpoint.storage import DIRECTORY, FILE, LINK, MISSING, CheckpointStorage
 
 _VERSION = ".v-"
 TRASH_PREFIX = ".fsdp_ext-trash-"
@@ -97,7 +98,7 @@ class Version:
     plan: dict | None  # the plan record of an unfinished save
 
 
-def read_version(fs: CheckpointFS, target: Path, name: str) -> Version | None:
+def read_version(fs: CheckpointStorage, target: Path, name: str) -> Version | None:
     """The version ``name`` beside ``target`` if its records say it is one; else None."""
     if not is_version_name(name, target.name):
         return None
@@ -120,7 +121,7 @@ def read_version(fs: CheckpointFS, target: Path, name: str) -> Version | None:
     return None
 
 
-def _read_manifest(fs: CheckpointFS, directory: Path) -> Manifest | None:
+def _read_manifest(fs: CheckpointStorage, directory: Path) -> Manifest | None:
     try:
         raw = fs.read_bytes(directory / MANIFEST_NAME).decode()
         return Manifest.from_json(raw, str(directory / MANIFEST_NAME))
@@ -128,7 +129,7 @@ def _read_manifest(fs: CheckpointFS, directory: Path) -> Manifest | None:
         return None
 
 
-def versions(fs: CheckpointFS, target: Path) -> list[Version]:
+def versions(fs: CheckpointStorage, target: Path) -> list[Version]:
     """Every version directory beside ``target`` that its records prove is one."""
     if fs.kind(target.parent) != DIRECTORY:
         return []
@@ -151,7 +152,7 @@ class Target:
         return self.manifest.save_id if self.manifest is not None else None
 
 
-def inspect_target(fs: CheckpointFS, target: Path, *, overwrite: bool = True) -> Target:
+def inspect_target(fs: CheckpointStorage, target: Path, *, overwrite: bool = True) -> Target:
     """What is at ``target``. Raises, naming the path and what to do, with nothing written:
     :class:`CheckpointPathError` for what a checkpoint cannot replace (a regular file, a
     link elsewhere); :class:`CheckpointExistsError` (stock's ``RuntimeError`` and message)
@@ -200,7 +201,7 @@ def _refuse_existing(target: Path, overwrite: bool) -> None:
         )
 
 
-def choose_layout(fs: CheckpointFS, target: Path, found: Target, save_id: str) -> str:
+def choose_layout(fs: CheckpointStorage, target: Path, found: Target, save_id: str) -> str:
     """``SWAP``, ``LINKED`` or ``IN_PLACE`` for a save over ``found`` (see the module doc)."""
     if found.kind == "foreign":
         return IN_PLACE
@@ -211,13 +212,13 @@ def choose_layout(fs: CheckpointFS, target: Path, found: Target, save_id: str) -
 
 
 def publish(
-    fs: CheckpointFS, target: Path, version: str, save_id: str, sync: bool, layout: str
+    fs: CheckpointStorage, target: Path, version: str, save_id: str, sync: bool, layout: str
 ) -> None:
     """Make ``version`` the checkpoint at ``target`` in one atomic step."""
     staging = target.parent / version
     if layout == SWAP:
         if fs.kind(target) in (MISSING, DIRECTORY) and not _has_entries(fs, target):
-            fs.replace(staging, target)  # rename(2) replaces an empty directory
+            fs.rename(staging, target)  # rename(2) replaces an empty directory
         else:
             fs.exchange(staging, target)  # the old checkpoint (or link) now at ``staging``
     else:
@@ -225,7 +226,7 @@ def publish(
         fs.symlink(version, link)
         if fs.kind(target) == DIRECTORY:
             fs.rmdir(target)  # empty (checked under the lock); rename cannot replace a directory
-        fs.replace(link, target)
+        fs.rename(link, target)
     if sync:
         fs.fsync(target.parent)
     if layout == SWAP and fs.kind(staging) == LINK:
@@ -234,19 +235,21 @@ def publish(
         discard(fs, staging)  # the previous checkpoint
 
 
-def _has_entries(fs: CheckpointFS, path: Path) -> bool:
+def _has_entries(fs: CheckpointStorage, path: Path) -> bool:
     return fs.kind(path) == DIRECTORY and bool(fs.listdir(path))
 
 
-def discard(fs: CheckpointFS, path: Path) -> None:
+def discard(fs: CheckpointStorage, path: Path) -> None:
     """Remove a directory: renamed to a trash name first (one atomic step), then deleted;
     a kill meanwhile leaves only trash, which :func:`sweep_directory` removes."""
     trash = path.parent / f"{TRASH_PREFIX}{uuid.uuid4().hex}"
-    fs.replace(path, trash)
+    fs.rename(path, trash)
     fs.remove_tree(trash, missing_ok=True)
 
 
-def remove_leftovers(fs: CheckpointFS, target: Path, *, keep: str | None, published: bool) -> None:
+def remove_leftovers(
+    fs: CheckpointStorage, target: Path, *, keep: str | None, published: bool
+) -> None:
     """Remove what earlier saves of ``target`` left behind; call only under its lock.
 
     Before this save's publish (``published=False``) only unfinished versions go: a complete
@@ -282,7 +285,7 @@ def remove_leftovers(fs: CheckpointFS, target: Path, *, keep: str | None, publis
         sweep_directory(fs, parent, skip=target.name)
 
 
-def _remove_link_or_empty(fs: CheckpointFS, path: Path, target: Path) -> None:
+def _remove_link_or_empty(fs: CheckpointStorage, path: Path, target: Path) -> None:
     """A link to one of ``target``'s versions (a killed publish or swap), or an empty
     directory (a killed probe, or a version made and killed before its plan)."""
     kind = fs.kind(path)
@@ -296,7 +299,7 @@ def _remove_link_or_empty(fs: CheckpointFS, path: Path, target: Path) -> None:
         fs.rmdir(path)
 
 
-def sweep_directory(fs: CheckpointFS, parent: Path, *, skip: str | None = None) -> None:
+def sweep_directory(fs: CheckpointStorage, parent: Path, *, skip: str | None = None) -> None:
     """Remove what killed saves and prunes left of checkpoints in ``parent`` that no longer
     exist (the path missing, or a link to nothing): their versions, links, probes and
     stale locks; each under that path's lock, taken only if its holder is gone."""
@@ -332,7 +335,7 @@ def sweep_directory(fs: CheckpointFS, parent: Path, *, skip: str | None = None) 
 
 
 def sweep_in_place(
-    fs: CheckpointFS, target: Path, keep: Manifest | None, replaced: Manifest | None = None
+    fs: CheckpointStorage, target: Path, keep: Manifest | None, replaced: Manifest | None = None
 ) -> None:
     """In an in-place checkpoint, remove our data files that ``keep`` (the manifest now
     committed) does not list: those named with a save id, and those ``replaced`` (the
@@ -349,7 +352,7 @@ def sweep_in_place(
             fs.unlink(target / name)
 
 
-def remove_checkpoint(path, fs: CheckpointFS | None = None) -> None:
+def remove_checkpoint(path, fs: CheckpointStorage | None = None) -> None:
     """Delete a checkpoint, crash-safely: a kill at any step leaves nothing that the next
     save or prune in the same directory does not remove.
 
@@ -357,7 +360,7 @@ def remove_checkpoint(path, fs: CheckpointFS | None = None) -> None:
     deleted; a link is removed first (the checkpoint disappears whole), then its versions
     the same way. Works for every layout; ``shutil.rmtree`` does too on a directory.
     """
-    fs = fs or CheckpointFS()
+    fs = fs if fs is not None else LocalStorage()
     target = Path(path)
     owner = LockOwner.here(f"remove-{uuid.uuid4().hex[:8]}")
     acquire(fs, target, owner)

@@ -17,7 +17,8 @@ metadata last, when the path holds files this writer did not write). A save runs
    stock reader loads it) and ``.manifest.json`` (size and CRC-32 of every file), fsyncs,
    publishes, removes the versions it replaced and releases the lock.
 
-Every filesystem operation goes through ``self.fs`` (:class:`CheckpointFS`).
+Every storage operation goes through ``self.fs``, a
+:class:`~fsdp_ext.checkpoint.storage.CheckpointStorage` (default: the local filesystem).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from fsdp_ext._torch import write_files
-from fsdp_ext.checkpoint.fs import MISSING, CheckpointFS, is_out_of_space
+from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
 from fsdp_ext.checkpoint.lock import LockOwner, acquire, release
 from fsdp_ext.checkpoint.manifest import (
@@ -64,6 +65,7 @@ from fsdp_ext.checkpoint.manifest import (
     plan_record_bytes,
 )
 from fsdp_ext.checkpoint.planner import item_key
+from fsdp_ext.checkpoint.storage import MISSING, CheckpointStorage, is_out_of_space
 from fsdp_ext.checkpoint.versions import (
     IN_PLACE,
     LINKED,
@@ -124,7 +126,8 @@ class SpreadFileSystemWriter(FileSystemWriter):
     skips the hashing (for measuring its cost; the verified reader then refuses to load
     unless told ``require_checksums=False``). Files hold runs of whole layers of at least
     ``min_file_bytes`` (0: one file per layer per rank). ``fs`` replaces the filesystem
-    operations (default: :class:`CheckpointFS`, the local POSIX filesystem).
+    operations (default: :class:`~fsdp_ext.checkpoint.fs.LocalStorage`); any
+    :class:`~fsdp_ext.checkpoint.storage.CheckpointStorage` puts checkpoints elsewhere.
     """
 
     def __init__(
@@ -142,7 +145,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         layer_key: LayerKey | None = default_layer_key,
         checksums: bool = True,
         min_file_bytes: int | None = None,
-        fs: CheckpointFS | None = None,
+        fs: CheckpointStorage | None = None,
     ) -> None:
         """Stock ``FileSystemWriter``'s arguments, in its order, then ours.
 
@@ -159,8 +162,10 @@ class SpreadFileSystemWriter(FileSystemWriter):
             )
         if not isinstance(checksums, bool):
             raise TypeError(f"checksums must be a bool, got {checksums!r}")
-        if fs is not None and not isinstance(fs, CheckpointFS):
-            raise TypeError(f"fs must be a CheckpointFS (or a subclass), got {fs!r}")
+        if fs is not None and not isinstance(fs, CheckpointStorage):
+            raise TypeError(
+                f"fs must be a CheckpointStorage (LocalStorage, or another backend), got {fs!r}"
+            )
         if min_file_bytes is None:
             min_file_bytes = 64 << 20 if single_file_per_rank else 0
         if not isinstance(min_file_bytes, int) or min_file_bytes < 0:
@@ -179,7 +184,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         self.layer_key = layer_key
         self.checksums = checksums
         self.min_file_bytes = min_file_bytes
-        self.fs = fs if fs is not None else CheckpointFS()
+        self.fs = fs if fs is not None else LocalStorage()
         self.fs.checksums = checksums
         self._save: _Save | None = None
 
@@ -448,9 +453,9 @@ class SpreadFileSystemWriter(FileSystemWriter):
         )
         tmp = staging / MANIFEST_TEMP
         fs.write_file(tmp, manifest.to_json().encode(), self.sync_files)
-        fs.replace(tmp, staging / MANIFEST_NAME)
+        fs.rename(tmp, staging / MANIFEST_NAME)
         if in_place:
-            fs.replace(meta_path, staging / METADATA_NAME)
+            fs.rename(meta_path, staging / METADATA_NAME)
         fs.unlink(staging / PLAN_NAME)
         for rank in range(len(results)):
             with contextlib.suppress(FileNotFoundError):  # diagnostic, not fsynced

@@ -4,9 +4,9 @@ import os
 import sys
 from pathlib import Path
 
-from fsdp_ext.checkpoint.fs import CheckpointFS
+from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.lock import LockOwner, acquire
 
-acquire(CheckpointFS(), Path(sys.argv[1]), LockOwner.here("save-dead"))
+acquire(LocalStorage(), Path(sys.argv[1]), LockOwner.here("save-dead"))
 print(os.getpid(), flush=True)
 os._exit(0)
