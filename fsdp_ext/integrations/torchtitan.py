@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Shard
 
-from fsdp_ext._torch import ShardPlacementResult, fsdp_mesh_info, fsdp_state_id
+from fsdp_ext._torch import ShardPlacementResult, fsdp_mesh_info, fsdp_units
 from fsdp_ext.comm import CommConfig, CommHandle, LoCoConfig, enable
 from fsdp_ext.integrations._common import comm_from_arguments, hpz_reshard_after_forward
 from fsdp_ext.wrap import GranularityPolicy, WrapPlan, check_wrap, fully_shard
@@ -319,13 +319,11 @@ def _prefetch_in_order(model: nn.Module) -> None:
     head = model.tok_embeddings
     tail = [model.norm, model.lm_head] if model.norm is not None and model.lm_head else []
     fixed = {id(m) for m in (head, *tail) if m is not None}
-    body, seen = [], set()
-    for module in model.layers.modules():
-        if isinstance(module, FSDPModule) and id(module) not in fixed:
-            state = fsdp_state_id(module)
-            if state not in seen:
-                seen.add(state)
-                body.append(module)
+    body = [
+        unit.modules[0]
+        for unit in fsdp_units(model.layers)
+        if not fixed.intersection(map(id, unit.modules))
+    ]
     if not body:
         return
     if head is not None:

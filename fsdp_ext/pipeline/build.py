@@ -12,10 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from fsdp_ext._torch import ReduceScatter
+from fsdp_ext._torch import ReduceScatter, fsdp_units
 from fsdp_ext.comm import CommConfig, LoCoConfig, enable
 from fsdp_ext.moe import MoE, apply_expert_parallel, shard_moe_model
 from fsdp_ext.parallel_dims import ParallelDims
@@ -248,7 +247,6 @@ def _register_comm(module: nn.Module, comm):
         return None
     if isinstance(comm, CommConfig):
         return enable(module, comm) if comm.enabled else None
-    for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            unit.set_custom_reduce_scatter(comm)
+    for unit in fsdp_units(module):
+        unit.modules[0].set_custom_reduce_scatter(comm)
     return None

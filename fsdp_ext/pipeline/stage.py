@@ -20,7 +20,7 @@ from typing import Any
 
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_ext._torch import PipelineStageBase
+from fsdp_ext._torch import PipelineStageBase, fsdp_units
 
 GRAD_SYNC_MODES = ("deferred", "per_microbatch")
 
@@ -88,9 +88,8 @@ class FSDPPipelineStage(PipelineStageBase):
 
 
 def _reshard(root: FSDPModule) -> None:
-    for module in root.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    for unit in fsdp_units(root):
+        unit.modules[0].reshard()
 
 
 class _Plain:
