@@ -52,9 +52,10 @@ def resume_step(
         disk = int(latest.name.removeprefix("step-")) if latest is not None else 0
         step = snaps.restore(at_least=max(disk, 1))
         if step is not None:
+            peers = f", ranks {snaps.recovered} from their peer's copy" if snaps.recovered else ""
             log(
                 f"resumed from {snaps.dir}/step-{step:07d} at step {step} (in-memory "
-                f"snapshot; the newest on disk is step {disk})"
+                f"snapshot{peers}; the newest on disk is step {disk})"
             )
             return step
     step = ckpt.resume()

@@ -148,6 +148,7 @@ class Snapshots:
         self.keep = keep
         root = Path(root or os.environ.get(SNAPSHOT_ROOT_ENV) or "/dev/shm")
         self.dir = root / f"fsdp_ext-snapshots-{job}"
+        self.recovered: list[int] = []  # ranks the last restore sent their peer's copy
 
     @property
     def peer(self) -> int | None:
@@ -240,6 +241,7 @@ class Snapshots:
         if not whole:
             return None
         chosen = max(whole)
+        self.recovered = [r for r in range(self.world) if holders[(chosen, r)] != r]
         blob = self._gather_own(chosen, holders, everyone)
         _, payload = read_snapshot(blob)
         saved = torch.load(io.BytesIO(payload), weights_only=True)
