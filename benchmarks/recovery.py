@@ -137,14 +137,19 @@ def measure(name: str, result, baseline: dict | None, step_s: float | None) -> d
         return row
     lost_at = result.faults[-1].at_s  # node 1's loss (the last fault struck)
     loading = [at for what, at in parsed["resumes"] if what == "loading" and at >= lost_at]
-    resumed = [what for what, _at in parsed["resumes"] if what != "loading"]
-    after = [s for s in parsed["steps"] if s[3] >= lost_at]
-    before = [s for s in parsed["steps"] if s[3] < result.faults[0].at_s]
+    resumes = [(what, at) for what, at in parsed["resumes"] if what != "loading"]
+    back = [(what, at) for what, at in resumes if at >= lost_at]
+    # a step under way when the fault struck may still print: the new steps are those
+    # after the resumed line, the lost ones those before the first restart's
+    resumed_at = back[0][1] if back else float("inf")
+    first_resume = resumes[0][1] if resumes else float("inf")
+    after = [s for s in parsed["steps"] if s[3] >= resumed_at]
+    before = [s for s in parsed["steps"] if s[3] < first_resume]
     row["detect_s"] = round(loading[0] - lost_at, 2) if loading else None
     row["restart_s"] = round(after[0][3] - lost_at, 2) if after else None
-    if resumed and before:
-        row["resumed_from"] = resumed[-1]
-        row["lost_steps"] = before[-1][0] - resumed[-1]
+    if back and before:
+        row["resumed_from"] = back[-1][0]
+        row["lost_steps"] = before[-1][0] - resumes[0][0]
     if baseline is not None:
         straight = {s[0]: s[1] for s in baseline["steps"]}
         gaps = [abs(s[1] - straight[s[0]]) for s in after if s[0] in straight]
