@@ -44,7 +44,7 @@ from fsdp_ext.lab.storage import StorageServer, mount_node_ram, mount_shared, st
 __all__ = ["DEFAULT_TIMEOUT_S", "Cluster", "LabResult"]
 
 DEFAULT_TIMEOUT_S = 900.0
-QUIET_WAIT_S = 2.0
+QUIET_WAIT_S = 10.0  # a loaded machine takes up to a second per reading of all nodes
 
 
 @dataclass(frozen=True)
@@ -255,7 +255,8 @@ class Cluster:
     def quiet_link_bytes(self) -> list[NodeBytes]:
         """Every node's counters at a moment no frame is on its way: the nodes are read one
         after the other, so a frame sent between two reads would count as sent on one end
-        and not yet received on the other. Read until two readings agree (2 s at most)."""
+        and not yet received on the other. Read until two readings agree (10 s at most:
+        the links are silent between jobs, so the first two readings agree)."""
         reading = self.link_bytes()
         deadline = time.monotonic() + QUIET_WAIT_S
         while time.monotonic() < deadline:
