@@ -63,6 +63,7 @@ def _fill(template: Any, saved: Any, where: str) -> Any:
         local = template.to_local()
         if local.shape != saved.shape:
             raise ValueError(f"{where}: shard shape {tuple(saved.shape)} != {tuple(local.shape)}")
+        local.copy_(saved)
         return template
     if isinstance(template, torch.Tensor) and isinstance(saved, torch.Tensor):
         if template.shape == saved.shape and template.dtype == saved.dtype:
