@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -136,3 +137,16 @@ def test_a_lost_nodes_shards_come_back_from_its_peers_copy(tmp_path):
     assert all(r["exact"] for r in ranks)
     assert all(r["recovered"] == [2, 3] for r in ranks)
     assert all(r["back"] for r in ranks)
+
+
+def test_snapshot_flag_needs_disk_checkpoints_in_one_line(capsys):
+    """--snapshot-every without --ckpt-every is refused before any worker starts, in one
+    line naming the flag and the fix (the disk stays the source of truth)."""
+    from examples.config import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--snapshot-every", "2"])
+    assert exc.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "--snapshot-every" in line and "--ckpt-every" in line
+    assert parse_args(["--snapshot-every", "2", "--ckpt-every", "4"]).snapshot_every == 2
