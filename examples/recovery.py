@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from examples.config import TrainConfig
 from fsdp_ext import Checkpointer
-from fsdp_ext.checkpoint.snapshot import Snapshots
+from fsdp_ext.checkpoint import Snapshots
 
 __all__ = ["INTERRUPTED", "ending", "resume_step", "snapshots"]
 
@@ -77,7 +77,7 @@ def ending() -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         print("train.py: interrupted", file=sys.stderr, flush=True)
-        os._exit(INTERRUPTED)
+        sys.exit(INTERRUPTED)
     except Exception:
         if "TORCHELASTIC_RUN_ID" not in os.environ:
             raise

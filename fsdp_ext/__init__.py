@@ -4,8 +4,8 @@ The public surface: every name below, re-exported from its room (``fsdp_ext.wrap
 ``fsdp_ext.comm``, ``fsdp_ext.moe``, ``fsdp_ext.checkpoint``, ``fsdp_ext.pipeline``).
 """
 
-import fsdp_ext._interrupt  # first: Ctrl-C while torch imports is one line, status 130
-import fsdp_ext._source_tree  # (it maps fsdp_ext.kernels in a source tree)
+import fsdp_ext._interrupt  # before torch: Ctrl-C while it imports is one line, status 130
+import fsdp_ext._source_tree  # noqa: F401  (first: it maps fsdp_ext.kernels in a source tree)
 from fsdp_ext.checkpoint import (
     CheckpointBusyError,
     Checkpointer,
@@ -121,5 +121,3 @@ __all__ = [
     "unit_sizes",
     "verify_checkpoint",
 ]
-
-fsdp_ext._interrupt.release()  # last: Ctrl-C is the program's again
