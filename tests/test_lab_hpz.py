@@ -5,10 +5,12 @@
 backward, only the barriers around the measurement; its loopback carries the node-local
 gathers. With a full reshard the same backward sends the int8 weights across the link.
 
-The job uses the static rendezvous: under c10d, node 1's torchrun agent reads the
-rendezvous state from node 0's store once a second (its monitor loop's
-``num_nodes_waiting``), a few KB each time, so the bytes in the measured window grew with
-its length, and a loaded machine's slow backward failed the bound below.
+Why it was flaky under load, and the fixes: node 0's other rank ran ahead of local rank 0's
+reading into the next step's forward, whose qwZ all-gather sent int8 shards across the
+link inside the window (hpz_check.py now fences each reading with a barrier on both
+sides); and under c10d, node 1's torchrun agent reads the rendezvous state from node 0's
+store once a second, a few KB each time, so the window's bytes grew with its length (the
+job uses the static rendezvous, whose agents send nothing while it runs).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def test_backward_all_gathers_stay_on_the_node(ranks):
         # hpZ: every backward gather was node-local (4 units per step), in full precision
         assert all(r["node"]["stats"]["intra_node_gathers"] == 4 * STEPS for r in mine)
         assert all(r["node"]["stats"]["quantized_gathers"] == 4 * STEPS for r in mine)  # forward
-        # What else crosses in that window: the barrier after each backward (the static
+        # What else crosses in that window: the barriers around it (the static
         # rendezvous's agents send nothing while the job runs, and the lab's links carry
         # no IPv6 chatter). One gather leaving the node would add at least one rank's share
         # of it: over 500 KB here.
