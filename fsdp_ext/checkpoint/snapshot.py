@@ -252,14 +252,14 @@ class Snapshots:
     def _gather_own(self, step: int, holders: dict, everyone: list[dict]) -> bytes:
         """This rank's file of ``step``: from its node's RAM, else sent by the rank that
         holds the copy (its peer); a received copy is kept in this node's RAM again."""
-        works, keep_alive = [], []
+        works, outgoing = [], []  # outgoing: buffers alive until sent
         for owner in range(self.world):
             holder = holders[(step, owner)]
             if holder != owner and self.rank == holder:
                 data = torch.frombuffer(
                     bytearray(self._file(step, owner).read_bytes()), dtype=torch.uint8
                 )
-                keep_alive.append(data)
+                outgoing.append(data)
                 works.append(dist.isend(data, owner))
         got = None
         holder = holders[(step, self.rank)]
