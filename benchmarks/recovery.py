@@ -13,7 +13,7 @@ one of three moments:
 - ``replace``: as ``step``, in a fixed-size job (2 nodes) whose lost node the lab replaces
   (``--replace-failed``), as a scheduler would; ``replace+snapshots``: the same with
   ``--snapshot-every K``, where the fresh node's ranks get their shards from the copy node
-  0 holds in RAM (Gemini), and lose fewer than K steps instead of a checkpoint interval.
+  0 holds in RAM (Gemini), and lose at most K steps instead of a checkpoint interval.
 
 Per scenario: ``detect_s`` (from the loss to the restarted workers starting to load),
 ``restart_s`` (to the first new step), ``lost_steps`` (steps done twice), ``goodput`` (the
