@@ -9,20 +9,29 @@ one of three moments:
 
 - ``step``: in the middle of a checkpoint interval, during a step;
 - ``save``: right after a checkpointed step's line, while its checkpoint is written;
-- ``load``: rank 3 is killed first; node 1 is lost while the restarted workers load.
+- ``load``: rank 3 is killed first; node 1 is lost while the restarted workers load;
+- ``replace``: as ``step``, in a fixed-size job (2 nodes) whose lost node the lab replaces
+  (``--replace-failed``), as a scheduler would; ``replace+snapshots``: the same with
+  ``--snapshot-every K``, where the fresh node's ranks get their shards from the copy node
+  0 holds in RAM (Gemini), and lose at most K steps instead of a checkpoint interval.
 
 Per scenario: ``detect_s`` (from the loss to the restarted workers starting to load),
 ``restart_s`` (to the first new step), ``lost_steps`` (steps done twice), ``goodput`` (the
 baseline's step time x steps / wall time) and ``loss_gap`` (the largest difference between
 the resumed losses and the uninterrupted run's at the same steps; the resumed run has 2
 ranks instead of 4, so float rounding only). A run without failures is the baseline, in
-the same invocation. The last line is one JSON object.
+the same invocation. ``breakdown`` splits ``restart_s``: torchrun's detection (from the
+loss to node 0's agent declaring its worker group failed) and rendezvous (from its INFO log),
+then the new rank 0's own phases (its ``startup |`` line): spawn, interpreter and imports,
+process group, model, corpus, checkpoint load, first step. The last line is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import re
 import statistics
 import sys
@@ -39,21 +48,67 @@ TINY += ["--n-heads", "2", "--hidden-dim", "32", "--num-experts", "2", "--val-ba
 TINY += ["--log-every", "1", "--comm", "default"]
 STEP = re.compile(r"^step\s+(\d+) \| loss (\S+) .*\|\s+(\S+) ms/step")
 RESUMED = re.compile(r"resumed from \S+step-(\d+) at step")
+STARTUP = re.compile(r"startup \| (.*) \| process start (\S+)")
+AGENT_LINE = re.compile(r"^[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+) ")
+SURVIVORS = {"max_restarts": 3, "min_nodes": 1}  # node 1 lost: node 0 goes on alone
+REPLACED = {"max_restarts": 3, "replace_failed": True}  # 2 nodes: a fresh node 1 joins
 
 
-def scenarios(steps: int, every: int) -> dict[str, list[Fault]]:
+def snapshot_every(every: int) -> int:
+    return max(1, every // 4)
+
+
+def scenarios(steps: int, every: int) -> dict[str, tuple[list[Fault], dict, list[str]]]:
+    """name: (faults, the lab's elastic options, train.py's extra flags)."""
     mid = steps // 2 + every // 2  # half way through an interval
     save = (steps // 2 // every + 1) * every  # a checkpointed step
     kill_1 = Fault("kill-node", 1, on_output=f"step {mid:5d} |")
+    snap = ["--snapshot-every", str(snapshot_every(every))]
     return {
-        "baseline": [],
-        "step": [kill_1],
-        "save": [Fault("kill-node", 1, on_output=f"step {save:5d} |")],
-        "load": [
-            Fault("kill-rank", 3, on_output=f"step {mid:5d} |"),
-            Fault("kill-node", 1, on_output="resuming:"),
-        ],
+        "baseline": ([], SURVIVORS, []),
+        "step": ([kill_1], SURVIVORS, []),
+        "save": ([Fault("kill-node", 1, on_output=f"step {save:5d} |")], SURVIVORS, []),
+        "load": (
+            [
+                Fault("kill-rank", 3, on_output=f"step {mid:5d} |"),
+                Fault("kill-node", 1, on_output="resuming:"),
+            ],
+            SURVIVORS,
+            [],
+        ),
+        "replace": ([kill_1], REPLACED, []),
+        "replace+snapshots": ([kill_1], REPLACED, snap),
     }
+
+
+def _agent_times(console: str, day: datetime.datetime) -> list[tuple[float, str]]:
+    """(seconds since the epoch, text) of torchrun's own log lines (INFO and up)."""
+    out = []
+    for line in console.splitlines():
+        if m := AGENT_LINE.match(line):
+            h, mnt, sec = int(m.group(1)), int(m.group(2)), float(m.group(3))
+            at = day.replace(hour=h, minute=mnt, second=0, microsecond=0).timestamp() + sec
+            out.append((at, line))
+    return out
+
+
+def breakdown(result, lost_at: float) -> dict | None:
+    """Where restart_s went: torchrun's detection and rendezvous, the new rank 0's phases."""
+    lost = result.started_at + lost_at
+    day = datetime.datetime.fromtimestamp(result.started_at)
+    agent = [(t, ln) for t, ln in _agent_times(result.consoles[0], day) if t >= lost]
+    failed = next((t for t, ln in agent if "Worker group FAILED" in ln), None)
+    rdzv = next((t for t, ln in agent if "Rendezvous complete" in ln), None)
+    starts = [STARTUP.search(ln) for ln in result.output.splitlines()]
+    after = [m for m in starts if m and float(m.group(2)) >= lost]
+    if failed is None or rdzv is None or not after:
+        return None
+    row = {"detect": round(failed - lost, 2), "rendezvous": round(rdzv - failed, 2)}
+    row["spawn"] = round(float(after[0].group(2)) - rdzv, 2)
+    for part in after[0].group(1).split(" | "):  # "interpreter+imports 6.10 s"
+        name, _, secs = part.removesuffix(" s").rpartition(" ")
+        row[name] = float(secs)
+    return row
 
 
 def parse(result) -> dict:
@@ -82,18 +137,24 @@ def measure(name: str, result, baseline: dict | None, step_s: float | None) -> d
         return row
     lost_at = result.faults[-1].at_s  # node 1's loss (the last fault struck)
     loading = [at for what, at in parsed["resumes"] if what == "loading" and at >= lost_at]
-    resumed = [what for what, _at in parsed["resumes"] if what != "loading"]
-    after = [s for s in parsed["steps"] if s[3] >= lost_at]
-    before = [s for s in parsed["steps"] if s[3] < result.faults[0].at_s]
+    resumes = [(what, at) for what, at in parsed["resumes"] if what != "loading"]
+    back = [(what, at) for what, at in resumes if at >= lost_at]
+    # a step under way when the fault struck may still print: the new steps are those
+    # after the resumed line, the lost ones those before the first restart's
+    resumed_at = back[0][1] if back else float("inf")
+    first_resume = resumes[0][1] if resumes else float("inf")
+    after = [s for s in parsed["steps"] if s[3] >= resumed_at]
+    before = [s for s in parsed["steps"] if s[3] < first_resume]
     row["detect_s"] = round(loading[0] - lost_at, 2) if loading else None
     row["restart_s"] = round(after[0][3] - lost_at, 2) if after else None
-    if resumed and before:
-        row["resumed_from"] = resumed[-1]
-        row["lost_steps"] = before[-1][0] - resumed[-1]
+    if back and before:
+        row["resumed_from"] = back[-1][0]
+        row["lost_steps"] = before[-1][0] - resumes[0][0]
     if baseline is not None:
         straight = {s[0]: s[1] for s in baseline["steps"]}
         gaps = [abs(s[1] - straight[s[0]]) for s in after if s[0] in straight]
         row["loss_gap"] = round(max(gaps), 5) if gaps else None
+    row["breakdown"] = breakdown(result, lost_at)
     row["faults"] = [f"{e.at_s:.1f} s: {e.note}" for e in result.faults]
     return row
 
@@ -138,13 +199,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     steps, every = (16, 4) if args.quick else (60, 10)
     results, parsed = {}, {}
+    env = {**os.environ, "LOGLEVEL": "INFO"}  # torchrun's agent logs its steps, with times
     with Cluster(2, 2, "1gbit") as lab:
-        for name, faults in scenarios(steps, every).items():
+        for name, (faults, elastic, flags) in scenarios(steps, every).items():
             out = lab.shared_dir / name
             program = [str(REPO / "examples" / "train.py"), *TINY, "--steps", str(steps)]
-            program += ["--ckpt-every", str(every), "--out", str(out)]
+            program += ["--ckpt-every", str(every), "--out", str(out), *flags]
             results[name] = lab.run(
-                program, max_restarts=3, min_nodes=1, faults=faults, timeout=args.timeout
+                program, env=env, faults=faults, timeout=args.timeout, **elastic
             )
             parsed[name] = parse(results[name])
             print(
@@ -157,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
     for row in rows:
         print(json.dumps(row))
     if args.plot is not None:
-        fault_step = int(scenarios(steps, every)["step"][0].on_output.split()[1])
+        fault_step = int(scenarios(steps, every)["step"][0][0].on_output.split()[1])
         lost_at = results["step"].faults[-1].at_s if results["step"].faults else float("inf")
         plot(base, parsed["step"], lost_at, fault_step, args.plot)
     failed = [r for r in rows if r["scenario"] != "baseline"]
@@ -166,6 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
         "lab": "2 nodes x 2 ranks, 1gbit",
         "steps": steps,
         "ckpt_every": every,
+        "snapshot_every": snapshot_every(every),
         "baseline_wall_s": rows[0]["wall_s"],
         "baseline_goodput": rows[0].get("goodput"),
         "all_finished": all(r["rc"] == 0 and r["final_step"] == steps for r in rows),
@@ -182,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "loss_gap",
                     "wall_s",
                     "world_at_end",
+                    "breakdown",
                 )
             }
             for r in rows

@@ -159,6 +159,13 @@ class TrainConfig:
     val_batches: int = _arg(8, "validation batches at the end of the run", low=1)
     ckpt_every: int = _arg(0, "save a checkpoint every N steps (0: never)", low=0)
     keep: int = _arg(3, "complete checkpoints kept on disk, the newest", low=1)
+    snapshot_every: int = _arg(
+        0,
+        "every N steps, keep a snapshot of each rank's shards in its node's RAM (/dev/shm) "
+        "and a copy on the next node; a restart loads the freshest intact one, else the "
+        "disk checkpoint (0: never; needs --ckpt-every)",
+        low=0,
+    )
     resume: str = _arg(
         "auto",
         "continue the run in --out from its newest intact checkpoint: 'auto' when this job "
@@ -249,6 +256,14 @@ class TrainConfig:
                 f"step, got {self.microbatches}",
             )
         self._check_zeropp()
+        if self.snapshot_every and not self.ckpt_every:
+            raise ConfigError(
+                "--snapshot-every",
+                "needs --ckpt-every N (disk checkpoints stay the source of truth; a snapshot "
+                "only saves the steps since the last one)",
+            )
+        if self.snapshot_every and self.pp > 1:
+            raise ConfigError("--snapshot-every", "not under --pp > 1; use --ckpt-every alone")
         k = self.intra_node_size
         if k is not None and k != "auto" and (not isinstance(k, int) or k < 1):
             raise ConfigError("--intra-node-size", f"must be an int >= 1 or 'auto', got {k!r}")

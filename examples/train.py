@@ -24,6 +24,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `examples` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import fsdp_ext  # noqa: F401  (before torch: a Ctrl-C while it imports is one line)
 
 import torch
 import torch.distributed as dist
@@ -45,8 +46,10 @@ from examples.config import (
     parse_args,
     run_record,
 )
-from examples.data import get_batch, load_corpus, unigram_entropy
+from examples.data import get_batch, unigram_entropy
 from examples.model import Transformer
+from examples.recovery import ending, resume_step, snapshots
+from examples.startup import StartupClock, cached_corpus
 from fsdp_ext import (
     Checkpointer,
     CommHandle,
@@ -248,10 +251,17 @@ def checkpointer(cfg: TrainConfig, par: Parallel, optimizer, scheduler, device) 
 # ---------------------------------------------------------------- the training loop
 
 
-def train(cfg: TrainConfig, *, parallelize: Callable[..., Parallel] = parallelize) -> dict:
+def train(
+    cfg: TrainConfig,
+    clock: StartupClock | None = None,
+    *,
+    parallelize: Callable[..., Parallel] = parallelize,
+) -> dict:
     """Train inside an initialised process group; return the per-step losses and summary.
-    ``parallelize`` (default :func:`parallelize`) shards the model and returns its
-    :class:`Parallel`: the seam through which a benchmark measures or swaps the comms."""
+    ``clock``: this worker's start, reported by rank 0 after the first step. ``parallelize``
+    (default :func:`parallelize`) shards the model and returns its :class:`Parallel`: the
+    seam through which a benchmark measures or swaps the comms."""
+    clock = clock or StartupClock()
     rank, world = dist.get_rank(), dist.get_world_size()
     check_world(cfg, world)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else None
@@ -271,32 +281,38 @@ def train(cfg: TrainConfig, *, parallelize: Callable[..., Parallel] = paralleliz
         params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    clock.mark("model")
     mode = cfg.resume_mode()
     ckpt = None
     if cfg.ckpt_every or mode == "always":
         ckpt = checkpointer(cfg, par, optimizer, scheduler, device)
     try:
-        return _train_loop(cfg, par, params, optimizer, scheduler, ckpt, mode, dims, device, log)
+        snaps = snapshots(cfg, ckpt, fresh=mode == "never")
+        summary = _train_loop(
+            cfg, par, params, optimizer, scheduler, (ckpt, snaps), mode, dims, device, log, clock
+        )
+        if snaps is not None:
+            snaps.clear()  # the job is done: nothing of it stays in the nodes' RAM
+        return summary
     finally:
         if ckpt is not None:
             ckpt.close()
 
 
-def _train_loop(cfg, par, params, optimizer, scheduler, ckpt, mode, dims, device, log) -> dict:
+def _train_loop(
+    cfg, par, params, optimizer, scheduler, saving, mode, dims, device, log, clock
+) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    corpus = load_corpus()
+    ckpt, snaps = saving  # disk checkpoints, in-memory snapshots (or None)
+    corpus = cached_corpus()
+    clock.mark("corpus")
     step = 0
     if mode == "always":
-        log(f"resuming: loading the newest intact checkpoint under {cfg.checkpoint_root}")
-        step = ckpt.resume()
-        if step == 0:
-            raise FileNotFoundError(
-                f"--resume: no intact checkpoint under {cfg.checkpoint_root} (see the warnings)"
-            )
-        log(f"resumed from {cfg.checkpoint_dir(step)} at step {step}")
+        step = resume_step(cfg, ckpt, snaps, log)
     elif ckpt is not None and rank == 0:
         record = run_record(cfg, world)
         (cfg.checkpoint_root / RUN_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    clock.mark("load")
 
     # each data-parallel rank trains on its slice of the global batch
     local = cfg.batch_size // dims.dp
@@ -319,6 +335,10 @@ def _train_loop(cfg, par, params, optimizer, scheduler, ckpt, mode, dims, device
         scheduler.step()
         step += 1
         step_ms.append((time.perf_counter() - t0) * 1e3)
+        if not clock.reported:
+            clock.mark("first step")
+            clock.reported = True
+            log(clock.line())
         if step % cfg.log_every == 0 or step == end_step:
             ms = statistics.median(step_ms[-cfg.log_every :])
             log(
@@ -327,6 +347,8 @@ def _train_loop(cfg, par, params, optimizer, scheduler, ckpt, mode, dims, device
             )
         if cfg.ckpt_every and step % cfg.ckpt_every == 0:
             ckpt.save(step)
+        if snaps is not None and step % cfg.snapshot_every == 0:
+            snaps.save(step)
 
     for part in par.parts:
         part.eval()
@@ -456,12 +478,15 @@ def main(argv: list[str] | None = None, *, own_process_group: bool = True) -> di
         launch_owning(argv, cfg)
         return None
     exit_with_launcher()  # under torchrun: an orphan never keeps training
+    clock = StartupClock()
+    clock.mark("interpreter+imports")
     if own_process_group:
         init_distributed(cfg)
+    clock.mark("process group")
     try:
         t0 = time.perf_counter()
         try:
-            summary = train(cfg)
+            summary = train(cfg, clock)
         except DirectoryOwnedError as exc:
             if dist.get_rank() == 0:
                 print(f"train.py: error: argument --out: {exc}", file=sys.stderr, flush=True)
@@ -493,4 +518,5 @@ def main(argv: list[str] | None = None, *, own_process_group: bool = True) -> di
 
 
 if __name__ == "__main__":
-    main()
+    with ending():
+        main()

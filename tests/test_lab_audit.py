@@ -204,3 +204,21 @@ def test_a_lab_started_under_another_tmpdir_is_found_by_the_cleanup(monkeypatch,
             import shutil
 
             shutil.rmtree(names.workdir)
+
+
+def test_idle_links_carry_nothing_and_each_node_has_its_own_ram():
+    """A lab's fabric is silent while no job runs, from the moment it is built (mutant: IPv6
+    left on, whose router solicitations and MLD reports of a link coming up are counted),
+    and each node's /dev/shm is its own: another node and the host do not see what it
+    keeps in RAM (mutant: no tmpfs of the node's own)."""
+    require_lab()
+    with Cluster(2, 1, "100mbit") as lab:
+        first = lab.link_bytes()
+        time.sleep(2.0)
+        last = lab.link_bytes()
+        assert [(b.link_tx, b.link_rx) for b in first + last] == [(0, 0)] * 4
+        name = f"fsdp_ext_ram_probe_{lab.run_id}"
+        lab.exec(0, ["sh", "-c", f"echo kept > /dev/shm/{name}"])
+        assert lab.exec(0, ["cat", f"/dev/shm/{name}"]).stdout == "kept\n"
+        assert lab.exec(1, ["ls", "/dev/shm"]).stdout.split() == []
+        assert not Path("/dev/shm", name).exists()

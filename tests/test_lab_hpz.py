@@ -4,6 +4,13 @@
 (the node size from torchrun's ``LOCAL_WORLD_SIZE``) each node's link carries, during
 backward, only the barriers around the measurement; its loopback carries the node-local
 gathers. With a full reshard the same backward sends the int8 weights across the link.
+
+Why it was flaky under load, and the fixes: node 0's other rank ran ahead of local rank 0's
+reading into the next step's forward, whose qwZ all-gather sent int8 shards across the
+link inside the window (hpz_check.py now fences each reading with a barrier on both
+sides); and under c10d, node 1's torchrun agent reads the rendezvous state from node 0's
+store once a second, a few KB each time, so the window's bytes grew with its length (the
+job uses the static rendezvous, whose agents send nothing while it runs).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ NODES, RANKS_PER_NODE, STEPS = 2, 2, 3
 @pytest.fixture(scope="module")
 def ranks():
     require_lab(storage=False)
-    with Cluster(NODES, RANKS_PER_NODE, "100mbit", storage=False) as lab:
+    with Cluster(NODES, RANKS_PER_NODE, "100mbit", storage=False, rdzv="static") as lab:
         result = lab.run([str(PROGRAMS / "hpz_check.py"), str(STEPS)], timeout=240)
         assert result.returncode == 0, result.output + "".join(result.rank_stderr)
         yield result.last_json()["ranks"]
@@ -39,10 +46,10 @@ def test_backward_all_gathers_stay_on_the_node(ranks):
         # hpZ: every backward gather was node-local (4 units per step), in full precision
         assert all(r["node"]["stats"]["intra_node_gathers"] == 4 * STEPS for r in mine)
         assert all(r["node"]["stats"]["quantized_gathers"] == 4 * STEPS for r in mine)  # forward
-        # What else crosses in that window: the barrier after each backward and torchrun's
-        # rendezvous keep-alive to the store on node 0 (measured: 4 KB from node 1, 5-70 KB
-        # from node 0 over 3 steps). One gather leaving the node would add at least one
-        # rank's share of it: over 500 KB here.
+        # What else crosses in that window: the barriers around it (the static
+        # rendezvous's agents send nothing while the job runs, and the lab's links carry
+        # no IPv6 chatter). One gather leaving the node would add at least one rank's share
+        # of it: over 500 KB here.
         one_gather = intra / (RANKS_PER_NODE * 4 * STEPS)
         assert hpz["link_tx"] < one_gather / 4, (hpz, one_gather)
         assert hpz["loopback"] >= intra > 0

@@ -107,3 +107,29 @@ def test_node_lost_at_step_30_of_60():
     _check_recovered(fewer, steps=60, kill_at=30, ckpt_every=10, world=2)
     _check_recovered(replaced, steps=60, kill_at=30, ckpt_every=10, world=4)
     assert run_id not in netns and leftovers(run_id) == []
+
+
+@pytest.mark.slow
+def test_a_replaced_node_resumes_from_its_peers_copy_in_ram():
+    """A fixed-size job (2 nodes) with --snapshot-every 1 loses node 1 at step 6; a fresh
+    node 1 (empty RAM) joins, and its ranks 2 and 3 get step 6 from the copies node 0 holds
+    in its RAM, sent over the process group: at most K = 1 step is lost (the kill may land
+    before step 6's snapshot), where the disk checkpoint of step 3 would lose 3."""
+    require_lab()
+    with Cluster(2, 2, "1gbit") as lab:
+        run_id = lab.run_id
+        out = lab.shared_dir / "snap"
+        result = lab.run(
+            [*_train(out, 12, 3), "--snapshot-every", "1"],
+            max_restarts=3,
+            faults=[_kill_node_1_at(6)],
+            replace_failed=True,
+            timeout=300,
+        )
+    assert result.returncode == 0, result.output[-4000:] + "\n".join(result.problems)
+    summary = _summary(result)
+    assert summary["steps"] == 12 and summary["world_size"] == 4
+    [line] = [ln for ln in result.output.splitlines() if ln.startswith("resumed from")]
+    assert "in-memory snapshot, ranks [2, 3] from their peer's copy" in line, line
+    assert summary["resumed"][0] >= 6 - 1  # newer than the disk's step 3
+    assert leftovers(run_id) == []

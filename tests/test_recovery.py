@@ -28,12 +28,13 @@ TINY = ["--batch-size", "4", "--seq-len", "16", "--dim", "16", "--n-layers", "1"
 TINY += ["--n-heads", "2", "--hidden-dim", "16", "--num-experts", "2", "--val-batches", "1"]
 TINY += ["--log-every", "1"]
 STEPS, CKPT_EVERY, KILL_AFTER = 25, 5, 7
+SNAPSHOT_EVERY = 2
 TIMEOUT_S = 240
 
 
-def _torchrun(out: Path, *extra: str) -> subprocess.Popen:
+def _torchrun(out: Path, *extra: str, train: tuple[str, ...] = ()) -> subprocess.Popen:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    argv += ["--nproc-per-node", "2", *extra, TRAIN, *TINY]
+    argv += ["--nproc-per-node", "2", *extra, TRAIN, *TINY, *train]
     argv += ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--out", str(out)]
     return subprocess.Popen(
         argv,
@@ -77,55 +78,79 @@ def _collect(proc: subprocess.Popen, lines: list[str], on_line=None) -> None:
             on_line(line)
 
 
-def test_torchrun_restart_after_a_killed_rank_finishes_bit_for_bit(tmp_path):
-    """torchrun --max-restarts 2; rank 1 gets SIGKILL after step 7; the job exits 0 at step
-    25 and its last checkpoint equals an uninterrupted run's byte for byte."""
-    straight = _torchrun(tmp_path / "straight")
-    killed = {}
+def _killer(proc_box: dict, killed: dict):
+    """An output callback: SIGKILL to rank 1's first worker after step KILL_AFTER's line."""
 
-    def kill_after_step(line: str) -> None:
+    def on_line(line: str) -> None:
         if killed or not line.lstrip().startswith(f"step {KILL_AFTER:5d} |"):
             return
-        pid = _rank_pid(restarted.pid, 1)
+        pid = _rank_pid(proc_box["proc"].pid, 1)
         assert pid is not None, "rank 1's worker not found under torchrun"
         os.kill(pid, signal.SIGKILL)
         killed["pid"], killed["at"] = pid, time.monotonic()
 
-    restarted = _torchrun(tmp_path / "restarted", "--max-restarts", "2")
-    straight_lines, restarted_lines = [], []
+    return on_line
+
+
+def _resumed_step(lines: list[str]) -> tuple[int, str]:
+    resumed = [ln for ln in lines if ln.startswith("resumed from")]
+    assert len(resumed) == 1, "".join(lines)[-3000:]
+    return int(resumed[0].split("step-")[1][:7]), resumed[0]
+
+
+def test_torchrun_restart_after_a_killed_rank_finishes_bit_for_bit(tmp_path):
+    """torchrun --max-restarts 2; rank 1 gets SIGKILL after step 7; the job exits 0 at step
+    25 and its last checkpoint equals an uninterrupted run's byte for byte. A second job
+    with --snapshot-every 2 resumes from its in-memory snapshot of step 6 instead of the
+    disk's step 5, ends bit for bit the same, and leaves nothing in /dev/shm."""
+    straight = _torchrun(tmp_path / "straight")
+    jobs = {"straight": (straight, [], None)}
+    killed = {"disk": {}, "snapshot": {}}
+    for name, flags in (("disk", ()), ("snapshot", ("--snapshot-every", str(SNAPSHOT_EVERY)))):
+        box = {}
+        box["proc"] = _torchrun(tmp_path / name, "--max-restarts", "2", train=flags)
+        jobs[name] = (box["proc"], [], _killer(box, killed[name]))
     readers = [
-        threading.Thread(target=_collect, args=(straight, straight_lines), daemon=True),
-        threading.Thread(
-            target=_collect, args=(restarted, restarted_lines, kill_after_step), daemon=True
-        ),
+        threading.Thread(target=_collect, args=(proc, lines, cb), daemon=True)
+        for proc, lines, cb in jobs.values()
     ]
     for reader in readers:
         reader.start()
     try:
-        for proc in (straight, restarted):
+        for proc, _, _ in jobs.values():
             proc.wait(timeout=TIMEOUT_S)
     finally:
-        for proc in (straight, restarted):
+        for proc, _, _ in jobs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     for reader in readers:
         reader.join(timeout=10)
-    text = "".join(restarted_lines)
-    assert straight.returncode == 0, "".join(straight_lines)[-3000:]
-    assert killed, "rank 1 was never killed: " + text[-3000:]
-    assert restarted.returncode == 0, text[-3000:]
-    result = json.loads(next(ln for ln in reversed(restarted_lines) if ln.startswith("{")))
-    assert result["steps"] == STEPS
-    # the restarted workers resumed from a checkpoint at or after step 5, before the kill
-    resumed = [ln for ln in restarted_lines if "resumed from" in ln]
-    assert len(resumed) == 1, text[-3000:]
-    step = int(resumed[0].split("step-")[1][:7])
-    assert CKPT_EVERY <= step <= KILL_AFTER + CKPT_EVERY and step % CKPT_EVERY == 0
-    # a lost rank costs at most one checkpoint interval of steps
-    assert KILL_AFTER - step <= CKPT_EVERY
-    files = _final_files(tmp_path / "restarted")
-    assert files and files == _final_files(tmp_path / "straight")
+    assert straight.returncode == 0, "".join(jobs["straight"][1])[-3000:]
+    expected = _final_files(tmp_path / "straight")
+    for name in ("disk", "snapshot"):
+        proc, lines, _ = jobs[name]
+        text = "".join(lines)
+        assert killed[name], f"{name}: rank 1 was never killed: " + text[-3000:]
+        assert proc.returncode == 0, text[-3000:]
+        result = json.loads(next(ln for ln in reversed(lines) if ln.startswith("{")))
+        assert result["steps"] == STEPS
+        step, line = _resumed_step(lines)
+        if name == "disk":
+            # from a disk checkpoint at or after step 5, before the kill: at most one
+            # checkpoint interval of steps lost
+            assert CKPT_EVERY <= step <= KILL_AFTER + CKPT_EVERY and step % CKPT_EVERY == 0
+            assert KILL_AFTER - step <= CKPT_EVERY
+        else:
+            # from RAM: the snapshot of step 6 (8 if rank 1 finished it before the kill
+            # landed), fresher than the disk's step 5: fewer than K steps lost
+            assert "in-memory snapshot" in line, line
+            assert step % SNAPSHOT_EVERY == 0 and step > CKPT_EVERY, line
+            assert KILL_AFTER - step < SNAPSHOT_EVERY
+            shm = Path(line.split()[2]).parent
+            assert shm.parent == Path("/dev/shm") and not shm.exists(), line
+        files = _final_files(tmp_path / name)
+        assert files and files == expected, name
 
 
 # ---------------------------------------------------------------- another world size

@@ -31,6 +31,7 @@ from fsdp_ext.checkpoint.ownership import (
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner, item_nbytes, spread_plans
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
 from fsdp_ext.checkpoint.resume import checkpoint_steps, latest_intact, load_intact, step_name
+from fsdp_ext.checkpoint.snapshot import Snapshots
 from fsdp_ext.checkpoint.storage import CheckpointStorage
 from fsdp_ext.checkpoint.verify import CheckpointReport, verify_checkpoint
 from fsdp_ext.checkpoint.versions import CheckpointExistsError, remove_checkpoint
@@ -54,6 +55,7 @@ __all__ = [
     "ModelOptimizerState",
     "Ownership",
     "SafeLoadPlanner",
+    "Snapshots",
     "SpreadFileSystemWriter",
     "SpreadSavePlanner",
     "UnsafeCheckpointError",

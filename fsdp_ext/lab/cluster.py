@@ -39,12 +39,12 @@ from fsdp_ext.lab.names import RunNames
 from fsdp_ext.lab.network import MAX_NODES, Topology, build_network, set_rate
 from fsdp_ext.lab.rates import format_rate, parse_rate
 from fsdp_ext.lab.requirements import check_requirements
-from fsdp_ext.lab.storage import StorageServer, mount_shared, start_sshd
+from fsdp_ext.lab.storage import StorageServer, mount_node_ram, mount_shared, start_sshd
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Cluster", "LabResult"]
 
 DEFAULT_TIMEOUT_S = 900.0
-QUIET_WAIT_S = 2.0
+QUIET_WAIT_S = 10.0  # a loaded machine takes up to a second per reading of all nodes
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class LabResult:
     faults: list[FaultEvent] = field(default_factory=list)  # what the lab struck, and when
     line_times: list[float] = field(default_factory=list)  # per line of output: seconds in
     problems: list[str] = field(default_factory=list)  # what went wrong around the job
+    started_at: float = 0.0  # the job's start, seconds since the epoch (for torchrun's logs)
 
     def last_json(self) -> dict | None:
         """The last line of the output that parses as a JSON object (benchmarks end so)."""
@@ -164,8 +165,11 @@ class Cluster:
             self._mounts.append(self._mount(node))
 
     def _mount(self, node: int) -> subprocess.Popen:
+        """The node's mount namespace: the shared directory, and a RAM of its own."""
         log = self.names.workdir / "logs" / f"sshfs{node}.log"
-        return mount_shared(self._server, self.topology, node, log)
+        proc = mount_shared(self._server, self.topology, node, log)
+        mount_node_ram(proc.pid)
+        return proc
 
     def _remount_lost_storage(self) -> list[str]:
         """A node whose sshfs died (the mount answers ENOTCONN) gets a fresh mount; the
@@ -251,7 +255,8 @@ class Cluster:
     def quiet_link_bytes(self) -> list[NodeBytes]:
         """Every node's counters at a moment no frame is on its way: the nodes are read one
         after the other, so a frame sent between two reads would count as sent on one end
-        and not yet received on the other. Read until two readings agree (2 s at most)."""
+        and not yet received on the other. Read until two readings agree (10 s at most:
+        the links are silent between jobs, so the first two readings agree)."""
         reading = self.link_bytes()
         deadline = time.monotonic() + QUIET_WAIT_S
         while time.monotonic() < deadline:
@@ -331,7 +336,7 @@ class Cluster:
         ]
         commands = [self.node_command(node, argv) for node, argv in enumerate(argvs)]
         before = self.quiet_link_bytes()
-        start = time.monotonic()
+        start, started_at = time.monotonic(), time.time()
         job = start_job(commands, job_env, logdir, echo=echo, elastic=elastic.on)
         survivors = elastic.min_nodes or self.nodes
 
@@ -363,6 +368,7 @@ class Cluster:
             output="".join(job.output),
             link_bytes=[a - b for a, b in zip(after, before, strict=True)],
             seconds=seconds,
+            started_at=started_at,
             timed_out=timed_out,
             rank_stdout=[out for out, _ in logs],
             rank_stderr=[err for _, err in logs],

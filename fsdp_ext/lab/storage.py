@@ -17,7 +17,14 @@ from fsdp_ext.lab.network import Topology, storage_addresses
 from fsdp_ext.lab.requirements import SSHD
 from fsdp_ext.lab.system import LabCommandError, run_tool
 
-__all__ = ["SSHFS_OPTIONS", "StorageServer", "fuse_mount_points", "mount_shared", "start_sshd"]
+__all__ = [
+    "SSHFS_OPTIONS",
+    "StorageServer",
+    "fuse_mount_points",
+    "mount_node_ram",
+    "mount_shared",
+    "start_sshd",
+]
 
 # no caching inside sshfs, and kernel attributes revalidated on every access: a file one
 # node writes is seen at its full size by the next node that looks
@@ -114,6 +121,15 @@ def mount_shared(
         )
     _wait_for(lambda: path in fuse_mount_points(proc.pid), proc, log, f"sshfs on node {node}")
     return proc
+
+
+def mount_node_ram(pid: int) -> None:
+    """A /dev/shm of the node's own in the mount namespace of process ``pid`` (the node's
+    sshfs): what a node keeps in RAM (in-memory snapshots) is its alone, another node
+    cannot read it, and it is gone with the node (the namespace, and its tmpfs, die with
+    its last process), as a power loss takes a real node's RAM."""
+    tmpfs = ["mount", "-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "fsdp_ext_lab_shm"]
+    run_tool(["nsenter", f"--target={pid}", "--mount", "--", *tmpfs, "/dev/shm"])
 
 
 def fuse_mount_points(pid: int) -> list[str]:

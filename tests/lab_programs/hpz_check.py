@@ -54,14 +54,22 @@ def phase(reshard_after_forward) -> dict:
     delta = {"link_tx": 0, "loopback": 0}
     for _ in range(steps):
         loss = model(x).square().mean()
+        # Each reading is fenced on both sides: no rank starts backward before local rank
+        # 0 has read, nor the next step's forward before it has read again. Without the
+        # second fence, node 0's other rank could run ahead into the next forward, whose
+        # qwZ all-gather sends its int8 shards across the link (measured: 139 KB, two
+        # units' shards) while local rank 0, descheduled on a loaded machine, had not read
+        # yet: the flaky bound of tests/test_lab_hpz.py.
         dist.barrier()
         before = counters() if local_rank == 0 else None
+        dist.barrier()
         loss.backward()
         dist.barrier()
         if local_rank == 0:
             after = counters()
             for key in delta:
                 delta[key] += after[key] - before[key]
+        dist.barrier()
         x.grad = None
     return {
         "counters": delta if local_rank == 0 else None,
