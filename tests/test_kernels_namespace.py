@@ -63,13 +63,15 @@ def venv_with_pypi_triton_kernels(tmp_path_factory):
         f"import site; site.addsitedir({ours!r})\n"
     )
     src = _copy_of_the_project(tmp / "src")
-    build = ["wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist")]
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist")]
+    env = {**os.environ, "PIP_CONSTRAINT": "/dev/null"}
     wheel = subprocess.run(
-        [sys.executable, "-m", "pip", *build, str(src)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [*build, "--no-build-isolation", str(src)], capture_output=True, text=True, timeout=300
     )
+    if "invalid command 'bdist_wheel'" in wheel.stderr:  # a setuptools older than 70.1
+        wheel = subprocess.run(
+            [*build, str(src)], capture_output=True, text=True, timeout=300, env=env
+        )
     assert wheel.returncode == 0, wheel.stderr
     project = _pip(venv, str(next((tmp / "dist").glob("fsdp_ext-*.whl"))))
     assert project.returncode == 0, project.stderr
