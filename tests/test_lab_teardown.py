@@ -61,14 +61,20 @@ def test_ctrl_c_during_a_job_leaves_nothing():
         _wait_for(lambda: len(list(shared.glob("rank*.pid"))) == 2, 120, "both ranks")
         signal.raise_signal(signal.SIGINT)  # handled in the main thread, inside lab.run
 
-    with pytest.raises(KeyboardInterrupt), Cluster(2, 1, "100mbit") as lab:
-        run_id, shared = lab.run_id, lab.shared_dir
-        watcher = threading.Thread(target=interrupt_once_up, args=(shared,), daemon=True)
-        watcher.start()
-        try:
-            lab.run([str(PROGRAMS / "sleeper.py"), str(shared), "300"], timeout=200)
-        finally:
-            pids = [int(p.read_text()) for p in shared.glob("rank*.pid")]
+    # Python's own Ctrl-C handling, whatever an earlier test in this process installed
+    # (in a full run one did, and the SIGINT below went to it, not to the lab)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), Cluster(2, 1, "100mbit") as lab:
+            run_id, shared = lab.run_id, lab.shared_dir
+            watcher = threading.Thread(target=interrupt_once_up, args=(shared,), daemon=True)
+            watcher.start()
+            try:
+                lab.run([str(PROGRAMS / "sleeper.py"), str(shared), "300"], timeout=200)
+            finally:
+                pids = [int(p.read_text()) for p in shared.glob("rank*.pid")]
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert len(pids) == 2
     assert leftovers(run_id, pids=pids) == []
 
