@@ -74,6 +74,40 @@ def _interpreter_loop_problem() -> str | None:
     return None if int(out) == 6 else f"the interpreter counted 0+1+2+3 as {int(out)}"
 
 
+def _interpreter_fma_problem() -> str | None:
+    """Why the interpreter cannot stand in for the GPU in a bit-exact check of a kernel that
+    calls ``tl.fma``, or None. Triton 3.6's interpreter computes ``x * y + z`` (two
+    roundings); later ones, and every GPU, round once."""
+    import numpy as np
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fma(x_ptr, out_ptr):
+        x = tl.load(x_ptr)
+        tl.store(out_ptr, tl.fma(x, x, -1.0))
+
+    x = np.float32(1 + 2**-12)  # x * x = 1 + 2**-11 + 2**-24: its last term is lost in fp32
+    out = torch.zeros(1, dtype=torch.float32)
+    fma[(1,)](torch.tensor([x]), out)
+    if float(out) == float(np.float64(x) * np.float64(x) - 1):  # one rounding, exact here
+        return None
+    return (
+        f"triton {triton.__version__}'s interpreter rounds tl.fma twice (a multiply, then an "
+        "add); the kernels' bit-exact checks need one rounding, as on a GPU "
+        "(test_kernels_cuda.py runs them there)"
+    )
+
+
+@pytest.fixture(scope="session")
+def triton_interpreter_fma(triton_interpreter) -> None:
+    """The interpreter, for kernels that call ``tl.fma`` and are checked bit for bit."""
+    problem = _interpreter_fma_problem()
+    if problem is not None:
+        pytest.skip(problem)
+
+
 @pytest.fixture(scope="session")
 def triton_interpreter() -> None:
     """Skip a test that needs the interpreter, naming the environment's real problem (e.g. a

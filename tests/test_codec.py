@@ -44,7 +44,7 @@ FEW = settings(
 )
 
 
-@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.usefixtures("triton_interpreter_fma")
 @FEW
 @given(
     gradients(TRITON_GROUP_SIZES, "tiles"),
@@ -68,7 +68,7 @@ def test_quantize_ef_triton_matches_reference(grad, error_dtype, bits, beta):
         assert same(s_ref, s_tri)
 
 
-@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.usefixtures("triton_interpreter_fma")
 @FEW
 @given(
     gradients(TRITON_GROUP_SIZES, "tiles"),
@@ -90,7 +90,7 @@ def test_dequantize_reduce_triton_matches_reference(grad, chunks, bits, out_dtyp
     assert same(ref, tri)
 
 
-@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.usefixtures("triton_interpreter_fma")
 @FEW
 @given(
     gradients(TRITON_GROUP_SIZES, "tiles"),

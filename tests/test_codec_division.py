@@ -16,7 +16,7 @@ import torch
 from fsdp_ext.kernels.codec_common import div_round_half_up, tl, triton
 
 pytestmark = [
-    pytest.mark.usefixtures("triton_interpreter"),
+    pytest.mark.usefixtures("triton_interpreter_fma"),
     pytest.mark.filterwarnings("ignore:overflow encountered"),
 ]
 ROWS, COLS = 1024, 64

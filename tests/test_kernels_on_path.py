@@ -222,12 +222,12 @@ def _cuda_two_ranks():
 
 
 @pytest.fixture(scope="module")
-def two_ranks(triton_interpreter):
+def two_ranks(triton_interpreter_fma):
     return run_distributed(_two_ranks, 2)
 
 
 @pytest.fixture(scope="module")
-def four_ranks(triton_interpreter):
+def four_ranks(triton_interpreter_fma):
     return run_distributed(_four_ranks, 4)
 
 

@@ -79,7 +79,7 @@ def _payload(x, group_size, fill=0xAB):
     )
 
 
-@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.usefixtures("triton_interpreter_fma")
 @FEW
 @given(weights(), st.sampled_from(DTYPES))
 def test_triton_matches_reference_bit_for_bit(w, out_dtype):
@@ -166,7 +166,7 @@ def test_bad_arguments_are_refused():
         quantize_blockwise_triton(x, _payload(x, 8), group_size=8)
 
 
-@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.usefixtures("triton_interpreter_fma")
 def test_custom_ops_compile_without_graph_break():
     """``torch.compile(fullgraph=True)`` traces through both ops (custom ops with fake
     implementations) and equals eager, the in-place payload and output included."""
@@ -223,7 +223,7 @@ def _unit_payload(x, group_size, segments, fill=0xAB):
     return torch.full((x.shape[0], width), fill, dtype=torch.uint8)
 
 
-@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.usefixtures("triton_interpreter_fma")
 @FEW
 @given(units(), st.sampled_from(DTYPES))
 def test_unit_kernels_match_reference_bit_for_bit_in_one_launch_each(unit, out_dtype):
