@@ -27,6 +27,14 @@ def _inside_torch_import(pid: int) -> bool:
         return False
 
 
+def _as_a_shell_starts_it() -> None:
+    """Ctrl-C as a shell leaves it to a foreground job (default, unblocked), whatever this
+    test process inherited: in a full run something had left SIGINT ignored here, and an
+    ignored signal stays ignored across exec."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -42,6 +50,7 @@ def test_ctrl_c_while_torch_imports_is_one_line_and_status_130(argv, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
+        preexec_fn=_as_a_shell_starts_it,
     )
     deadline = time.monotonic() + WAIT_S
     while not _inside_torch_import(proc.pid):
