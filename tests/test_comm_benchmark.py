@@ -34,6 +34,7 @@ TINY = TrainConfig(
 )
 
 
+@pytest.mark.slow  # the benchmark end to end
 def test_benchmark_measures_every_mode_and_fidelity():
     runs = run(2, replace(TINY), seeds=[0])
     summary = summarize(runs)

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # the benchmark end to end
 def test_benchmark_smoke():
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "moe.py"), "--quick"],

@@ -16,6 +16,13 @@ CASE = Case(steps=10)
 # (world, ep, dp_replicate): FSDP layouts, and HSDP with and without an efsdp reduce-scatter
 LAYOUTS = [(2, 1, 1), (2, 2, 1), (4, 1, 1), (4, 2, 1), (4, 4, 1), (4, 1, 2), (4, 2, 2)]
 LAYOUT_IDS = [f"world{w}-ep{e}" + (f"-hsdp{r}" if r > 1 else "") for w, e, r in LAYOUTS]
+# the default run keeps one layout per kind (ep over 2, ep over 4 with hsdp, 4 ranks of ep 2);
+# every layout runs with -m slow
+DEFAULT_LAYOUTS = {(2, 2, 1), (4, 2, 1), (4, 2, 2)}
+LAYOUT_PARAMS = [
+    pytest.param(*layout, id=name, marks=() if layout in DEFAULT_LAYOUTS else pytest.mark.slow)
+    for layout, name in zip(LAYOUTS, LAYOUT_IDS, strict=True)
+]
 
 
 @functools.cache
@@ -28,7 +35,7 @@ def _layout(world, ep, bf16=False, dp_replicate=1):
     return run_distributed(rank_run, world, CASE, ep, bf16, 0, dp_replicate)
 
 
-@pytest.mark.parametrize(("world", "ep", "dp_replicate"), LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize(("world", "ep", "dp_replicate"), LAYOUT_PARAMS)
 def test_layout_matches_single_process(world, ep, dp_replicate):
     reference, runs = _reference(), _layout(world, ep, False, dp_replicate)
     for rank, run in enumerate(runs):

@@ -85,7 +85,11 @@ def _mesh_groups(kwargs):
 
 @pytest.mark.parametrize(
     ("world", "kwargs"),
-    [(4, {"ep": 2}), (4, {"dp_replicate": 2, "ep": 2}), (8, {"pp": 2, "ep": 2})],
+    [
+        (4, {"ep": 2}),
+        (4, {"dp_replicate": 2, "ep": 2}),
+        pytest.param(8, {"pp": 2, "ep": 2}, marks=pytest.mark.slow),  # 8 ranks: 12 s
+    ],
     ids=["fsdp-ep2", "hsdp-ep2", "pp2-ep2"],
 )
 def test_device_mesh_groups_match_the_spec(world, kwargs):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -254,6 +255,7 @@ def _train_hf_rank(steps: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # HF's default policy per model: tests/test_wrap_hf_default.py (default run)
 def test_hf_qwen2_moe_and_mixtral_plan_and_train_on_2_ranks():
     ranks = run_distributed(_train_hf_rank, WORLD, 3, timeout=300)
     for r in ranks:

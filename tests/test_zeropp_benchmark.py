@@ -9,6 +9,7 @@ from benchmarks.zeropp import predicted_bytes, run, summarize
 from tests.test_train import TINY
 
 
+@pytest.mark.slow  # the benchmark end to end (16 s); test_formula_by_hand holds the formula
 def test_collective_bytes_match_the_formula_in_both_modes():
     base = replace(TINY, steps=2, qwz_group_size=32)
     runs = run(base, [0], ("fp32", "zeropp", "hpz"))
