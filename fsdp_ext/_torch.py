@@ -389,6 +389,18 @@ def has_all_gather_in_flight(group: FSDPParamGroup) -> bool:
     return group._all_gather_result is not None
 
 
+def finalize_each_backward(root: FSDPModule) -> None:
+    """Make the next backward of ``root`` finish FSDP's work itself (reduce, reshard).
+
+    2.15's ``PipelineStage`` turns on manual backward finalization in every forward and
+    finalizes once in ``perform_reduce_grad``; a root whose inputs need no gradient (the
+    embeddings) then keeps its reduction pending. 2.11-2.14 have no manual mode: each
+    backward always finalized itself.
+    """
+    if hasattr(root, "set_manual_backward_finalization"):
+        root.set_manual_backward_finalization(False)
+
+
 @contextlib.contextmanager
 def default_fsdp_mesh_on_cuda() -> Iterator[None]:
     """Make ``fully_shard`` without a mesh build its default mesh on CUDA, as it does on a

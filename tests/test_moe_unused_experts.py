@@ -96,5 +96,7 @@ def test_unused_experts_get_exact_zero_and_the_rest_match(ep, native):
             if ".experts." in name:
                 assert torch.count_nonzero(got[BANNED_EVERYWHERE]) == 0, name
                 assert torch.count_nonzero(got[1:]) > 0, name
-            atol = 1e-7 * float(expected.grad.abs().max())
+            # a few ulps of the largest entry: the ranks' halves add in another order than
+            # the single process's (torch 2.11's matmuls: 2 ulps off on one shared weight)
+            atol = 4 * torch.finfo(torch.float32).eps * float(expected.grad.abs().max())
             torch.testing.assert_close(got, expected.grad, rtol=1e-5, atol=atol, msg=name)

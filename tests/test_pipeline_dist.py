@@ -46,11 +46,13 @@ def _check_counts(case: dict, per_rank: list[dict]) -> None:
         units = out["units"] - idle
         assert units >= 2
         assert out["rs"] == [units * m if per_mb else units] * len(out["rs"]), case
-        # step 0 also runs the stages' shape inference (one more forward): count from step 1
+        # step 0 also runs the stages' shape inference: count from step 1
         ag = out["ag"][1:]
         if not reshard:
             assert ag == [units] * len(ag), case  # one all-gather per unit per step
-            assert out["ag"][0] == 2 * units, case
+            # step 0's shape inference: a real forward (one more gather per unit) since
+            # torch 2.13; torch 2.11 infers on meta tensors and gathers nothing for it
+            assert out["ag"][0] in (units, 2 * units), case
         elif not per_mb:
             assert ag == [units * (m + 1)] * len(ag), case  # every forward, one backward
         else:
@@ -109,6 +111,10 @@ def test_zero_bubble_schedules_deferred():
         {"schedule": "ZBVZeroBubble", "grad_sync": "deferred"},
         {"schedule": "LoopedBFS", "grad_sync": "deferred"},
     ]
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.13":
+        # torch 2.11's ZBV opens its p2p links with a send from a rank to itself (the two
+        # stages of the V's turn), which gloo there refuses: "Pair is not connected".
+        cases = [c for c in cases if c["schedule"] != "ZBVZeroBubble"]
     results = run_distributed(run_many, WORLD, cases)
     for i, case in enumerate(cases):
         per_rank = [r[i] for r in results]

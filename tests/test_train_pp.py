@@ -2,6 +2,7 @@
 LoCo, checkpoints; a resumed run continues with exactly the straight run's losses."""
 
 from dataclasses import replace
+from typing import ClassVar
 
 import pytest
 import torch
@@ -71,9 +72,15 @@ def test_pp_arguments_fail_in_one_line(argv, needle, capsys):
 
 class GlooBytes:
     """Bytes this rank hands to gloo per (collective, dtype), counted on the ProcessGroup
-    itself, below torch.distributed and the library: a ring sends (n - 1) / n of its input."""
+    itself, below torch.distributed and the library: a ring sends (n - 1) / n of its input.
+    Keys use the newer method names; torch 2.11's ProcessGroup has the older ones."""
 
-    NAMES = ("reduce_scatter_single", "_reduce_scatter_base", "all_to_all_single", "alltoall_base")
+    NAMES: ClassVar[dict[str, str]] = {
+        "reduce_scatter_single": "reduce_scatter_single",
+        "_reduce_scatter_base": "reduce_scatter_single",
+        "all_to_all_single": "all_to_all_single",
+        "alltoall_base": "all_to_all_single",
+    }
 
     def __init__(self):
         self.bytes: dict[tuple[str, str], int] = {}
@@ -93,7 +100,7 @@ class GlooBytes:
     def _counted(self, name, fn):
         def counted(group, output, input, *args, **kwargs):
             n = group.size()
-            key = (name, str(input.dtype).removeprefix("torch."))
+            key = (self.NAMES[name], str(input.dtype).removeprefix("torch."))
             sent = input.numel() * input.element_size() * (n - 1) // n
             self.bytes[key] = self.bytes.get(key, 0) + sent
             return fn(group, output, input, *args, **kwargs)

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_ext._torch import PipelineStageBase, fsdp_units
+from fsdp_ext._torch import PipelineStageBase, finalize_each_backward, fsdp_units
 
 GRAD_SYNC_MODES = ("deferred", "per_microbatch")
 
@@ -63,12 +63,26 @@ class FSDPPipelineStage(PipelineStageBase):
         root.set_is_last_backward(True)
         root.set_requires_gradient_sync(True)
         root.set_reshard_after_backward(self.reshard_after_backward)
+        finalize_each_backward(root)
         # Skip the FSDP branch of the parent: call the plain backward path.
         submod, self.submod = self.submod, _Plain(self.submod)
         try:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         finally:
             self.submod = submod
+
+    # V-shaped schedules (ZBVZeroBubble) hand gradients between two stages of one rank
+    # after each backward action, also in ``schedule.eval``, where the backward itself is
+    # skipped: torch (2.11-2.15) then asserts. Without a backward there is nothing to hand.
+    def get_local_bwd_output(self, mb_index: int):
+        if not self.has_backward:
+            return ()
+        return super().get_local_bwd_output(mb_index)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        if not self.has_backward:
+            return None
+        return super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def perform_reduce_grad(self, grad_scale_factor: int):
         root = self._fsdp_root()
@@ -80,9 +94,22 @@ class FSDPPipelineStage(PipelineStageBase):
             return None
         if self.grad_sync == "deferred" or root is None:
             return super().perform_reduce_grad(grad_scale_factor)
+        self.start_gradient_reduction()
+        self.wait_for_gradient_reduction(grad_scale_factor)
+
+    # torch >= 2.15: multi-stage schedules reduce through these two instead of
+    # ``perform_reduce_grad`` (earlier releases have neither and never call them).
+    def start_gradient_reduction(self) -> None:
+        root = self._fsdp_root()
+        if self.grad_sync == "deferred" or root is None:
+            return super().start_gradient_reduction()
         # Gradients were reduced microbatch by microbatch; parameters must be sharded
         # before the optimizer step (a schedule may not flag the last backward).
         _reshard(root)
+
+    def wait_for_gradient_reduction(self, grad_scale_factor: int) -> None:
+        if self.grad_sync == "deferred" or self._fsdp_root() is None:
+            return super().wait_for_gradient_reduction(grad_scale_factor)
         if grad_scale_factor != 1:
             self.scale_grads(grad_scale_factor)
 

@@ -42,6 +42,11 @@ def pipeline_step(
     is_first = any(s.is_first for s in stages)
     is_last = any(s.is_last for s in stages)
     losses: list[torch.Tensor] = []
+    # A batch sliced from a longer sequence (x = tokens[:, :-1]) is strided; torch 2.11's
+    # stages check strides against the contiguous shapes they inferred, and refuse it.
+    inputs, targets = (
+        t.contiguous() if isinstance(t, torch.Tensor) else t for t in (inputs, targets)
+    )
     args = (inputs,) if is_first else ()
     kwargs: dict[str, Any] = {"target": targets, "losses": losses} if is_last else {}
     (schedule.eval if forward_only else schedule.step)(*args, **kwargs)
