@@ -295,13 +295,6 @@ class TrainConfig:
             self.qwz = self.hpz = True
             if self.intra_node_size is None:
                 self.intra_node_size = "auto"
-        flags = [f for f in ("zeropp", "qwz", "hpz") if getattr(self, f)]
-        if self.pp > 1 and flags:
-            raise ConfigError(
-                f"--{flags[0]}",
-                "not under --pp (the pipeline builds its own FSDP units); drop --qwz, --hpz "
-                "and --zeropp, or --pp",
-            )
         if self.hpz and self.ep > 1:
             raise ConfigError(
                 "--hpz",

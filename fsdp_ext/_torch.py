@@ -55,8 +55,9 @@ from torch.distributed.fsdp import FSDPModule
 # 2.11-2.15: the comm interfaces a custom reduce-scatter / all-gather implements.
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-# 2.11-2.15: what a param group is doing (forward, backward, idle).
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+# 2.11-2.15: what a param group is doing (forward, backward, idle); the mesh info of an
+# int reshard's post-forward (replicate, shard) mesh.
+from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, TrainingState
 
 # 2.11-2.15: builds the mesh info a ``ShardPlacementResult`` carries.
 from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info as fsdp_mesh_info
@@ -399,6 +400,53 @@ def finalize_each_backward(root: FSDPModule) -> None:
     """
     if hasattr(root, "set_manual_backward_finalization"):
         root.set_manual_backward_finalization(False)
+
+
+@contextlib.contextmanager
+def post_forward_meshes_built_together(dp_mesh: DeviceMesh, size: int) -> Iterator[None]:
+    """Inside, ``fully_shard(..., reshard_after_forward=size)`` on ``dp_mesh`` uses one
+    post-forward mesh that every rank of the world built in one call.
+
+    FSDP2 (2.11-2.15) builds a new ``DeviceMesh`` for each unit with an int reshard (in
+    ``_get_post_forward_mesh_info``, which ``_fully_shard`` imports by name): new process
+    groups, each a rendezvous of the whole world. Under PP each stage shards its own units
+    on its own dp ranks; stages with different numbers of units then make different numbers
+    of those calls, and the job hangs. Here all ranks first build every stage's
+    (replicate, shard) grid in one ``DeviceMesh`` (collective: call this on every rank),
+    and each unit takes its own stage's slice.
+    """
+    ranks = dp_mesh.mesh.flatten().tolist()
+    if not 1 < size < len(ranks) or len(ranks) % size:  # FSDP makes no mesh (or refuses)
+        yield
+        return
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, ranks)
+    groups = list(dict.fromkeys(tuple(r) for r in everyone))  # each stage's dp ranks, once
+    grid = torch.tensor(groups).view(len(groups), -1, size)
+    mesh = DeviceMesh(dp_mesh.device_type, grid, mesh_dim_names=("dp_groups", "rep", "shard"))
+    ours = HSDPMeshInfo(mesh["rep", "shard"], shard_mesh_dim=1, replicate_mesh_dim=0)
+    modules = [
+        importlib.import_module(f"torch.distributed.fsdp._fully_shard.{name}")
+        for name in ("_fsdp_init", "_fully_shard")
+    ]
+    original = modules[0]._get_post_forward_mesh_info
+
+    def shared(reshard_after_forward: bool | int, mesh_info: Any) -> Any:
+        if (
+            reshard_after_forward == size
+            and not isinstance(reshard_after_forward, bool)
+            and mesh_info.mesh.mesh.flatten().tolist() == ranks
+        ):
+            return ours
+        return original(reshard_after_forward, mesh_info)
+
+    for module in modules:
+        module._get_post_forward_mesh_info = shared
+    try:
+        yield
+    finally:
+        for module in modules:
+            module._get_post_forward_mesh_info = original
 
 
 @contextlib.contextmanager

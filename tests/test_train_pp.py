@@ -36,10 +36,10 @@ TINY_PP = TrainConfig(
 )
 
 
-def _straight_then_split(root: str) -> dict:
+def _straight_then_split(root: str, cfg: TrainConfig = TINY_PP) -> dict:
     """One process tree: the straight run, then the same run stopped and resumed."""
-    straight = train(replace(TINY_PP, out=f"{root}/a"))
-    first = replace(TINY_PP, stop_after=2, ckpt_every=2, out=f"{root}/b")
+    straight = train(replace(cfg, out=f"{root}/a"))
+    first = replace(cfg, stop_after=2, ckpt_every=2, out=f"{root}/b")
     train(first)
     tail = train(replace(first, stop_after=0, resume=True))
     return {"straight": straight, "tail": tail}
@@ -54,6 +54,39 @@ def test_pp2_moe_ep2_loco_resumes_exactly(tmp_path):
         assert s["val_loss"] == t["val_loss"]
     assert len({r["straight"]["losses"][-1] for r in results}) == 1  # the global loss everywhere
     assert results[0]["straight"]["comm_stats"]["bytes_sent"] > 0  # LoCo ran
+
+
+# ZeRO++ under --pp: build_pipeline puts qwZ and hpZ on every stage's units.
+PP_QWZ = replace(TINY_PP, ep=1, qwz=True, qwz_group_size=32)
+
+
+def test_pp2_qwz_loco_resumes_exactly(tmp_path):
+    """--pp 2 --qwz --comm loco on 4 ranks: the stages' weight gathers go int8, and a resume
+    at step 2 gives the straight run's losses bit for bit (LoCo's error state and the
+    stages' shards come back through the checkpoint)."""
+    results = run_distributed(_straight_then_split, 4, str(tmp_path), PP_QWZ)
+    for r in results:
+        s, t = r["straight"], r["tail"]
+        assert t["start_step"] == 2
+        assert t["losses"] == s["losses"][2:]
+        w = s["weight_stats"]
+        assert w["quantized_gathers"] > 0, w
+        assert 0 < w["bytes_sent"] < 0.3 * w["bytes_uncompressed"], w  # int8 + scales vs fp32
+
+
+@pytest.mark.slow
+def test_pp2_zeropp_on_two_nodes_of_two_per_stage(tmp_path):
+    """--pp 2 --zeropp on 8 ranks, nodes of 2: each stage's dp group of 4 spans two nodes,
+    so backward gathers stay inside the node (hpZ), forward ones go int8 over the group,
+    and LoCo reduces hierarchically; the resume is bit-exact."""
+    cfg = replace(PP_QWZ, zeropp=True, hpz=True, intra_node_size=2)
+    results = run_distributed(_straight_then_split, 8, str(tmp_path), cfg, timeout=300)
+    for r in results:
+        s, t = r["straight"], r["tail"]
+        assert t["losses"] == s["losses"][2:]
+        w, g = s["weight_stats"], s["comm_stats"]
+        assert w["quantized_gathers"] > 0 and w["intra_node_gathers"] > 0, w
+        assert g["intra_node_bytes"] > 0, g
 
 
 @pytest.mark.parametrize(

@@ -56,8 +56,6 @@ def test_zeropp_resume_is_bitwise_exact(tmp_path):
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--zeropp", "--pp", "2", "--nproc-per-node", "4"], "argument --zeropp: not under --pp"),
-        (["--qwz", "--pp", "2", "--nproc-per-node", "4"], "argument --qwz: not under --pp"),
         (["--hpz", "--ep", "2", "--nproc-per-node", "2"], "argument --hpz: torch cannot reshard"),
         (["--zeropp", "--comm", "q4"], "argument --zeropp: it is --comm loco"),
         (["--qwz", "--qwz-group-size", "48"], "argument --qwz-group-size: must be a power"),

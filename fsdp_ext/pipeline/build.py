@@ -6,6 +6,7 @@ meshes -> comm hooks -> ``PipelineStage`` on the pp mesh -> schedule.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from fsdp_ext._torch import ReduceScatter, fsdp_units
+from fsdp_ext._torch import ReduceScatter, fsdp_units, post_forward_meshes_built_together
 from fsdp_ext.comm import CommConfig, LoCoConfig, enable
 from fsdp_ext.moe import MoE, apply_expert_parallel, shard_moe_model
 from fsdp_ext.parallel_dims import ParallelDims
@@ -179,10 +180,21 @@ def build_pipeline(
     if isinstance(comm, CommConfig) and comm.hpz:
         reshard = node_local_reshard(parallel_dims.dp_mesh, comm.node_size)
     device = torch.device(parallel_dims.world_mesh.device_type)
+    indices = list(stage_indices(schedule, pp_rank, pp, stages_per_rank))
     stages = []
-    for index in stage_indices(schedule, pp_rank, pp, stages_per_rank):
-        module = build_stage(model, plan, index)
-        _shard_stage(module, parallel_dims, auto_wrap_policy, reshard, fully_shard_kwargs)
+    # An int reshard: every rank builds every stage's post-forward mesh in one call first
+    # (FSDP would build one per unit, a world-wide rendezvous each, and stages differ in
+    # units: the job would hang).
+    shared_meshes = (
+        contextlib.nullcontext()
+        if isinstance(reshard, bool)
+        else post_forward_meshes_built_together(parallel_dims.dp_mesh, reshard)
+    )
+    with shared_meshes:
+        modules = [build_stage(model, plan, index) for index in indices]
+        for module in modules:
+            _shard_stage(module, parallel_dims, auto_wrap_policy, reshard, fully_shard_kwargs)
+    for index, module in zip(indices, modules, strict=True):
         stage = FSDPPipelineStage(
             module,
             index,
