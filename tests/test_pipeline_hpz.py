@@ -7,50 +7,21 @@ stages' ranks made different numbers of those calls and the job hung in ``build_
 It now builds every stage's mesh in one call first.
 """
 
-import torch
-import torch.distributed as dist
-
-import fsdp_ext
 from fsdp_ext.comm import CommConfig, WeightQuantConfig
 from fsdp_ext.testing import run_distributed
-from tests import pipeline_cases
+from tests.test_comm_enable import _rank_pipeline
 
-WORLD, PP, NODE, MICROBATCHES = 8, 2, 2, 2
-
-
-def _train(comm) -> dict:
-    dims = fsdp_ext.ParallelDims(dist.get_world_size(), pp=PP)
-    dims.build_mesh("cpu")
-    schedule, stages = fsdp_ext.build_pipeline(
-        pipeline_cases.make_model(),
-        dims,
-        n_microbatches=MICROBATCHES,
-        loss_fn=pipeline_cases.loss_fn,
-        comm=comm,
-    )
-    opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=0.1)
-    dp_rank, rows = dims.dp_flat_mesh.get_local_rank(), pipeline_cases.GLOBAL_BATCH // dims.dp
-    losses = []
-    for x, y in pipeline_cases.batches(3):
-        mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
-        step = fsdp_ext.pipeline_step(schedule, stages, x[mine], y[mine])
-        losses.append(fsdp_ext.reduce_pipeline_loss(step, stages, dims))
-        opt.step()
-        opt.zero_grad()
-    handle = stages[0].comm_handle
-    return {
-        "losses": losses,
-        "dp_ranks": dist.get_process_group_ranks(dims.dp_mesh.get_group()),
-        "secondary": None if handle is None else dict(handle.secondary_shards),
-        "weights": None if handle is None else handle.weight_stats,
-    }
+WORLD, NODE, MICROBATCHES = 8, 2, 2  # 8 rows per step: 2 per dp rank, 1 per microbatch
 
 
 def _both() -> dict:
     zeropp_weights = CommConfig(
         weights=WeightQuantConfig(group_size=32), secondary_shards="node", node_size=NODE
     )
-    return {"stock": _train(None), "hpz": _train(zeropp_weights)}
+    return {
+        "stock": _rank_pipeline(None, MICROBATCHES),
+        "hpz": _rank_pipeline(zeropp_weights, MICROBATCHES),
+    }
 
 
 def test_hpz_on_stages_that_span_nodes():
