@@ -30,7 +30,13 @@ from fsdp_ext import (
     plan_units,
     unit_sizes,
 )
-from fsdp_ext.checkpoint import checkpoint_steps, step_name
+from fsdp_ext.checkpoint import (
+    BEATS_PER_LEASE,
+    MIN_LEASE_S,
+    check_lease,
+    checkpoint_steps,
+    step_name,
+)
 
 __all__ = [
     "AUTO",
@@ -178,9 +184,9 @@ class TrainConfig:
     )
     lease: float = _arg(
         60.0,
-        "seconds without a heartbeat after which a job on another host that owned --out "
-        "(or held a checkpoint lock) counts as dead and is taken over",
-        above=0.0,
+        "seconds without a heartbeat change, as another job's own clock sees it, after "
+        f"which a job on another host that owned --out counts as dead and is taken over "
+        f"(at least {MIN_LEASE_S:g}: {BEATS_PER_LEASE} heartbeats)",
     )
     stop_after: int = _arg(
         0, "end this run after N steps, schedule unchanged (0: run to --steps)", low=0
@@ -382,6 +388,11 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> TrainConfi
         elif cfg.max_restarts:
             where = "torchrun's own --max-restarts" if "RANK" in os.environ else "--nproc-per-node"
             raise ConfigError("--max-restarts", f"only with our launcher; pass {where}")
+        try:
+            check_lease(cfg.lease, "--lease")
+        except ValueError as exc:
+            raise ConfigError("--lease", str(exc).removeprefix("--lease ")) from None
+        check_out(cfg)
         check_world(cfg, world_size)
         check_run_dir(cfg, world_size)
     except ConfigError as exc:
@@ -530,6 +541,23 @@ def run_record(cfg: TrainConfig, world_size: int) -> dict:
         "intra_node_size": node_size(cfg, world_size),
         "comm_auto": None if cfg.auto is None else asdict(cfg.auto.choice),
     }
+
+
+def check_out(cfg: TrainConfig) -> None:
+    """--out must be a directory this job can write (or one it can make), checked before
+    any worker starts: a file there, or a read-only mount, is one line, not a traceback."""
+    out = Path(cfg.out)
+    for path in (out, cfg.checkpoint_root):
+        if path.exists() and not path.is_dir():
+            raise ConfigError("--out", f"{path} is a file, not a directory; choose another --out")
+    existing = next(p for p in (cfg.checkpoint_root, *cfg.checkpoint_root.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = "is on a read-only filesystem" if _read_only(existing) else "is not writable"
+        raise ConfigError("--out", f"{existing} {why}; choose another --out")
+
+
+def _read_only(path: Path) -> bool:
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
 
 
 def check_run_dir(cfg: TrainConfig, world_size: int) -> None:

@@ -52,7 +52,9 @@ from examples.recovery import ending, resume_step, snapshots
 from examples.startup import StartupClock, cached_corpus
 from fsdp_ext import (
     Checkpointer,
+    CheckpointSpaceError,
     CommHandle,
+    DirectoryFencedError,
     DirectoryOwnedError,
     ParallelDims,
     apply_expert_parallel,
@@ -428,6 +430,7 @@ def _one_agent_sharing_its_store() -> bool:
     )
 
 
+FENCED = 3  # the exit status of a job that lost --out to another job
 LAUNCHER_FLAGS = ("--nproc-per-node", "--max-restarts")  # torchrun's, not the workers'
 NOT_RECORDED = ("verbose", "nproc_per_node", "max_restarts", "auto")  # not in the run's JSON line
 
@@ -464,6 +467,12 @@ def launch_owning(argv: list[str], cfg: TrainConfig) -> None:
         sys.exit(2)
     try:
         launch(argv, cfg)
+    except BaseException:
+        lost = owner.fence.lost()
+        if lost is None:
+            raise
+        print(f"train.py: error: argument --out: {lost}", file=sys.stderr, flush=True)
+        sys.exit(FENCED)
     finally:
         owner.release()
 
@@ -491,6 +500,14 @@ def main(argv: list[str] | None = None, *, own_process_group: bool = True) -> di
             if dist.get_rank() == 0:
                 print(f"train.py: error: argument --out: {exc}", file=sys.stderr, flush=True)
             sys.exit(2)
+        except DirectoryFencedError as exc:  # another job took --out over: stop, write nothing
+            if dist.get_rank() == 0:
+                print(f"train.py: error: argument --out: {exc}", file=sys.stderr, flush=True)
+            sys.exit(FENCED)
+        except CheckpointSpaceError as exc:
+            if dist.get_rank() == 0:
+                print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(1)
         wall_s = time.perf_counter() - t0
         if dist.get_rank() == 0:
             out = Path(cfg.out)

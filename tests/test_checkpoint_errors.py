@@ -392,11 +392,6 @@ def test_a_checkpoint_removed_while_being_read_says_so(tmp_path, how):
     assert path.exists() == (how == "overwrite")
 
 
-def test_the_old_storage_name_warns_and_is_the_local_storage():
-    import fsdp_ext.checkpoint as checkpoint
-
-    with pytest.warns(DeprecationWarning, match="CheckpointFS is now LocalStorage"):
-        old = checkpoint.CheckpointFS
-    assert old is LocalStorage
+def test_a_reader_refuses_what_is_not_a_storage():
     with pytest.raises(TypeError, match="fs must be a CheckpointStorage"):
         VerifiedFileSystemReader("x", fs=object())

@@ -250,14 +250,14 @@ def _save_load_prune_resume(logical: str, bucket: str) -> dict:
     model = nn.Linear(4, 3)
     with torch.no_grad():
         model.weight.copy_(_tensors(7)["embed"][:3])
-    ckpt = Checkpointer(Path(logical) / "run", model=model, keep=2, die_with_launcher=False, fs=fs)
+    ckpt = Checkpointer(Path(logical) / "run", model=model, keep=2, fs=fs)
     for step in (1, 2, 3):
         with torch.no_grad():
             model.bias.fill_(float(step))
         ckpt.save(step)
     ckpt.close()
     fresh = nn.Linear(4, 3)
-    with Checkpointer(Path(logical) / "run", model=fresh, die_with_launcher=False, fs=fs) as again:
+    with Checkpointer(Path(logical) / "run", model=fresh, fs=fs) as again:
         resumed = again.resume()
     return {
         "loaded": loaded,

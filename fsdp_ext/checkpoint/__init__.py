@@ -8,9 +8,12 @@ from fsdp_ext.checkpoint.checkpointer import Checkpointer, ModelOptimizerState
 from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.layers import default_layer_key
 from fsdp_ext.checkpoint.lock import (
+    BEATS_PER_LEASE,
     LEASE_ENV,
+    MIN_LEASE_S,
     RUN_ID_ENV,
     CheckpointPrunedError,
+    check_lease,
     read_lease,
     unlock,
 )
@@ -23,6 +26,7 @@ from fsdp_ext.checkpoint.manifest import (
 )
 from fsdp_ext.checkpoint.ownership import (
     LAUNCHER_PID_ENV,
+    DirectoryFencedError,
     DirectoryOwnedError,
     Ownership,
     claim,
@@ -38,8 +42,10 @@ from fsdp_ext.checkpoint.versions import CheckpointExistsError, remove_checkpoin
 from fsdp_ext.checkpoint.writer import SpreadFileSystemWriter
 
 __all__ = [
+    "BEATS_PER_LEASE",
     "LAUNCHER_PID_ENV",
     "LEASE_ENV",
+    "MIN_LEASE_S",
     "RUN_ID_ENV",
     "CheckpointBusyError",
     "CheckpointExistsError",
@@ -50,6 +56,7 @@ __all__ = [
     "CheckpointSpaceError",
     "CheckpointStorage",
     "Checkpointer",
+    "DirectoryFencedError",
     "DirectoryOwnedError",
     "LocalStorage",
     "ModelOptimizerState",
@@ -60,6 +67,7 @@ __all__ = [
     "SpreadSavePlanner",
     "UnsafeCheckpointError",
     "VerifiedFileSystemReader",
+    "check_lease",
     "checkpoint_steps",
     "claim",
     "default_layer_key",
@@ -74,11 +82,3 @@ __all__ = [
     "unlock",
     "verify_checkpoint",
 ]
-
-
-def __getattr__(name: str):
-    if name == "CheckpointFS":  # the name before the storage protocol (one release)
-        from fsdp_ext.checkpoint import fs
-
-        return fs.CheckpointFS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """``python -m fsdp_ext.checkpoint {verify,inspect,unlock} PATH``.
 
 verify / inspect: exit 0 when sound, 1 when not. unlock: remove the lock of a checkpoint
-path (or a lock or ``.owner`` file itself) whatever holds it, printing who held it: the
+path (or its lock file) whatever holds it, printing who held it: the
 last resort when a holder is gone and nothing can prove it (leases expire by themselves).
 """
 

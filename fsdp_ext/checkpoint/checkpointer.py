@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,12 +38,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fsdp_ext.checkpoint.manifest import CheckpointBusyError
+from fsdp_ext.checkpoint.lock import check_lease
+from fsdp_ext.checkpoint.manifest import CheckpointBusyError, CheckpointSpaceError
 from fsdp_ext.checkpoint.ownership import (
+    DirectoryFencedError,
     DirectoryOwnedError,
+    Fence,
     Ownership,
     claim,
-    exit_with_launcher,
 )
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner
 from fsdp_ext.checkpoint.resume import (
@@ -98,6 +101,16 @@ class ModelOptimizerState(Stateful):
             set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=_FLAT)
 
 
+def _out_of_space(exc: BaseException) -> CheckpointSpaceError | None:
+    """The disk-full error a rank's save failed with, which names the path and free bytes."""
+    causes = exc.failures.values() if isinstance(exc, CheckpointException) else [exc]
+    for cause in causes:
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        if isinstance(cause, CheckpointSpaceError):
+            return cause
+    return None
+
+
 def _leader() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -116,10 +129,13 @@ class Checkpointer:
 
     Construct it on every rank, after the process group is up and before training: rank 0
     claims ``root`` for this job (a second live job gets :class:`DirectoryOwnedError` on
-    every rank), and under torchrun each worker is set to die with its launcher.
-    ``keep``: newest intact checkpoints kept (None: all). ``lease_s``: the lease of the
-    directory and of its locks (default ``$FSDP_EXT_LEASE_S``, else 60 s). ``fs``: where
-    the checkpoints are stored (default: the local filesystem).
+    every rank). Every save is fenced by that claim: a job that lost ``root`` to another
+    (paused past its lease) gets :class:`DirectoryFencedError` on every rank at its next
+    save, and nothing of that save lands. ``keep``: newest intact checkpoints kept (None:
+    all). ``lease_s``: the lease of the directory and of its locks (default
+    ``$FSDP_EXT_LEASE_S``, else 60 s). ``fs``: where the checkpoints are stored (default: the
+    local filesystem). Dying with the launcher is the launcher's choice
+    (:func:`~fsdp_ext.checkpoint.exit_with_launcher`), not made here.
     """
 
     def __init__(
@@ -131,13 +147,12 @@ class Checkpointer:
         extra: dict[str, Stateful] | None = None,
         keep: int | None = 3,
         lease_s: float | None = None,
-        die_with_launcher: bool = True,
         fs: CheckpointStorage | None = None,
     ) -> None:
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
-        if lease_s is not None and not (isinstance(lease_s, (int, float)) and lease_s > 0):
-            raise ValueError(f"lease_s must be a number of seconds > 0, got {lease_s!r}")
+        if lease_s is not None:
+            lease_s = check_lease(lease_s)
         extra = dict(extra or {})
         for name, value in extra.items():
             if name == "model" or not hasattr(value, "state_dict"):
@@ -159,8 +174,6 @@ class Checkpointer:
             self.state["model"] = ModelOptimizerState(model, optimizer)
         self.state.update(extra)
         self._extras = tuple(extra)
-        if die_with_launcher:
-            exit_with_launcher()
         self._ownership: Ownership | None = None
         error = None
         if _leader():
@@ -175,16 +188,40 @@ class Checkpointer:
     def path(self, step: int) -> Path:
         return self.root / step_name(step)
 
+    @property
+    def fence(self) -> Fence | None:
+        """The owner generation this job writes as (rank 0's; None elsewhere)."""
+        return None if self._ownership is None else self._ownership.fence
+
     def save(self, step: int) -> Path:
-        """Save every state as ``root/step-N`` (collective), then prune to ``keep``."""
+        """Save every state as ``root/step-N`` (collective), then prune to ``keep``.
+
+        Raises :class:`DirectoryFencedError` on every rank, with nothing published, once
+        another job has taken ``root`` over."""
         path = self.path(step)
-        if _leader():
-            set_aside(path, self.fs)  # a corrupt checkpoint of this step is kept, not overwritten
-        dcp.save(
-            self.state,
-            storage_writer=SpreadFileSystemWriter(path, fs=self.fs),
-            planner=SpreadSavePlanner(),
-        )
+        fence = self.fence
+        lost = None
+        if fence is not None:
+            lost = fence.lost()
+            if lost is None:
+                set_aside(path, self.fs)  # a corrupt checkpoint of this step is kept
+        lost = _agree(lost)
+        if lost is not None:
+            raise DirectoryFencedError(lost)
+        try:
+            dcp.save(
+                self.state,
+                storage_writer=SpreadFileSystemWriter(path, fs=self.fs, fence=fence),
+                planner=SpreadSavePlanner(),
+            )
+        except (Exception, CheckpointException) as exc:  # failed on every rank alike
+            lost = _agree(None if fence is None else fence.lost())
+            if lost is not None:
+                raise DirectoryFencedError(lost) from exc
+            full = _out_of_space(exc)
+            if full is not None:
+                raise full from exc
+            raise
         if _leader():
             self.prune()
         return path
@@ -200,7 +237,7 @@ class Checkpointer:
         removed = []
         for path in intact[: -self.keep]:
             try:
-                remove_checkpoint(path, self.fs)
+                remove_checkpoint(path, self.fs, fence=self.fence)
                 removed.append(path)
             except CheckpointBusyError as exc:
                 warnings.warn(f"prune: {exc}", stacklevel=2)

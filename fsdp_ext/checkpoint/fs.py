@@ -20,7 +20,6 @@ import errno
 import os
 import platform
 import stat
-import warnings
 from pathlib import Path
 from typing import BinaryIO
 
@@ -84,7 +83,7 @@ class LocalStorage(CheckpointStorage):
     # -- reading ------------------------------------------------------------------------------
 
     def open_read(self, path: str | os.PathLike) -> BinaryIO:
-        self.before("read", path)
+        self.observe("read", path)
         return open(path, "rb", buffering=0)
 
     def open_directory(self, path: str | os.PathLike) -> StoredDirectory:
@@ -97,7 +96,7 @@ class LocalStorage(CheckpointStorage):
         return _OpenedDirectory(self, root, fd)
 
     def kind(self, path: str | os.PathLike) -> str:
-        self.before("lstat", path)
+        self.observe("lstat", path)
         try:
             mode = os.lstat(path).st_mode
         except FileNotFoundError:
@@ -109,42 +108,38 @@ class LocalStorage(CheckpointStorage):
         return FILE if stat.S_ISREG(mode) else OTHER
 
     def listdir(self, path: str | os.PathLike) -> list[str]:
-        self.before("listdir", path)
+        self.observe("listdir", path)
         return sorted(os.listdir(path))
 
     def readlink(self, path: str | os.PathLike) -> str:
-        self.before("readlink", path)
+        self.observe("readlink", path)
         return os.readlink(path)
 
-    def mtime(self, path: str | os.PathLike) -> float:
-        self.before("lstat", path)
-        return os.lstat(path).st_mtime
-
     def free_bytes(self, path: str | os.PathLike) -> int:
-        self.before("statvfs", path)
+        self.observe("statvfs", path)
         st = os.statvfs(path)
         return st.f_bavail * st.f_frsize
 
     def filesystem_id(self, path: str | os.PathLike) -> int:
-        self.before("stat", path)
+        self.observe("stat", path)
         return os.stat(path).st_dev
 
     # -- changes ------------------------------------------------------------------------------
 
     def open_write(self, path: str | os.PathLike) -> BinaryIO:
-        self.before("write", path)
+        self.observe("write", path)
         return open(path, "wb")
 
     def makedirs(self, path: str | os.PathLike) -> None:
-        self.before("makedirs", path)
+        self.observe("makedirs", path)
         os.makedirs(path, exist_ok=True)
 
     def make_dir(self, path: str | os.PathLike) -> None:
-        self.before("mkdir", path)
+        self.observe("mkdir", path)
         os.mkdir(path)
 
     def fsync(self, path: str | os.PathLike) -> None:
-        self.before("fsync", path)
+        self.observe("fsync", path)
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -152,38 +147,29 @@ class LocalStorage(CheckpointStorage):
             os.close(fd)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        self.before("rename", new_path)
+        self.observe("rename", new_path)
         os.replace(path, new_path)
 
     def exchange(self, a: str | os.PathLike, b: str | os.PathLike) -> None:
-        self.before("exchange", b)
+        self.observe("exchange", b)
         _renameat2_exchange(os.fspath(a), os.fspath(b))
 
     def symlink(self, target: str, path: str | os.PathLike) -> None:
-        self.before("symlink", path)
+        self.observe("symlink", path)
         os.symlink(target, path)
 
-    def renew_lease(self, path: str | os.PathLike, text: str) -> bool:
-        try:
-            if os.readlink(path) != text:
-                return False
-            os.utime(path, follow_symlinks=False)
-        except OSError:
-            return False
-        return True
-
     def unlink(self, path: str | os.PathLike) -> None:
-        self.before("unlink", path)
+        self.observe("unlink", path)
         os.unlink(path)
 
     def rmdir(self, path: str | os.PathLike) -> None:
-        self.before("rmdir", path)
+        self.observe("rmdir", path)
         os.rmdir(path)
 
     def remove_tree(self, path: str | os.PathLike, missing_ok: bool = False) -> None:
         """One ``unlink``/``rmdir`` at a time, so a crash test can stop it between any two,
         as a real kill can."""
-        self.before("remove_tree", path)
+        self.observe("remove_tree", path)
         try:
             walk = list(os.walk(path, topdown=False))
         except FileNotFoundError:
@@ -204,15 +190,3 @@ class LocalStorage(CheckpointStorage):
         except FileNotFoundError:
             if not missing_ok:
                 raise
-
-
-def __getattr__(name: str):
-    if name == "CheckpointFS":  # the name before the storage protocol (one release)
-        warnings.warn(
-            "fsdp_ext.checkpoint.fs.CheckpointFS is now LocalStorage (the local filesystem "
-            "as a CheckpointStorage); CheckpointFS goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return LocalStorage
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

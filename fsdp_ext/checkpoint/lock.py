@@ -1,37 +1,40 @@
-"""One save at a time per checkpoint path: a lock with a lease that says who holds it.
+"""Leases that need no agreement of clocks and no mtime: who holds a thing, and whether they live.
 
-The lock is a symbolic link ``.NAME.lock`` beside the checkpoint whose target text records
-the holder (save id, run id, host, boot id, pid and its start time, thread, lease). Creating
-a link is atomic and exclusive on local filesystems and over sshfs (SFTP ``symlink``), and
-the record is born with the link, so no reader ever sees a half-written lock. While it is
-held, a heartbeat thread of the holder's process touches the link's mtime every quarter
-lease: the mtime is the holder's last sign of life.
+A lease is two symbolic links (a link's text is born with it, so no reader sees half a
+record; creating one is exclusive locally, on NFS and over sshfs's SFTP ``symlink``):
 
-A lock is broken only when its holder is provably gone:
+- the **record** ``PATH`` (``.NAME.lock``, ``.NAME.read-<id>``, ``.owner/gen-N``): the holder
+  (host, boot id, pid and its start time, thread, run id, lease, owner generation), created
+  once and never rewritten;
+- the **heartbeat** ``PATH.beat-<save id>``: a counter that only its holder writes, several
+  times per lease, by renaming a fresh link onto it (an atomic replace, which sshfs, NFS and
+  object stores all have; a link's mtime does not move over sshfs).
 
-- same machine (host name and kernel boot id), and its process has exited, or the pid now
-  belongs to a process that started later (the start time in ``/proc/PID/stat`` differs:
-  pids are reused);
-- same process, and the thread that took it is this thread, has exited, or is no longer
-  inside a DCP save (a save that failed by exception cannot release it: DCP calls no writer
-  method after a failed write);
-- another machine, and the holder belongs to the same run (``TORCHELASTIC_RUN_ID``): an
-  earlier attempt of this job, which its launcher has given up on; taken over at once;
-- another machine, and its heartbeat is older than its lease: the taker waits for that,
-  saying so every few seconds, and refuses as soon as it sees the heartbeat move. The hosts'
-  clocks must agree to well within the lease (NTP does).
+An observer never compares clocks. It judges a holder on another machine by its own monotonic
+clock from the last change it saw (as Kubernetes leader election judges ``renewTime``): alive
+as soon as the heartbeat changes, gone once it has watched the heartbeat stand still for a
+whole lease. Hosts whose clocks disagree by minutes judge each other correctly.
 
-Anything else (a live process here, a heartbeat that moves) is a save that is running: the
-caller gets :class:`CheckpointBusyError` naming the holder.
+Shortcuts for "certainly alive" or "certainly gone", never the only guard:
 
-Readers take a shared lease the same way, ``.NAME.read-<id>``, so that pruning skips a
-checkpoint being loaded (:func:`read_lease`, :func:`refuse_if_read`).
+- same machine (host name *and* kernel boot id equal; containers on one kernel share a boot
+  id but not a host name): the pid runs with the recorded start time, or not (pids are reused);
+- same process: the thread that took it is this thread (it runs one save at a time, so that
+  one ended), or has exited;
+- another machine, same run (``TORCHELASTIC_RUN_ID``): an earlier attempt of this job, which
+  its launcher has given up on; taken over at once;
+- an owner generation below the taker's: a job that lost its output directory (``ownership``).
+
+Anything else (a live process here, a heartbeat that moves) is a holder at work: the caller
+gets :class:`CheckpointBusyError` naming it. Readers take a shared lease the same way,
+``.NAME.read-<id>``, so that pruning skips a checkpoint being loaded (:func:`read_lease`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import sys
@@ -39,21 +42,23 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fsdp_ext._torch import thread_in_dcp_save
 from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.manifest import CheckpointBusyError, CheckpointPathError
 from fsdp_ext.checkpoint.processes import boot_id, pid_running, process_start
-from fsdp_ext.checkpoint.storage import DIRECTORY, LINK, CheckpointStorage
+from fsdp_ext.checkpoint.storage import DIRECTORY, LINK, CheckpointStorage, unobserved
 
 __all__ = [
+    "BEATS_PER_LEASE",
     "DEFAULT_LEASE_S",
+    "MIN_LEASE_S",
     "CheckpointPrunedError",
     "LockOwner",
     "acquire",
+    "check_lease",
     "lease_seconds",
     "lock_path",
     "read_lease",
@@ -66,28 +71,43 @@ __all__ = [
 
 _KIND = "fsdp_ext.checkpoint.lock/1"
 DEFAULT_LEASE_S = 60.0
+BEATS_PER_LEASE = 4  # heartbeats per lease: a late beat or two never lets a live holder lapse
+HEARTBEAT_MIN_S = 0.25  # the shortest heartbeat interval
+MIN_LEASE_S = BEATS_PER_LEASE * HEARTBEAT_MIN_S
 LEASE_ENV = "FSDP_EXT_LEASE_S"  # the lease in seconds for locks and owners this process takes
 RUN_ID_ENV = "FSDP_EXT_RUN_ID"  # set by a launcher that outlives torchrun's own run ids
 _READ = ".read-"
+_BEAT = ".beat-"
 _REMOVER = "remove-"  # save ids of remove_checkpoint's locks
+RELEASED = "released"  # a heartbeat's last word: the holder gave it up
 
 
 class CheckpointPrunedError(CheckpointPathError):
     """The checkpoint was pruned (or is being pruned) while it was to be read; try another."""
 
 
+def check_lease(value: object, name: str = "lease_s") -> float:
+    """``value`` as a lease in seconds, or one ValueError naming ``name`` and what it allows."""
+    try:
+        lease = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        lease = math.nan
+    if isinstance(value, bool) or not (math.isfinite(lease) and lease >= MIN_LEASE_S):
+        raise ValueError(
+            f"{name} must be a finite number of seconds >= {MIN_LEASE_S:g} ({BEATS_PER_LEASE} "
+            f"heartbeats of at least {HEARTBEAT_MIN_S:g} s each), got {value!r}"
+        )
+    return lease
+
+
 def lease_seconds() -> float:
     """The lease this process gives its locks: ``$FSDP_EXT_LEASE_S``, else 60 s."""
     text = os.environ.get(LEASE_ENV)
-    if text is None:
-        return DEFAULT_LEASE_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{LEASE_ENV} must be a number of seconds > 0, got {text!r}")
-    return value
+    return DEFAULT_LEASE_S if text is None else check_lease(text, LEASE_ENV)
+
+
+def heartbeat_interval(lease_s: float) -> float:
+    return max(HEARTBEAT_MIN_S, lease_s / BEATS_PER_LEASE)
 
 
 def run_id() -> str:
@@ -104,12 +124,13 @@ class LockOwner:
     pid: int
     pid_start: str
     thread: int
-    since: float
+    since: float  # the holder's wall clock, for people only: no decision reads it
     run_id: str = ""
     lease_s: float = DEFAULT_LEASE_S
+    generation: int = 0  # the output directory's owner generation it acts for (0: none)
 
     @classmethod
-    def here(cls, save_id: str, *, lease_s: float | None = None) -> LockOwner:
+    def here(cls, save_id: str, *, lease_s: float | None = None, generation: int = 0) -> LockOwner:
         pid = os.getpid()
         return cls(
             save_id=save_id,
@@ -121,6 +142,7 @@ class LockOwner:
             since=round(time.time(), 3),
             run_id=run_id(),
             lease_s=lease_seconds() if lease_s is None else float(lease_s),
+            generation=generation,
         )
 
     def encode(self) -> str:
@@ -128,7 +150,7 @@ class LockOwner:
 
     @classmethod
     def decode(cls, text: str) -> LockOwner | None:
-        """The owner recorded in a lock's link text; None if it is not one of our locks."""
+        """The owner recorded in a lease's link text; None if it is not one of our records."""
         try:
             raw = json.loads(text)
             if raw.pop("kind") != _KIND:
@@ -142,9 +164,10 @@ class LockOwner:
         run = f", run {self.run_id}" if self.run_id else ""
         kind, _, ident = self.save_id.partition("-")
         what = f"job {ident}" if kind == "owner" else f"save {self.save_id}"
-        return f"{what} by pid {self.pid} on host {self.host}{run}, since {when}"
+        return f"{what} by pid {self.pid} on host {self.host}{run}, since {when} (its clock)"
 
     def on_this_machine(self) -> bool:
+        """Same host name and same kernel boot: its pids are this machine's pids."""
         return bool(self.boot_id) and (self.host, self.boot_id) == (
             socket.gethostname(),
             boot_id(),
@@ -154,22 +177,14 @@ class LockOwner:
         mine = run_id()
         return bool(mine) and self.run_id == mine
 
-    def stale_reason(self, heartbeat_age: float | None = None) -> str | None:
-        """Why the holder is provably gone, or None if it may still be working.
-
-        ``heartbeat_age``: seconds since the lock's last heartbeat (None: unknown), which
-        decides for a holder on another machine.
-        """
+    def stale_reason(self) -> str | None:
+        """Why the holder is certainly gone, or None when that takes watching its heartbeat
+        (another machine) or it is certainly alive (this machine: :meth:`alive_here`)."""
         if not self.on_this_machine():
             if self.same_run():
                 return (
                     f"it belongs to an earlier attempt of this run ({self.run_id}) on host "
                     f"{self.host}"
-                )
-            if heartbeat_age is not None and heartbeat_age > self.lease_s:
-                return (
-                    f"its lease expired: no heartbeat from host {self.host} for "
-                    f"{heartbeat_age:.0f} s (lease {self.lease_s:g} s)"
                 )
             return None
         if self.pid != os.getpid():
@@ -182,46 +197,123 @@ class LockOwner:
             return "this thread took it for a save that has ended"
         if not any(t.ident == self.thread for t in threading.enumerate()):
             return f"its thread {self.thread} has exited"
-        if not thread_in_dcp_save(self.thread):
-            return f"its thread {self.thread} is no longer saving"
         return None
 
 
-# ------------------------------------------------------------------------- heartbeat
+# ------------------------------------------------------------------------- heartbeats
+
+
+def beat_path(record: Path, holder: LockOwner) -> Path:
+    return record.with_name(f"{record.name}{_BEAT}{holder.save_id}")
+
+
+def replace_link(fs: CheckpointStorage, path: Path, text: str) -> None:
+    """Replace the link ``path`` with one holding ``text``, atomically (rename)."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        fs.unlink(tmp)
+    fs.symlink(text, tmp)
+    fs.rename(tmp, path)
+
+
+def read_beat(fs: CheckpointStorage, record: Path, holder: LockOwner) -> str:
+    """The holder's heartbeat text ("" before its first beat, or once it is removed)."""
+    try:
+        return fs.readlink(beat_path(record, holder))
+    except (FileNotFoundError, OSError):
+        return ""
+
+
+def remove_beat(fs: CheckpointStorage, record: Path, holder: LockOwner) -> None:
+    beat = beat_path(record, holder)
+    for path in (beat, beat.with_name(f"{beat.name}.tmp")):
+        with contextlib.suppress(FileNotFoundError):
+            fs.unlink(path)
+
+
+@dataclass
+class _Held:
+    fs: CheckpointStorage
+    record: Path
+    text: str
+    holder: LockOwner
+    still_mine: Callable[[], str | None] | None  # why it was lost (None: still held)
+    beats: int = 0
+    last_ok: float = field(default_factory=time.monotonic)
+    warned: float = 0.0
+    lost: str | None = None
 
 
 @dataclass
 class _Heartbeat:
-    """One daemon thread per process renews every lease it holds (touches the links)."""
+    """One daemon thread per process renews every lease it holds. Its storage calls are not
+    observed (:func:`~fsdp_ext.checkpoint.storage.unobserved`): they come at the thread's own
+    times, so a crash test counting a save's operations never sees them."""
 
-    # path -> (its storage, the link's text, lease)
-    held: dict[str, tuple[CheckpointStorage, str, float]] = field(default_factory=dict)
+    held: dict[str, _Held] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     wake: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
 
-    def add(self, fs: CheckpointStorage, path: Path, text: str, lease_s: float) -> None:
+    def add(self, entry: _Held) -> _Held:
         with self.lock:
-            self.held[str(path)] = (fs, text, lease_s)
+            self.held[str(entry.record)] = entry
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(
                     target=self._run, name="fsdp_ext-lease-heartbeat", daemon=True
                 )
                 self.thread.start()
         self.wake.set()
+        return entry
 
-    def remove(self, path: Path) -> None:
-        with self.lock:
-            self.held.pop(str(path), None)
+    def remove(self, path: Path) -> _Held | None:
+        with self.lock:  # never while a beat of it is being written
+            return self.held.pop(str(path), None)
+
+    def beat(self, entry: _Held) -> None:
+        """One renewal: give up a record that is no longer ours, else bump the counter."""
+        fs, now = entry.fs, time.monotonic()
+        try:
+            lost = None
+            if fs.readlink(entry.record) != entry.text:
+                lost = f"its record {entry.record} was replaced"
+            elif entry.still_mine is not None:
+                lost = entry.still_mine()
+        except FileNotFoundError:
+            lost = f"its record {entry.record} was removed"
+        except OSError as exc:
+            lost, failure = None, exc
+        else:
+            failure = None
+            if lost is None:
+                try:
+                    replace_link(fs, beat_path(entry.record, entry.holder), str(entry.beats + 1))
+                    entry.beats += 1
+                    entry.last_ok = now
+                    return
+                except OSError as exc:
+                    failure = exc
+        if lost is not None:
+            entry.lost = lost
+            self.held.pop(str(entry.record), None)
+            _say(f"lease {entry.record}: lost ({lost}); no longer renewing it")
+            return
+        silent = now - entry.last_ok
+        if silent >= entry.holder.lease_s / 2 and now - entry.warned >= entry.holder.lease_s:
+            entry.warned = now
+            _say(
+                f"lease {entry.record}: no heartbeat written for {silent:.0f} s "
+                f"(lease {entry.holder.lease_s:g} s): {failure}; another job may take it over"
+            )
 
     def _run(self) -> None:
+        unobserved()
         while True:
             with self.lock:
-                held = dict(self.held)
-            for path, (fs, text, _lease) in held.items():
-                fs.renew_lease(path, text)
-            period = min((lease for *_, lease in held.values()), default=DEFAULT_LEASE_S) / 4
-            self.wake.wait(max(0.05, period))
+                for entry in list(self.held.values()):
+                    self.beat(entry)
+                leases = [e.holder.lease_s for e in self.held.values()]
+            self.wake.wait(heartbeat_interval(min(leases, default=DEFAULT_LEASE_S)))
             self.wake.clear()
 
 
@@ -236,17 +328,15 @@ def _after_fork() -> None:  # a forked child holds none of its parent's leases
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def heartbeat_age(fs: CheckpointStorage, path: str | os.PathLike) -> float | None:
-    """Seconds since the lock's last heartbeat (its link's mtime); None if it is gone."""
-    try:
-        return time.time() - fs.mtime(path)
-    except FileNotFoundError:
-        return None
-
-
-def hold(fs: CheckpointStorage, path: Path, owner: LockOwner) -> None:
-    """Keep renewing ``path``'s lease for ``owner`` until :func:`let_go`."""
-    _HEARTBEAT.add(fs, path, owner.encode(), owner.lease_s)
+def hold(
+    fs: CheckpointStorage,
+    path: Path,
+    owner: LockOwner,
+    still_mine: Callable[[], str | None] | None = None,
+) -> _Held:
+    """Keep renewing ``path``'s lease for ``owner`` until :func:`let_go`. ``still_mine``
+    (run before each beat) says why the lease was lost, or None; a lost lease stops."""
+    return _HEARTBEAT.add(_Held(fs, path, owner.encode(), owner, still_mine))
 
 
 def let_go(path: Path) -> None:
@@ -254,8 +344,108 @@ def let_go(path: Path) -> None:
 
 
 def holding(path: Path) -> bool:
-    """Whether this process holds (and renews) the lock at ``path``."""
+    """Whether this process holds (and renews) the lease at ``path``."""
     return str(path) in _HEARTBEAT.held
+
+
+# ------------------------------------------------------------------------- watching
+
+
+@dataclass
+class _Seen:
+    beat: str
+    at: float  # monotonic, when this observer first saw ``beat``
+
+
+# (record path, record text) -> the last heartbeat this process saw and when: an observer's
+# memory, so that a prune that meets a read lease twice can tell a beat that stood still
+_SEEN: dict[tuple[str, str], _Seen] = {}
+
+
+def observe(
+    fs: CheckpointStorage, record: Path, text: str, holder: LockOwner
+) -> tuple[bool, float]:
+    """(whether the heartbeat changed since this process last looked, seconds this process
+    has seen it unchanged), by this process's monotonic clock only."""
+    beat, now = read_beat(fs, record, holder), time.monotonic()
+    seen = _SEEN.get((str(record), text))
+    if seen is None or seen.beat != beat:
+        _SEEN[(str(record), text)] = _Seen(beat, now)
+        return seen is not None, 0.0
+    return False, now - seen.at
+
+
+def judge(fs: CheckpointStorage, record: Path, text: str, holder: LockOwner) -> str | None:
+    """Why ``holder`` is gone, or None if it is (or may be) alive, looking once."""
+    reason = holder.stale_reason()
+    if reason is not None or holder.on_this_machine():
+        return reason
+    if read_beat(fs, record, holder) == RELEASED:
+        return "it gave it up"
+    changed, still = observe(fs, record, text, holder)
+    if not changed and still > holder.lease_s:
+        return (
+            f"its lease expired: no heartbeat change from host {holder.host} seen for "
+            f"{still:.0f} s (lease {holder.lease_s:g} s)"
+        )
+    return None
+
+
+def watch(
+    fs: CheckpointStorage, record: Path, *, what: str, outranks: int = 0
+) -> tuple[str, LockOwner, str | None] | None:
+    """Look at the holder of ``record`` until it is proven alive or gone: (its text, the
+    holder, why it is gone or None if alive); None when the record vanished meanwhile.
+
+    A holder on another machine is watched by this process's monotonic clock: alive once
+    its heartbeat changes, gone once it stood still for a whole lease (plus one interval).
+    ``outranks``: a holder of a lower owner generation is gone at once.
+    """
+    said = 0.0
+    for key in [k for k in _SEEN if k[0] == str(record)]:
+        del _SEEN[key]  # a change seen before this look proves nothing about now
+    while True:
+        try:
+            text = fs.readlink(record)
+        except FileNotFoundError:
+            return None
+        held = LockOwner.decode(text)
+        if held is None:
+            raise CheckpointBusyError(
+                f"{record}: exists but is not a record made by fsdp_ext; remove it if "
+                f"nothing else uses it, then try {what} again"
+            )
+        if outranks and 0 < held.generation < outranks:
+            return (
+                text,
+                held,
+                (f"its job lost the output directory (generation {held.generation} < {outranks})"),
+            )
+        reason = held.stale_reason()
+        if reason is not None or held.on_this_machine():
+            return text, held, reason
+        if read_beat(fs, record, held) == RELEASED:
+            return text, held, "it gave it up"
+        changed, still = observe(fs, record, text, held)
+        if changed:
+            return text, held, None
+        if still > held.lease_s + heartbeat_interval(held.lease_s):
+            return (
+                text,
+                held,
+                (
+                    f"its lease expired: no heartbeat change from host {held.host} seen for "
+                    f"{still:.0f} s (lease {held.lease_s:g} s)"
+                ),
+            )
+        if time.monotonic() - said >= 5.0:
+            said = time.monotonic()
+            _say(
+                f"{what}: held by {held.describe()} on another host; last seen change "
+                f"{still:.0f} s ago; waiting until its lease ({held.lease_s:g} s) has passed "
+                "with no heartbeat, unless one comes"
+            )
+        time.sleep(min(0.25, held.lease_s / 8))
 
 
 def _say(message: str) -> None:
@@ -278,15 +468,10 @@ def take(
 ) -> LockOwner | None:
     """Create the lock link ``path`` for ``owner``, breaking it if its holder is gone.
 
-    Returns None when taken, or the live holder: on this machine at once, on another when
-    its heartbeat moves while this waits for its lease. ``what`` names the guarded thing in
-    messages. A holder on another machine whose heartbeat
-    stands still is waited for (at most its lease, plus a second).
+    Returns None when taken, or the live holder. ``what`` names the guarded thing in
+    messages. A holder on another machine is watched for at most its lease and a heartbeat.
     """
     mine = owner.encode()
-    seen: tuple[str, float] | None = None  # (record, mtime) when first seen
-    deadline = None
-    said = 0.0
     while True:
         try:
             fs.symlink(mine, path)
@@ -294,38 +479,12 @@ def take(
             return None
         except FileExistsError:
             pass
-        try:
-            text = fs.readlink(path)
-            mtime = fs.mtime(path)
-        except FileNotFoundError:
+        seen = watch(fs, path, what=what, outranks=owner.generation)
+        if seen is None:
             continue  # released meanwhile
-        held = LockOwner.decode(text)
-        if held is None:
-            raise CheckpointBusyError(
-                f"{path}: exists but is not a lock made by fsdp_ext; remove it if nothing "
-                f"else uses it, then try {what} again"
-            )
-        reason = held.stale_reason(time.time() - mtime)
+        text, held, reason = seen
         if reason is None:
-            if held.on_this_machine():
-                return held
-            if seen is not None and seen[0] == text and mtime != seen[1]:
-                return held  # its heartbeat moved: alive
-            if seen is None or seen[0] != text:
-                seen = (text, mtime)
-                deadline = time.monotonic() + held.lease_s + 1.0
-            left = mtime + held.lease_s - time.time()
-            if time.monotonic() > deadline:
-                return held
-            if time.monotonic() - said >= 5.0:
-                said = time.monotonic()
-                _say(
-                    f"{what}: held by {held.describe()} on another host; waiting up to "
-                    f"{max(0.0, left):.0f} s for its lease ({held.lease_s:g} s) to expire "
-                    "unless its heartbeat moves"
-                )
-            time.sleep(min(0.25, held.lease_s / 8))
-            continue
+            return held
         warnings.warn(
             f"{what}: breaking the lock {path} of {held.describe()}: {reason}", stacklevel=3
         )
@@ -333,6 +492,8 @@ def take(
         # what moved is the lock that was judged (another taker may have broken and
         # retaken it in between); if not, put it back.
         aside = path.with_name(f"{path.name}.stale-{owner.save_id}")
+        if held.pid == os.getpid():
+            let_go(path)  # this process's own, of a save that ended: stop its heartbeat
         try:
             fs.rename(path, aside)
         except FileNotFoundError:
@@ -345,6 +506,7 @@ def take(
             raise CheckpointBusyError(
                 f"{what}: another taker took {path} while this one checked it"
             )
+        remove_beat(fs, path, held)
         fs.unlink(aside)
 
 
@@ -355,24 +517,44 @@ def acquire(fs: CheckpointStorage, target: Path, owner: LockOwner) -> None:
     if held is not None:
         raise CheckpointBusyError(
             f"{target}: another save holds its lock {path} ({held.describe()}); two "
-            "jobs must not save to one path. If that job is dead and this one cannot tell "
-            f"(a machine whose clock is off), run `python -m fsdp_ext.checkpoint unlock "
-            f"{target}` and save again"
+            "jobs must not save to one path. If that job is dead and this one cannot tell, "
+            f"run `python -m fsdp_ext.checkpoint unlock {target}` and save again"
         )
 
 
 def release(fs: CheckpointStorage, target: Path, owner: LockOwner) -> None:
     """Remove the lock if it is still ``owner``'s."""
-    release_link(fs, lock_path(target), owner.encode())
+    release_link(fs, lock_path(target), owner)
 
 
-def release_link(fs: CheckpointStorage, path: Path, text: str) -> None:
+def release_link(fs: CheckpointStorage, path: Path, owner: LockOwner) -> None:
     let_go(path)
     try:
-        if fs.readlink(path) == text:
+        if fs.readlink(path) == owner.encode():
+            remove_beat(fs, path, owner)
             fs.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def is_beat_of(name: str, record_name: str) -> bool:
+    return name.startswith(f"{record_name}{_BEAT}")
+
+
+def remove_stray_beats(fs: CheckpointStorage, directory: Path, record_name: str) -> None:
+    """Heartbeats of ``record_name`` whose holder no longer holds it (a holder killed while
+    the record was broken, or a paused one that wrote one more beat after it)."""
+    try:
+        current = LockOwner.decode(fs.readlink(directory / record_name))
+    except (FileNotFoundError, OSError):
+        current = None
+    keep = None if current is None else beat_path(directory / record_name, current).name
+    for name in fs.listdir(directory):
+        if is_beat_of(name, record_name) and keep is not None and name.startswith(keep):
+            continue
+        if is_beat_of(name, record_name) and fs.kind(directory / name) == LINK:
+            with contextlib.suppress(FileNotFoundError):
+                fs.unlink(directory / name)
 
 
 def unlock(
@@ -380,36 +562,36 @@ def unlock(
 ) -> tuple[Path | None, LockOwner | None]:
     """Remove the lock of ``target`` whoever holds it (the manual last resort).
 
-    ``target``: a checkpoint path, its ``.NAME.lock``, or an output directory's ``.owner``
-    (or the directory itself). Returns the link removed (None: none there) and the holder it
-    recorded (None: not one of ours, removed all the same).
+    ``target``: a checkpoint path or its ``.NAME.lock``. Returns the link removed (None: none
+    there) and the holder it recorded (None: not one of ours, removed all the same). An
+    output directory's owner is never removed by hand: its lease expires by itself.
     """
     fs = fs if fs is not None else LocalStorage()
     target = Path(target)
-    if target.name.endswith(".lock") or target.name == ".owner":
-        path = target
-    elif fs.kind(target / ".owner") == LINK:
-        path = target / ".owner"
-    else:
-        path = lock_path(target)
+    path = target if target.name.endswith(".lock") else lock_path(target)
     try:
         text = fs.readlink(path)
     except (FileNotFoundError, OSError):
         return None, None
     let_go(path)
+    holder = LockOwner.decode(text)
+    if holder is not None:
+        remove_beat(fs, path, holder)
     fs.unlink(path)
-    return path, LockOwner.decode(text)
+    return path, holder
 
 
 # ------------------------------------------------------------------------- read leases
 
 
 def _is_read_lease(name: str, target: Path) -> bool:
-    return name.startswith(f".{target.name}{_READ}")
+    prefix = f".{target.name}{_READ}"
+    return name.startswith(prefix) and _BEAT not in name and not name.endswith(".tmp")
 
 
 def readers(fs: CheckpointStorage, target: Path) -> list[LockOwner]:
-    """The live readers of ``target``; read leases of readers that are gone are removed."""
+    """The live readers of ``target`` (those on another machine until this process has seen
+    their heartbeat stand still for a lease); leases of readers that are gone are removed."""
     live = []
     for name in fs.listdir(target.parent):
         if not _is_read_lease(name, target):
@@ -420,12 +602,12 @@ def readers(fs: CheckpointStorage, target: Path) -> list[LockOwner]:
         except (FileNotFoundError, OSError):
             continue
         holder = LockOwner.decode(text)
-        age = heartbeat_age(fs, path)
-        if holder is None or age is None:
+        if holder is None:
             continue
-        if holder.stale_reason(age) is None or holder.pid == os.getpid():
+        if holder.pid == os.getpid() or judge(fs, path, text, holder) is None:
             live.append(holder)
         else:
+            remove_beat(fs, path, holder)
             with contextlib.suppress(FileNotFoundError):
                 fs.unlink(path)
     return live
@@ -456,17 +638,18 @@ def read_lease(target: str | os.PathLike, fs: CheckpointStorage | None = None) -
     try:
         lock = lock_path(target)
         try:
-            holder = LockOwner.decode(fs.readlink(lock))
+            text = fs.readlink(lock)
+            holder = LockOwner.decode(text)
         except FileNotFoundError:
             holder = None
         if (
             holder is not None
             and holder.save_id.startswith(_REMOVER)
-            and holder.stale_reason(heartbeat_age(fs, lock)) is None
+            and judge(fs, lock, text, holder) is None
         ):
             raise CheckpointPrunedError(f"{target}: is being pruned ({holder.describe()})")
         if fs.kind(target) not in (LINK, DIRECTORY):
             raise CheckpointPrunedError(f"{target}: was pruned before it could be read")
         yield
     finally:
-        release_link(fs, path, owner.encode())
+        release_link(fs, path, owner)

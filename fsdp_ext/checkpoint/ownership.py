@@ -1,65 +1,178 @@
-"""One job owns an output directory for its whole life; its workers die with its launcher.
+"""One job owns an output directory, and a job that lost it writes nothing more there.
 
-The owner record is a lease lock (``lock.py``) named ``.owner`` in the directory: host, boot
-id, pid and start time, run id, lease, renewed by a heartbeat thread. A second job is
-refused while the owner is alive: on this machine its process is running (pid and start
-time), on another its heartbeat moves (the claimant waits at most one lease to see which).
-Once the owner is gone (its process exited, its lease expired, or it released the record
-at its end), a restart takes the directory over. A restart of the same run (torchrun's own
-restart, or a requeue under the same ``TORCHELASTIC_RUN_ID``) takes it over at once, and a
-worker of the job whose launcher holds the record (same run, same machine) joins it.
+**Generations.** The owner records live in ``ROOT/.owner/``, one per owner generation:
+``gen-00000001``, ``gen-00000002``... Each is a lease of ``lock.py`` (an immutable record of
+host, boot id, pid, run id and lease, plus a heartbeat that only its holder rewrites). The
+owner is the highest generation. Taking the directory over is *creating* the next
+generation's record, which only one claimant can do (create-if-absent: an exclusive
+``symlink`` here, ``If-None-Match: *`` on an object store). A claimant judges the current
+owner as ``lock.watch`` does: at once on the same machine (pid and start time) or for the
+same run (a restart), else by its own monotonic clock (gone after a whole lease without a
+heartbeat change). A finished job writes ``released`` as its last heartbeat; the next
+claimant takes over at once.
+
+**Fencing.** Each generation has a private work directory, ``.owner/gen-N.work``. A save
+stages its new version there and publishes it by renaming it out; a prune or overwrite
+discards by renaming into it (``versions.py``). A takeover creates its record, then renames
+every older generation's work directory away, *before* it reads or writes any checkpoint.
+From then on, each publish or removal of the old job fails in the storage itself, since its
+source or destination no longer exists, however long the old job was paused and wherever it
+was paused: a check of ownership followed by an unconditional write would not be fencing,
+since a pause between the two defeats it. The old job's next save also sees the newer
+generation first and stops with :class:`DirectoryFencedError` (``examples/train.py`` exits
+3), naming who took the directory.
+
+A worker of the job whose launcher holds the record (same run, same machine) joins that
+generation; the launcher renews and releases it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import os
+import re
 import signal
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.lock import (
+    RELEASED,
     LockOwner,
-    heartbeat_age,
+    beat_path,
+    check_lease,
+    hold,
     holding,
     let_go,
-    release_link,
-    take,
+    observe,
+    replace_link,
+    watch,
 )
 from fsdp_ext.checkpoint.manifest import CheckpointBusyError
-from fsdp_ext.checkpoint.storage import CheckpointStorage
+from fsdp_ext.checkpoint.storage import DIRECTORY, CheckpointStorage
 
-__all__ = ["OWNER_NAME", "DirectoryOwnedError", "Ownership", "claim", "exit_with_launcher"]
+__all__ = [
+    "OWNER_DIR",
+    "DirectoryFencedError",
+    "DirectoryOwnedError",
+    "Fence",
+    "Ownership",
+    "claim",
+    "exit_with_launcher",
+    "generations",
+]
 
-OWNER_NAME = ".owner"
+OWNER_DIR = ".owner"
 LAUNCHER_PID_ENV = "FSDP_EXT_LAUNCHER_PID"  # set by a launcher that runs torchrun in-process
 _PR_SET_PDEATHSIG = 1
+_RECORD = re.compile(r"gen-(\d{8})")
+_TRASH = "trash-"
 
 
 class DirectoryOwnedError(CheckpointBusyError):
     """Another live job owns the output directory; the message names it and what to do."""
 
 
+class DirectoryFencedError(CheckpointBusyError):
+    """This job lost its output directory to another job (it was paused, or its heartbeat
+    failed, for longer than its lease): it must write nothing more there."""
+
+
+def record_name(generation: int) -> str:
+    return f"gen-{generation:08d}"
+
+
+def generations(fs: CheckpointStorage, root: str | os.PathLike) -> list[int]:
+    """The owner generations recorded under ``root``, in order (the last one owns it)."""
+    try:
+        names = fs.listdir(Path(root) / OWNER_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _RECORD.fullmatch(n)))
+
+
+def _holder(fs: CheckpointStorage, root: Path, generation: int) -> LockOwner | None:
+    try:
+        return LockOwner.decode(fs.readlink(root / OWNER_DIR / record_name(generation)))
+    except (FileNotFoundError, OSError):
+        return None
+
+
+@dataclass(frozen=True)
+class Fence:
+    """What a save must hold to write under ``root``: owner generation ``generation``.
+
+    ``work_dir`` is that generation's private directory: stage there, publish out of it,
+    discard into it (a takeover removes it, and every such operation then fails)."""
+
+    root: Path
+    generation: int
+    fs: CheckpointStorage
+
+    @property
+    def work_dir(self) -> Path:
+        return self.root / OWNER_DIR / f"{record_name(self.generation)}.work"
+
+    def lost(self) -> str | None:
+        """Why this generation no longer owns ``root`` (None: it still does)."""
+        found = generations(self.fs, self.root)
+        newer = [g for g in found if g > self.generation]
+        if newer:
+            holder = _holder(self.fs, self.root, newer[-1])
+            who = holder.describe() if holder is not None else "another job"
+            return (
+                f"{self.root}: taken over by {who} (owner generation {newer[-1]}; this job's "
+                f"is {self.generation}); this job writes nothing more there. It was paused, "
+                "or could not renew its lease, for longer than its lease"
+            )
+        if self.generation not in found:
+            return (
+                f"{self.root}: this job's owner record (generation {self.generation}) is gone; "
+                "it writes nothing more there"
+            )
+        return None
+
+    def check(self) -> None:
+        """Raise :class:`DirectoryFencedError` if this generation lost ``root``."""
+        why = self.lost()
+        if why is not None:
+            raise DirectoryFencedError(why)
+
+
 @dataclass
 class Ownership:
-    """This process's claim on ``root``: its own record (``joined`` False) or the record of
-    the launcher of its own run (``joined`` True, left to that launcher to release)."""
+    """This process's claim on ``root``: its own generation's record (``joined`` False) or
+    the record of the launcher of its own run (``joined`` True, left to that launcher)."""
 
     root: Path
     owner: LockOwner
     joined: bool
     fs: CheckpointStorage
 
+    @property
+    def record(self) -> Path:
+        return self.root / OWNER_DIR / record_name(self.owner.generation)
+
+    @property
+    def fence(self) -> Fence:
+        return Fence(self.root, self.owner.generation, self.fs)
+
     def release(self) -> None:
-        """Give the directory up (a finished job); a later job takes it at once."""
-        if not self.joined:
-            release_link(self.fs, self.root / OWNER_NAME, self.owner.encode())
+        """Give the directory up (a finished job): a later job takes it at once."""
+        if self.joined:
+            return
+        let_go(self.record)
+        if self.fence.lost() is None:
+            with contextlib.suppress(OSError):
+                replace_link(self.fs, beat_path(self.record, self.owner), RELEASED)
 
     def stop_renewing(self) -> None:
         """Stop the heartbeat but keep the record: how a job that dies looks to others."""
-        let_go(self.root / OWNER_NAME)
+        let_go(self.record)
 
 
 def claim(
@@ -68,29 +181,78 @@ def claim(
     """Make this job the owner of ``root`` (created if missing), or raise
     :class:`DirectoryOwnedError` naming the live owner."""
     fs = fs if fs is not None else LocalStorage()
+    if lease_s is not None:
+        lease_s = check_lease(lease_s)
     root = Path(root)
-    fs.makedirs(root)
-    owner = LockOwner.here(f"owner-{uuid.uuid4().hex[:12]}", lease_s=lease_s)
-    path = root / OWNER_NAME
-    if holding(path):
+    owners = root / OWNER_DIR
+    fs.makedirs(owners)
+    me = LockOwner.here(f"owner-{uuid.uuid4().hex[:12]}", lease_s=lease_s)
+    if any(holding(owners / record_name(g)) for g in generations(fs, root)):
         raise DirectoryOwnedError(
             f"{root}: this process owns it already (another Checkpointer on it is open); "
             "close() that one first, or use it"
         )
-    held = take(fs, path, owner, what=f"output directory {root}")
-    if held is None:
-        return Ownership(root, owner, False, fs)
-    if held.same_run() and held.on_this_machine():
-        return Ownership(root, held, True, fs)  # our own launcher holds it
-    age = heartbeat_age(fs, path)
-    beat = "" if age is None else f", last heartbeat {age:.0f} s ago"
-    raise DirectoryOwnedError(
+    while True:
+        found = generations(fs, root)
+        top = found[-1] if found else 0
+        if top:
+            record = owners / record_name(top)
+            seen = watch(fs, record, what=f"output directory {root}")
+            if seen is None:
+                continue
+            _text, held, reason = seen
+            if reason is None:
+                if held.same_run() and held.on_this_machine():
+                    return Ownership(root, held, True, fs)  # our own launcher holds it
+                raise _owned(fs, root, record, held)
+            if reason != "it gave it up":
+                warnings.warn(
+                    f"output directory {root}: taking it over from {held.describe()}: {reason}",
+                    stacklevel=2,
+                )
+        mine = dataclasses.replace(me, generation=top + 1)
+        try:
+            fs.symlink(mine.encode(), owners / record_name(mine.generation))
+        except FileExistsError:
+            continue  # another claimant took this generation first: judge it
+        ownership = Ownership(root, mine, False, fs)
+        retire(fs, root, below=mine.generation)  # the fence: before any checkpoint is read
+        fs.make_dir(ownership.fence.work_dir)
+        hold(fs, ownership.record, mine, still_mine=ownership.fence.lost)
+        return ownership
+
+
+def _owned(fs: CheckpointStorage, root: Path, record: Path, held: LockOwner) -> DirectoryOwnedError:
+    _changed, still = observe(fs, record, fs.readlink(record), held)
+    beat = "" if held.on_this_machine() else f", last seen change {still:.0f} s ago"
+    return DirectoryOwnedError(
         f"{root}: owned by a live job, {held.describe()} (lease {held.lease_s:g} s{beat}); "
         "two jobs must not write one output directory. Wait for that job to end or stop "
         "it, or choose another output directory; a restart of the same run "
-        "(TORCHELASTIC_RUN_ID) is let in once that job is gone. If it is gone and this "
-        f"cannot tell, run `python -m fsdp_ext.checkpoint unlock {path}`"
+        "(TORCHELASTIC_RUN_ID) is let in once that job is gone"
     )
+
+
+def retire(fs: CheckpointStorage, root: Path, *, below: int) -> None:
+    """Fence every generation below ``below``: rename its work directory away (one atomic
+    step: from then on its saves and prunes fail), then remove it, its record and beats."""
+    owners = root / OWNER_DIR
+    for name in fs.listdir(owners):
+        head = name.split(".", 1)[0]
+        m = _RECORD.fullmatch(head)
+        path = owners / name
+        if name.startswith(_TRASH):
+            fs.remove_tree(path, missing_ok=True)  # a retire killed midway
+        elif m is None or int(m.group(1)) >= below:
+            continue
+        elif fs.kind(path) == DIRECTORY:
+            trash = owners / f"{_TRASH}{uuid.uuid4().hex}"
+            with contextlib.suppress(FileNotFoundError):
+                fs.rename(path, trash)
+                fs.remove_tree(trash, missing_ok=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                fs.unlink(path)
 
 
 def exit_with_launcher() -> bool:

@@ -23,9 +23,10 @@ storage of another kind is one file, a subclass that implements the primitives:
 ``rmdir(path)``            removes an empty directory
 ``remove_tree(path)``      removes a directory and all in it, one entry at a time
 ``fsync(path)``            makes a file's bytes, or a directory's entries, durable
-``mtime(path)``            the path's own modification time: a lease's last heartbeat
-``renew_lease(path, t)``   sets that time to now if ``path`` is a link holding ``t``
 =========================  ===============================================================
+
+Leases need nothing more: a heartbeat is a link rewritten by ``symlink`` + ``rename``, judged
+by the observer's own clock (``lock.py``), never by a modification time.
 
 A missing path raises ``FileNotFoundError``. Three more have defaults a backend may
 override: :meth:`~CheckpointStorage.open_directory` (read every file of a checkpoint from
@@ -43,6 +44,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import threading
 import zlib
 from abc import abstractmethod
 from collections.abc import Hashable, Iterator
@@ -64,6 +66,7 @@ __all__ = [
     "CheckpointStorage",
     "StoredDirectory",
     "is_out_of_space",
+    "unobserved",
 ]
 
 # Set to 0 to keep the link layout even where directories can be swapped (tests, and
@@ -77,6 +80,15 @@ MISSING, LINK, DIRECTORY, FILE, OTHER = "missing", "link", "directory", "file", 
 _NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
 # filesystem id -> whether exchange worked there; per process, probed once per filesystem
 _EXCHANGE_BY_FILESYSTEM: dict[Hashable, bool] = {}
+
+
+_UNOBSERVED = threading.local()
+
+
+def unobserved() -> None:
+    """From now on, this thread's storage operations skip :meth:`CheckpointStorage.before`:
+    for a heartbeat thread, whose operations come at its own times, not at a save's."""
+    _UNOBSERVED.on = True
 
 
 def is_out_of_space(exc: BaseException) -> bool:
@@ -177,8 +189,13 @@ class CheckpointStorage(FileSystemBase):
 
     def before(self, op: str, path: str | os.PathLike) -> None:
         """Called ahead of every operation of a save, load or prune (a no-op here): the
-        seam for crash tests. Not for :meth:`renew_lease`, which a heartbeat thread calls
-        at its own times."""
+        seam for crash tests. Not for a heartbeat thread's, which come at its own times."""
+
+    def observe(self, op: str, path: str | os.PathLike) -> None:
+        """What a backend calls ahead of each primitive: :meth:`before`, unless this thread
+        is :func:`unobserved`."""
+        if not getattr(_UNOBSERVED, "on", False):
+            self.before(op, path)
 
     # -- primitives: what a backend implements ----------------------------------------------
 
@@ -225,12 +242,6 @@ class CheckpointStorage(FileSystemBase):
 
     @abstractmethod
     def fsync(self, path: str | os.PathLike) -> None: ...
-
-    @abstractmethod
-    def mtime(self, path: str | os.PathLike) -> float: ...
-
-    @abstractmethod
-    def renew_lease(self, path: str | os.PathLike, text: str) -> bool: ...
 
     # -- with defaults ----------------------------------------------------------------------
 

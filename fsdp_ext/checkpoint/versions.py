@@ -36,7 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_ext.checkpoint.fs import LocalStorage
-from fsdp_ext.checkpoint.lock import LockOwner, acquire, lock_path, refuse_if_read, release
+from fsdp_ext.checkpoint.lock import (
+    LockOwner,
+    acquire,
+    is_beat_of,
+    lock_path,
+    refuse_if_read,
+    release,
+    remove_stray_beats,
+)
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -46,6 +54,7 @@ from fsdp_ext.checkpoint.manifest import (
     CheckpointPathError,
     Manifest,
 )
+from fsdp_ext.checkpoint.ownership import Fence
 from fsdp_ext.checkpoint.storage import DIRECTORY, FILE, LINK, MISSING, CheckpointStorage
 
 _VERSION = ".v-"
@@ -212,17 +221,29 @@ def choose_layout(fs: CheckpointStorage, target: Path, found: Target, save_id: s
 
 
 def publish(
-    fs: CheckpointStorage, target: Path, version: str, save_id: str, sync: bool, layout: str
+    fs: CheckpointStorage,
+    target: Path,
+    version: str,
+    save_id: str,
+    sync: bool,
+    layout: str,
+    scratch: Path | None = None,
 ) -> None:
-    """Make ``version`` the checkpoint at ``target`` in one atomic step."""
-    staging = target.parent / version
+    """Make ``version`` the checkpoint at ``target`` in one atomic step.
+
+    ``scratch``: the owner generation's work directory (``ownership.Fence``), where the
+    version was staged; every step here then takes its source from it, so once a takeover
+    has removed it, nothing of this save can land at ``target``."""
+    staging = (scratch or target.parent) / version
     if layout == SWAP:
         if fs.kind(target) in (MISSING, DIRECTORY) and not _has_entries(fs, target):
             fs.rename(staging, target)  # rename(2) replaces an empty directory
         else:
             fs.exchange(staging, target)  # the old checkpoint (or link) now at ``staging``
     else:
-        link = target.parent / link_temp_name(target.name, save_id)
+        if scratch is not None:  # the link's version lives beside the path, like the path
+            fs.rename(staging, target.parent / version)
+        link = (scratch or target.parent) / link_temp_name(target.name, save_id)
         fs.symlink(version, link)
         if fs.kind(target) == DIRECTORY:
             fs.rmdir(target)  # empty (checked under the lock); rename cannot replace a directory
@@ -239,16 +260,22 @@ def _has_entries(fs: CheckpointStorage, path: Path) -> bool:
     return fs.kind(path) == DIRECTORY and bool(fs.listdir(path))
 
 
-def discard(fs: CheckpointStorage, path: Path) -> None:
+def discard(fs: CheckpointStorage, path: Path, scratch: Path | None = None) -> None:
     """Remove a directory: renamed to a trash name first (one atomic step), then deleted;
-    a kill meanwhile leaves only trash, which :func:`sweep_directory` removes."""
-    trash = path.parent / f"{TRASH_PREFIX}{uuid.uuid4().hex}"
+    a kill meanwhile leaves only trash, which :func:`sweep_directory` removes. ``scratch``
+    (an owner generation's work directory) holds the trash: a fenced job's rename fails."""
+    trash = (scratch or path.parent) / f"{TRASH_PREFIX}{uuid.uuid4().hex}"
     fs.rename(path, trash)
     fs.remove_tree(trash, missing_ok=True)
 
 
 def remove_leftovers(
-    fs: CheckpointStorage, target: Path, *, keep: str | None, published: bool
+    fs: CheckpointStorage,
+    target: Path,
+    *,
+    keep: str | None,
+    published: bool,
+    scratch: Path | None = None,
 ) -> None:
     """Remove what earlier saves of ``target`` left behind; call only under its lock.
 
@@ -269,6 +296,8 @@ def remove_leftovers(
         if name.startswith((f".{target.name}.link-", f".{target.name}.probe-")):
             _remove_link_or_empty(fs, path, target)
             continue
+        if is_beat_of(name, lock_path(target).name):
+            continue  # the lock's heartbeats: remove_stray_beats below
         if name.startswith(lock_path(target).name + ".stale-"):
             if fs.kind(path) == LINK and LockOwner.decode(fs.readlink(path)):
                 fs.unlink(path)  # a stale lock moved aside, then the breaker was killed
@@ -280,9 +309,10 @@ def remove_leftovers(
             _remove_link_or_empty(fs, path, target)
             continue
         if published or not version.complete:
-            discard(fs, path)
+            discard(fs, path, scratch)
+    remove_stray_beats(fs, parent, lock_path(target).name)
     if published:
-        sweep_directory(fs, parent, skip=target.name)
+        sweep_directory(fs, parent, skip=target.name, scratch=scratch)
 
 
 def _remove_link_or_empty(fs: CheckpointStorage, path: Path, target: Path) -> None:
@@ -299,7 +329,9 @@ def _remove_link_or_empty(fs: CheckpointStorage, path: Path, target: Path) -> No
         fs.rmdir(path)
 
 
-def sweep_directory(fs: CheckpointStorage, parent: Path, *, skip: str | None = None) -> None:
+def sweep_directory(
+    fs: CheckpointStorage, parent: Path, *, skip: str | None = None, scratch: Path | None = None
+) -> None:
     """Remove what killed saves and prunes left of checkpoints in ``parent`` that no longer
     exist (the path missing, or a link to nothing): their versions, links, probes and
     stale locks; each under that path's lock, taken only if its holder is gone."""
@@ -327,9 +359,9 @@ def sweep_directory(fs: CheckpointStorage, parent: Path, *, skip: str | None = N
             if fs.kind(target) == LINK and fs.kind(parent / fs.readlink(target)) == MISSING:
                 fs.unlink(target)  # a pruned link whose version is gone
             if fs.kind(target) == MISSING:
-                remove_leftovers(fs, target, keep=None, published=False)
+                remove_leftovers(fs, target, keep=None, published=False, scratch=scratch)
                 for version in versions(fs, target):
-                    discard(fs, parent / version.name)
+                    discard(fs, parent / version.name, scratch)
         finally:
             release(fs, target, owner)
 
@@ -352,17 +384,24 @@ def sweep_in_place(
             fs.unlink(target / name)
 
 
-def remove_checkpoint(path, fs: CheckpointStorage | None = None) -> None:
+def remove_checkpoint(
+    path, fs: CheckpointStorage | None = None, *, fence: Fence | None = None
+) -> None:
     """Delete a checkpoint, crash-safely: a kill at any step leaves nothing that the next
     save or prune in the same directory does not remove.
 
     A directory (ours, or a stock checkpoint) is renamed to a trash name in one step, then
     deleted; a link is removed first (the checkpoint disappears whole), then its versions
     the same way. Works for every layout; ``shutil.rmtree`` does too on a directory.
+    ``fence``: the owner generation it acts for; everything removed moves through its work
+    directory, so a job that lost the directory removes nothing.
     """
     fs = fs if fs is not None else LocalStorage()
     target = Path(path)
-    owner = LockOwner.here(f"remove-{uuid.uuid4().hex[:8]}")
+    scratch = None if fence is None else fence.work_dir
+    owner = LockOwner.here(
+        f"remove-{uuid.uuid4().hex[:8]}", generation=0 if fence is None else fence.generation
+    )
     acquire(fs, target, owner)
     try:
         refuse_if_read(fs, target)  # a load holds it (CheckpointBusyError): prune it later
@@ -373,11 +412,16 @@ def remove_checkpoint(path, fs: CheckpointStorage | None = None) -> None:
                 raise CheckpointPathError(
                     f"{target}: is a link to {name!r}, not a checkpoint version; not removing it"
                 )
-            fs.unlink(target)
+            if scratch is not None:  # out through the work directory: fenced
+                moved = scratch / f"{TRASH_PREFIX}{uuid.uuid4().hex}"
+                fs.rename(target, moved)
+                fs.unlink(moved)
+            else:
+                fs.unlink(target)
         elif kind == DIRECTORY:
-            discard(fs, target)
+            discard(fs, target, scratch)
         elif kind != MISSING:
             raise CheckpointPathError(f"{target}: is not a checkpoint directory; not removing it")
-        remove_leftovers(fs, target, keep=None, published=True)
+        remove_leftovers(fs, target, keep=None, published=True, scratch=scratch)
     finally:
         release(fs, target, owner)

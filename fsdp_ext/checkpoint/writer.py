@@ -64,6 +64,7 @@ from fsdp_ext.checkpoint.manifest import (
     Manifest,
     plan_record_bytes,
 )
+from fsdp_ext.checkpoint.ownership import DirectoryFencedError, Fence
 from fsdp_ext.checkpoint.planner import item_key
 from fsdp_ext.checkpoint.storage import MISSING, CheckpointStorage, is_out_of_space
 from fsdp_ext.checkpoint.versions import (
@@ -146,6 +147,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         checksums: bool = True,
         min_file_bytes: int | None = None,
         fs: CheckpointStorage | None = None,
+        fence: Fence | None = None,
     ) -> None:
         """Stock ``FileSystemWriter``'s arguments, in its order, then ours.
 
@@ -186,6 +188,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         self.min_file_bytes = min_file_bytes
         self.fs = fs if fs is not None else LocalStorage()
         self.fs.checksums = checksums
+        self.fence = fence
         self._save: _Save | None = None
 
     # -- local and global plan -------------------------------------------------------------
@@ -208,22 +211,25 @@ class SpreadFileSystemWriter(FileSystemWriter):
                 "version directory named in the plans: pass enable_plan_caching=False, or "
                 "use SpreadSavePlanner, which accepts and ignores it"
             )
-        fs, target = self.fs, Path(self.path)
+        fs, target, fence = self.fs, Path(self.path), self.fence
+        if fence is not None:
+            fence.check()
         inspect_target(fs, target, overwrite=self.overwrite)  # refuse before writing anything
         fs.makedirs(target.parent)
         save_id = new_save_id()
-        owner = LockOwner.here(save_id)
+        owner = LockOwner.here(save_id, generation=0 if fence is None else fence.generation)
+        scratch = None if fence is None else fence.work_dir
         acquire(fs, target, owner)
         layout, staging = None, None
         try:
             found = inspect_target(fs, target, overwrite=self.overwrite)
             layout = choose_layout(fs, target, found, save_id)
-            remove_leftovers(fs, target, keep=found.version, published=False)
+            remove_leftovers(fs, target, keep=found.version, published=False, scratch=scratch)
             if layout == IN_PLACE:
                 sweep_in_place(fs, target, found.manifest)  # what a killed save left here
                 staging, previous = target, None
             else:
-                staging = target.parent / version_name(target.name, save_id)
+                staging = (scratch or target.parent) / version_name(target.name, save_id)
                 # the manifest's ``replaces``: where the previous checkpoint is once this
                 # save publishes: the old link's version, or (a directory swapped) this
                 # version's own name
@@ -384,6 +390,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         save = self._save
         if save is None:
             raise RuntimeError("finish() without prepare_global_plan(): not the coordinator")
+        scratch = None if self.fence is None else self.fence.work_dir
         try:
             manifest = self._complete(save, metadata, results)
             if save.layout == IN_PLACE:
@@ -397,12 +404,16 @@ class SpreadFileSystemWriter(FileSystemWriter):
                     save.save_id,
                     self.sync_files,
                     save.layout,
+                    scratch,
                 )
             keep = save.staging.name if save.layout == LINKED else None
-            remove_leftovers(self.fs, save.target, keep=keep, published=True)
+            remove_leftovers(self.fs, save.target, keep=keep, published=True, scratch=scratch)
         except OSError as exc:
             if is_out_of_space(exc):
                 raise self._out_of_space(str(save.staging), exc, 0) from exc
+            lost = None if self.fence is None else self.fence.lost()
+            if lost is not None:
+                raise DirectoryFencedError(lost) from exc
             raise
         finally:
             release(self.fs, save.target, save.owner)
