@@ -20,23 +20,31 @@ def require_unshare() -> None:
         pytest.skip("a second host needs root and unshare(1)")
 
 
-def start_on_host(tmp_path: Path, name: str, argv: list[str], **popen) -> subprocess.Popen:
-    """Run ``argv`` on host ``name``: a fresh boot id, its name in /etc/hosts."""
+def on_host(tmp_path: Path, name: str, argv: list[str], *, own_boot: bool = True) -> list[str]:
+    """``argv`` wrapped to run on host ``name``: its own UTS and mount namespace, host name
+    and /etc/hosts entry, and a fresh boot id (``own_boot=False``: this kernel's, as two
+    containers on one machine share it)."""
     require_unshare()
     boot_id = tmp_path / f"{name}.boot_id"
     boot_id.write_text(f"{uuid.uuid4()}\n")
     hosts = tmp_path / f"{name}.hosts"
     hosts.write_text(Path("/etc/hosts").read_text() + f"\n127.0.0.1 {name}\n")
+    boot = f"mount --bind {boot_id} /proc/sys/kernel/random/boot_id && " if own_boot else ""
     script = (
-        f"hostname {name} && mount --bind {boot_id} /proc/sys/kernel/random/boot_id && "
-        f"mount --bind {hosts} /etc/hosts && exec {shlex.join(argv)}"
+        f"hostname {name} && {boot}mount --bind {hosts} /etc/hosts && exec {shlex.join(argv)}"
     )
-    cmd = ["unshare", "--uts", "--mount", "--propagation", "private", "bash", "-c", script]
-    return subprocess.Popen(cmd, **popen)
+    return ["unshare", "--uts", "--mount", "--propagation", "private", "bash", "-c", script]
 
 
-def power_off(proc: subprocess.Popen) -> list[int]:
-    """SIGKILL every process sharing ``proc``'s UTS namespace; returns their pids."""
+def start_on_host(
+    tmp_path: Path, name: str, argv: list[str], *, own_boot: bool = True, **popen
+) -> subprocess.Popen:
+    """Run ``argv`` on host ``name`` (:func:`on_host`)."""
+    return subprocess.Popen(on_host(tmp_path, name, argv, own_boot=own_boot), **popen)
+
+
+def host_pids(proc: subprocess.Popen) -> list[int]:
+    """Every process sharing ``proc``'s UTS namespace: that host's processes."""
     ns = os.readlink(f"/proc/{proc.pid}/ns/uts")
     pids = []
     for entry in Path("/proc").iterdir():
@@ -46,8 +54,20 @@ def power_off(proc: subprocess.Popen) -> list[int]:
                     pids.append(int(entry.name))
             except OSError:
                 continue
+    return pids
+
+
+def signal_host(proc: subprocess.Popen, sig: int) -> list[int]:
+    """Send ``sig`` to every process of ``proc``'s host (SIGSTOP: a frozen VM)."""
+    pids = host_pids(proc)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
+    return pids
+
+
+def power_off(proc: subprocess.Popen) -> list[int]:
+    """SIGKILL every process sharing ``proc``'s UTS namespace; returns their pids."""
+    pids = signal_host(proc, signal.SIGKILL)
     proc.wait(30)
     return pids

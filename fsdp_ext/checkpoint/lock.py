@@ -357,6 +357,9 @@ class _Seen:
     at: float  # monotonic, when this observer first saw ``beat``
 
 
+# sleeps wait on an Event that is never set: under libfaketime with a real monotonic clock
+# (how the clock-skew tests skew a host), time.sleep fails with EINVAL and Event.wait works
+_NEVER = threading.Event()
 # (record path, record text) -> the last heartbeat this process saw and when: an observer's
 # memory, so that a prune that meets a read lease twice can tell a beat that stood still
 _SEEN: dict[tuple[str, str], _Seen] = {}
@@ -445,7 +448,7 @@ def watch(
                 f"{still:.0f} s ago; waiting until its lease ({held.lease_s:g} s) has passed "
                 "with no heartbeat, unless one comes"
             )
-        time.sleep(min(0.25, held.lease_s / 8))
+        _NEVER.wait(min(0.25, held.lease_s / 8))
 
 
 def _say(message: str) -> None:

@@ -1,0 +1,384 @@
+"""One writer per output directory across real hosts: a paused owner fenced, clocks that
+disagree, hosts that share a name or a boot id, and heartbeats that must be seen to move.
+
+A second host is a UTS + mount namespace with its own host name, /etc/hosts entry and boot id
+(tests/host_helpers.py); a pause is SIGSTOP of every process in it, a power loss SIGKILL.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdp_ext.checkpoint import LocalStorage, checkpoint_steps
+from fsdp_ext.checkpoint.lock import RELEASED, LockOwner, read_beat
+from fsdp_ext.checkpoint.manifest import MANIFEST_NAME
+from fsdp_ext.checkpoint.ownership import (
+    OWNER_DIR,
+    DirectoryFencedError,
+    claim,
+    generations,
+    record_name,
+)
+from tests.host_helpers import power_off, signal_host, start_on_host
+from tests.test_train_job_life import TINY, contents, same
+
+REPO = Path(__file__).resolve().parent.parent
+PROGRAMS = Path(__file__).parent / "ckpt_programs"
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+TRAIN = [sys.executable, str(REPO / "examples" / "train.py"), *TINY.split()]
+FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _lines_until(proc: subprocess.Popen, needle: str, timeout: float = 120) -> list[str]:
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        seen.append(line)
+        if needle in line:
+            return seen
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
+    raise AssertionError(f"no {needle!r} within {timeout} s")
+
+
+def _manifests(root: Path) -> dict[int, dict]:
+    return {
+        step: json.loads((path / MANIFEST_NAME).read_text())
+        for step, path in checkpoint_steps(root)
+    }
+
+
+# ----------------------------------------------------------------------- a paused owner
+
+
+def test_a_paused_owner_is_fenced_and_the_claimant_keeps_its_own_chain(tmp_path):
+    """Job A (host-a, --lease 2) is frozen for over 3 leases; job B (host-b) takes --out
+    over and trains; A, thawed, exits 3 at its next save, having written nothing; every
+    checkpoint left is, value for value, the uninterrupted run's."""
+    out, lease = tmp_path / "run", 2.0
+    flags = ["--steps", "40", "--ckpt-every", "2", "--keep", "100", "--lease", str(lease)]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": ENV}
+    a = start_on_host(tmp_path, "host-a", [*TRAIN, *flags, "--out", str(out)], **pipes)
+    b = None
+    try:
+        _lines_until(a, "step     4 ")
+        while len(checkpoint_steps(out / "checkpoints")) < 2:
+            time.sleep(0.05)
+        signal_host(a, signal.SIGSTOP)
+        stopped = time.monotonic()
+        before = {s: m["save_id"] for s, m in _manifests(out / "checkpoints").items()}
+        b = start_on_host(tmp_path, "host-b", [*TRAIN, *flags, "--out", str(out)], **pipes)
+        fs = LocalStorage()
+        while generations(fs, out / "checkpoints") != [2] or time.monotonic() - stopped < 3 * lease:
+            assert b.poll() is None, b.stderr.read()[-3000:]
+            time.sleep(0.1)
+        taken_s = time.monotonic() - stopped
+        signal_host(a, signal.SIGCONT)
+        thawed = time.monotonic()
+        _a_out, a_err = a.communicate(timeout=120)
+        a_ran_s = time.monotonic() - thawed
+        _b_out, b_err = b.communicate(timeout=300)
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                power_off(proc)
+    assert b.returncode == 0, b_err[-3000:]
+    assert a.returncode == 3, (a.returncode, a_err[-3000:])
+    (line,) = [x for x in a_err.splitlines() if "error" in x]
+    assert "argument --out:" in line and "taken over by job" in line and "host-b" in line, line
+    assert "this job writes nothing more there" in line
+    after = _manifests(out / "checkpoints")
+    assert list(after) == list(range(2, 41, 2))
+    # nothing A had published was replaced, and nothing replaced anything: one writer
+    assert all(after[s]["save_id"] == sid for s, sid in before.items())
+    assert all(m["replaces"] is None for m in after.values())
+    # every checkpoint equals the one an uninterrupted run saves at that step
+    alone = tmp_path / "alone"
+    ref = subprocess.run([*TRAIN, *flags, "--out", str(alone)], env=ENV, capture_output=True)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    for step in (2, max(before), max(before) + 2, 40):
+        name = f"step-{step:07d}"
+        got, want = contents(out / "checkpoints" / name), contents(alone / "checkpoints" / name)
+        assert same(got, want), step
+    # nothing of A is left: only B's generation, released
+    owners = sorted(os.listdir(out / "checkpoints" / OWNER_DIR))
+    assert [n for n in owners if not n.startswith(record_name(2))] == [], owners
+    print(
+        json.dumps(
+            {
+                "lease_s": lease,
+                "taken_over_after_stop_s": round(taken_s, 2),
+                "fenced_job_ran_after_sigcont_s": round(a_ran_s, 2),
+                "checkpoints_before_pause": sorted(before),
+            }
+        )
+    )
+
+
+# ----------------------------------------------------------------------- clock skew
+
+
+def _claimant(env: dict, root: Path, lease: float) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(PROGRAMS / "claim_out.py"), str(root), str(lease), "try"],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _ask(proc: subprocess.Popen) -> dict:
+    proc.stdin.write("claim\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    assert line, proc.stderr.read()[-3000:]
+    return json.loads(line)
+
+
+def _skewed(seconds: int) -> dict:
+    if not seconds:
+        return dict(ENV)
+    # the wall clock only: a faked monotonic clock makes Python's Event.wait hang
+    return {
+        **ENV,
+        "LD_PRELOAD": str(FAKETIME),
+        "FAKETIME": f"{seconds:+d}",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
+
+
+@pytest.mark.parametrize(
+    "owner_skew, claimant_skew", [(-120, 0), (120, 0), (0, -120), (0, 120)]
+)
+def test_clock_skew_neither_breaks_a_live_owner_nor_keeps_a_dead_one(
+    tmp_path, owner_skew, claimant_skew
+):
+    if not FAKETIME.exists():
+        pytest.skip("needs Debian's faketime (scripts/lab-packages.sh installs it)")
+    root, lease = tmp_path / "out", 2.0
+    owner = start_on_host(
+        tmp_path,
+        "skewed-owner",
+        [sys.executable, str(PROGRAMS / "claim_out.py"), str(root), str(lease), "hold"],
+        env=_skewed(owner_skew),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    claimant = _claimant(_skewed(claimant_skew), root, lease)
+    try:
+        held = json.loads(owner.stdout.readline() or "{}")
+        assert held.get("owned") == 1, owner.stderr.read()[-3000:]
+        if owner_skew:  # the skew is real: its clock is off by the skew
+            assert abs(held["wall"] - time.time() - owner_skew) < 30
+        live = _ask(claimant)
+        assert "refused" in live and "on host skewed-owner" in live["refused"], live
+        assert "last seen change" in live["refused"] and " -" not in live["refused"]
+        assert live["s"] < lease, live  # refused as soon as a heartbeat was seen to move
+        power_off(owner)
+        dead = _ask(claimant)
+    finally:
+        claimant.kill()
+        if owner.poll() is None:
+            power_off(owner)
+    assert dead.get("took") == 2, dead
+    # taken over a whole lease after this claimant began watching, and within one heartbeat
+    # interval (lease / 4) and a little more: neither clock entered the judgement
+    assert lease <= dead["s"] <= lease + lease / 4 + 1.5, dead
+    print(json.dumps({"owner_skew": owner_skew, "claimant_skew": claimant_skew, **dead}))
+
+
+# ----------------------------------------------------------------------- which machine
+
+
+@pytest.mark.parametrize(
+    "name, own_boot",
+    [
+        ("container-b", False),  # another host name on this kernel (a container)
+        (socket.gethostname(), True),  # this host's name after a reboot: another boot id
+    ],
+)
+def test_a_holder_is_on_this_machine_only_with_its_name_and_boot_id(tmp_path, name, own_boot):
+    """The pid shortcut needs the same host name and boot id; otherwise a dead holder is
+    taken over only after a whole lease without a heartbeat change."""
+    root, lease = tmp_path / "out", 2.0
+    owner = start_on_host(
+        tmp_path,
+        name,
+        [sys.executable, str(PROGRAMS / "claim_out.py"), str(root), str(lease), "hold"],
+        env=ENV,
+        own_boot=own_boot,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    claimant = _claimant(ENV, root, lease)
+    try:
+        assert json.loads(owner.stdout.readline() or "{}").get("owned") == 1
+        power_off(owner)  # its pid is gone from this machine's view
+        took = _ask(claimant)
+    finally:
+        claimant.kill()
+    assert took.get("took") == 2, took
+    assert took["s"] >= lease, took  # not at once: its pid proves nothing here
+
+
+# ----------------------------------------------------------------------- heartbeats
+
+
+def test_the_heartbeat_moves_several_times_a_lease_and_stops_when_lost(tmp_path):
+    fs, root, lease = LocalStorage(), tmp_path / "out", 2.0
+    mine = claim(root, lease_s=lease)
+    record = root / OWNER_DIR / record_name(1)
+    beats, t0 = set(), time.monotonic()
+    while time.monotonic() - t0 < lease:
+        beats.add(read_beat(fs, record, mine.owner))
+        time.sleep(0.02)
+    assert len(beats - {""}) >= 3, beats  # seen to change at least three times per lease
+    # another job takes the next generation (as a claimant does once this one is gone)
+    other = LockOwner.here("owner-other", lease_s=lease, generation=2)
+    fs.symlink(other.encode(), root / OWNER_DIR / record_name(2))
+    deadline = time.monotonic() + 5 * lease
+    last = read_beat(fs, record, mine.owner)
+    while time.monotonic() < deadline:
+        time.sleep(lease / 2)
+        now = read_beat(fs, record, mine.owner)
+        if now == last:
+            break
+        last = now
+    else:
+        pytest.fail("the heartbeat went on renewing a lease another job had taken")
+    with pytest.raises(DirectoryFencedError, match="taken over by job other"):
+        mine.fence.check()
+    mine.release()  # a fenced job does not mark the directory released
+    assert read_beat(fs, record, mine.owner) != RELEASED
+
+
+def test_a_worker_that_joined_its_launchers_record_leaves_it_on_close(tmp_path, monkeypatch):
+    root = tmp_path / "out"
+    env = {**ENV, "FSDP_EXT_RUN_ID": "run-7"}
+    launcher = subprocess.Popen(
+        [sys.executable, str(PROGRAMS / "claim_out.py"), str(root), "60", "hold"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert json.loads(launcher.stdout.readline()).get("owned") == 1
+        monkeypatch.setenv("FSDP_EXT_RUN_ID", "run-7")
+        worker = claim(root)
+        assert worker.joined and worker.owner.pid == launcher.pid
+        worker.release()
+        monkeypatch.delenv("FSDP_EXT_RUN_ID")
+        fs = LocalStorage()
+        record = root / OWNER_DIR / record_name(1)
+        assert read_beat(fs, record, worker.owner) != RELEASED
+        from fsdp_ext.checkpoint import DirectoryOwnedError
+
+        with pytest.raises(DirectoryOwnedError, match=f"pid {launcher.pid}"):
+            claim(root)  # still the launcher's
+    finally:
+        launcher.kill()
+        launcher.wait(30)
+
+
+# ----------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("lease", ["nan", "inf", "0.5", "-1"])
+def test_a_lease_that_cannot_work_is_refused_in_one_line(tmp_path, lease):
+    proc = subprocess.run(
+        [*TRAIN, "--nproc-per-node", "1", "--out", str(tmp_path / "r"), "--lease", lease],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    (line,) = [x for x in proc.stderr.splitlines() if "error" in x]
+    assert "argument --lease: must be a finite number of seconds >= 1" in line, line
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_out_that_is_a_file_or_read_only_is_refused_before_workers_start(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only filesystem needs root")
+    file = tmp_path / "file"
+    file.write_text("mine")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
+    try:
+        for out, needle in ((file, "is a file, not a directory"), (ro / "run", "read-only")):
+            proc = subprocess.run(
+                [*TRAIN, "--nproc-per-node", "2", "--out", str(out)],
+                env=ENV,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            (line,) = [x for x in proc.stderr.splitlines() if "error" in x]
+            assert "argument --out:" in line and needle in line, line
+            assert "torchrun" not in proc.stderr and "Traceback" not in proc.stderr
+        assert file.read_text() == "mine" and os.listdir(ro) == []
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+    shutil.rmtree(ro)
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    probe = tmp_path / "probe"
+    flags = ["--steps", "4", "--ckpt-every", "2", "--keep", "1"]
+    ok = subprocess.run([*TRAIN, *flags, "--out", str(probe)], env=ENV, capture_output=True)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    one = sum(f.stat().st_size for f in (probe / "checkpoints" / "step-0000004").iterdir())
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    size = int(one * 1.6) + (64 << 10)  # one checkpoint and the run record fit, two do not
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], check=True)
+    try:
+        proc = subprocess.run(
+            [*TRAIN, *flags, "--out", str(disk / "run")],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        root = disk / "run" / "checkpoints"
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        (line,) = [x for x in proc.stderr.splitlines() if "error" in x]
+        assert "no space left on the device" in line and "bytes are free now" in line, line
+        assert [s for s, _ in checkpoint_steps(root)] == [2]  # the previous one, whole
+        assert same(contents(root / "step-0000002"), contents(probe_step2(tmp_path)))
+        leftovers = [n for n in os.listdir(root) if n.startswith(".step-")]
+        assert leftovers == [], leftovers  # no lock, no partial version
+        work = [p for p in (root / OWNER_DIR).iterdir() if p.is_dir()]
+        assert all(not any(p.iterdir()) for p in work), [list(p.iterdir()) for p in work]
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def probe_step2(tmp_path: Path) -> Path:
+    """The uninterrupted run's step 2 (keep 2, so it is still there)."""
+    ref = tmp_path / "ref"
+    flags = ["--steps", "2", "--ckpt-every", "2"]
+    done = subprocess.run([*TRAIN, *flags, "--out", str(ref)], env=ENV, capture_output=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return ref / "checkpoints" / "step-0000002"
+
