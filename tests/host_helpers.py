@@ -30,9 +30,7 @@ def on_host(tmp_path: Path, name: str, argv: list[str], *, own_boot: bool = True
     hosts = tmp_path / f"{name}.hosts"
     hosts.write_text(Path("/etc/hosts").read_text() + f"\n127.0.0.1 {name}\n")
     boot = f"mount --bind {boot_id} /proc/sys/kernel/random/boot_id && " if own_boot else ""
-    script = (
-        f"hostname {name} && {boot}mount --bind {hosts} /etc/hosts && exec {shlex.join(argv)}"
-    )
+    script = f"hostname {name} && {boot}mount --bind {hosts} /etc/hosts && exec {shlex.join(argv)}"
     return ["unshare", "--uts", "--mount", "--propagation", "private", "bash", "-c", script]
 
 

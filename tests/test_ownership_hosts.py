@@ -159,9 +159,7 @@ def _skewed(seconds: int) -> dict:
     }
 
 
-@pytest.mark.parametrize(
-    "owner_skew, claimant_skew", [(-120, 0), (120, 0), (0, -120), (0, 120)]
-)
+@pytest.mark.parametrize("owner_skew, claimant_skew", [(-120, 0), (120, 0), (0, -120), (0, 120)])
 def test_clock_skew_neither_breaks_a_live_owner_nor_keeps_a_dead_one(
     tmp_path, owner_skew, claimant_skew
 ):
@@ -365,13 +363,16 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
         (line,) = [x for x in proc.stderr.splitlines() if "error" in x]
         assert "no space left on the device" in line and "bytes are free now" in line, line
         assert [s for s, _ in checkpoint_steps(root)] == [2]  # the previous one, whole
-        assert same(contents(root / "step-0000002"), contents(probe_step2(tmp_path)))
+        kept = tmp_path / "kept" / "step-0000002"
+        kept.parent.mkdir(exist_ok=True)
+        subprocess.run(["cp", "-r", str(root / "step-0000002"), str(kept)], check=True)
+        assert same(contents(kept), contents(probe_step2(tmp_path)))
         leftovers = [n for n in os.listdir(root) if n.startswith(".step-")]
         assert leftovers == [], leftovers  # no lock, no partial version
         work = [p for p in (root / OWNER_DIR).iterdir() if p.is_dir()]
         assert all(not any(p.iterdir()) for p in work), [list(p.iterdir()) for p in work]
     finally:
-        subprocess.run(["umount", str(disk)], check=True)
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
 
 
 def probe_step2(tmp_path: Path) -> Path:
@@ -382,3 +383,94 @@ def probe_step2(tmp_path: Path) -> Path:
     assert done.returncode == 0, done.stderr[-2000:]
     return ref / "checkpoints" / "step-0000002"
 
+
+# ----------------------------------------------------------------------- fenced mid-save
+
+
+class _TakeOverAt(LocalStorage):
+    """Counts a save's operations once armed; before operation ``at``, another job takes the
+    directory over (what a pause of this job at that point lets happen)."""
+
+    def __init__(self, root: Path, at: int | None):
+        super().__init__()
+        self.root, self.at, self.count, self.ops = root, at, None, []
+
+    def before(self, op, path):
+        if self.count is None:
+            return
+        if self.count == self.at:
+            _take_over(self.root)
+        self.ops.append((op, str(path)))
+        self.count += 1
+
+
+def _take_over(root: Path) -> None:
+    """What a claimant on host-b does once it judged this job gone: the next generation's
+    record, then the old generation fenced (then it released it, so the test goes on)."""
+    from fsdp_ext.checkpoint.lock import beat_path, replace_link
+    from fsdp_ext.checkpoint.ownership import retire
+
+    fs = LocalStorage()
+    other = LockOwner("owner-hostb", "host-b", "boot-b", 1, "", 0, time.time(), generation=2)
+    record = root / OWNER_DIR / record_name(2)
+    fs.symlink(other.encode(), record)
+    retire(fs, root, below=2)
+    replace_link(fs, beat_path(record, other), RELEASED)
+
+
+def _tiny_model(seed: int):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    return nn.Linear(6, 4)
+
+
+def _fenced_at(tmp_path: Path, at: int | None) -> tuple[list, bool, bool]:
+    from fsdp_ext import Checkpointer
+
+    root = tmp_path / f"at{at}"
+    fs = _TakeOverAt(root, at)
+    a = Checkpointer(root, model=_tiny_model(1), keep=1, fs=fs)
+    a.save(1)
+    fs.count = 0
+    fenced = False
+    try:
+        a.save(2)
+    except DirectoryFencedError as exc:
+        fenced = "taken over by job hostb" in str(exc)
+        assert fenced, exc
+    published = [s for s, _ in checkpoint_steps(root)]
+    a.close()
+    # the next owner: resumes the newest, saves, prunes; nothing of the fenced job is left
+    model = _tiny_model(9)
+    with Checkpointer(root, model=model, keep=2) as b:
+        step = b.resume()
+        assert step == max(published)
+        b.save(step + 1)
+        b.save(step + 2)
+    from fsdp_ext.checkpoint import verify_checkpoint
+
+    assert [s for s, _ in checkpoint_steps(root)] == [step + 1, step + 2]
+    assert all(verify_checkpoint(p).ok for _, p in checkpoint_steps(root))
+    assert [n for n in os.listdir(root) if not n.startswith("step-")] == [OWNER_DIR]
+    (last,) = generations(LocalStorage(), root)  # the older ones all retired
+    assert all(n.startswith(record_name(last)) for n in os.listdir(root / OWNER_DIR))
+    return fs.ops, fenced, 2 in published
+
+
+def test_a_takeover_before_any_operation_of_a_save_keeps_it_out(tmp_path):
+    """The pause lands before each storage operation of a save in turn (stage, write, commit,
+    publish, clean up, prune): whatever was not published before the takeover never is, and
+    the next owner's save leaves nothing of it behind."""
+    ops, fenced, published = _fenced_at(tmp_path, None)
+    assert not fenced and published
+    target = str(tmp_path / "atNone" / "step-0000002")
+    publish = next(i for i, (op, path) in enumerate(ops) if path == target and op != "lstat")
+    outcomes = {}
+    for at in range(len(ops)):
+        _, fenced, published = _fenced_at(tmp_path, at)
+        assert published == (at > publish), (at, ops[at], fenced, published)
+        assert fenced or published, (at, ops[at])  # an unpublished save never passes quietly
+        outcomes[ops[at][0]] = outcomes.get(ops[at][0], 0) + 1
+    print(json.dumps({"operations": len(ops), "publish_at": publish, "by_op": outcomes}))

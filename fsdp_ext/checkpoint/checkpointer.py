@@ -208,13 +208,11 @@ class Checkpointer:
         lost = _agree(lost)
         if lost is not None:
             raise DirectoryFencedError(lost)
+        writer = SpreadFileSystemWriter(path, fs=self.fs, fence=fence)
         try:
-            dcp.save(
-                self.state,
-                storage_writer=SpreadFileSystemWriter(path, fs=self.fs, fence=fence),
-                planner=SpreadSavePlanner(),
-            )
+            dcp.save(self.state, storage_writer=writer, planner=SpreadSavePlanner())
         except (Exception, CheckpointException) as exc:  # failed on every rank alike
+            writer.abandon()
             lost = _agree(None if fence is None else fence.lost())
             if lost is not None:
                 raise DirectoryFencedError(lost) from exc
@@ -222,8 +220,17 @@ class Checkpointer:
             if full is not None:
                 raise full from exc
             raise
+        lost = None
         if _leader():
-            self.prune()
+            try:
+                self.prune()
+            except OSError:  # a prune that a takeover fenced: nothing removed
+                lost = None if fence is None else fence.lost()
+                if lost is None:
+                    raise
+        lost = _agree(lost)
+        if lost is not None:
+            raise DirectoryFencedError(lost)
         return path
 
     def prune(self) -> list[Path]:

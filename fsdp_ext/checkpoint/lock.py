@@ -424,11 +424,11 @@ def watch(
                 held,
                 (f"its job lost the output directory (generation {held.generation} < {outranks})"),
             )
+        if read_beat(fs, record, held) == RELEASED:
+            return text, held, "it gave it up"
         reason = held.stale_reason()
         if reason is not None or held.on_this_machine():
             return text, held, reason
-        if read_beat(fs, record, held) == RELEASED:
-            return text, held, "it gave it up"
         changed, still = observe(fs, record, text, held)
         if changed:
             return text, held, None

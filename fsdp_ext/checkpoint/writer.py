@@ -383,6 +383,20 @@ class SpreadFileSystemWriter(FileSystemWriter):
             "checkpoint until the new one is published, so the device needs room for both",
         )
 
+    def abandon(self) -> None:
+        """After a save that failed (DCP calls no writer method then): remove what it staged
+        and release its lock, so that nothing of it is left to fill the disk."""
+        save, self._save = self._save, None
+        if save is None:
+            return
+        try:
+            if save.layout != IN_PLACE and self.fs.kind(save.staging) != MISSING:
+                self.fs.remove_tree(save.staging, missing_ok=True)
+        except OSError:
+            pass  # the next save of this path removes it (remove_leftovers)
+        finally:
+            release(self.fs, save.target, save.owner)
+
     # -- commit ----------------------------------------------------------------------------
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
