@@ -28,8 +28,7 @@ from fsdp_ext.checkpoint import (
     remove_checkpoint,
     step_name,
 )
-from fsdp_ext.checkpoint.lock import LockOwner, acquire, lock_path
-from fsdp_ext.checkpoint.lock import RELEASED, read_beat
+from fsdp_ext.checkpoint.lock import RELEASED, LockOwner, acquire, lock_path, read_beat
 from fsdp_ext.checkpoint.ownership import OWNER_DIR, claim, generations, record_name
 from fsdp_ext.checkpoint.resume import SKIPPED_RECORD
 from tests.host_helpers import power_off, require_unshare, start_on_host
