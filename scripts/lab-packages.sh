@@ -5,7 +5,7 @@
 #                                         # (the lab tests then skip, saying why)
 # Quiet and idempotent: prints nothing when everything is installed.
 set -uo pipefail
-PACKAGES=(iproute2 sshfs openssh-server)
+PACKAGES=(iproute2 sshfs openssh-server faketime)
 best_effort=false
 [[ ${1:-} == --best-effort ]] && best_effort=true
 
