@@ -474,3 +474,30 @@ def test_a_takeover_before_any_operation_of_a_save_keeps_it_out(tmp_path):
         assert fenced or published, (at, ops[at])  # an unpublished save never passes quietly
         outcomes[ops[at][0]] = outcomes.get(ops[at][0], 0) + 1
     print(json.dumps({"operations": len(ops), "publish_at": publish, "by_op": outcomes}))
+
+
+# ----------------------------------------------------------------------- keep and set aside
+
+
+def test_keep_defaults_to_three_and_a_corrupt_step_saved_again_is_set_aside(tmp_path):
+    from fsdp_ext import Checkpointer
+    from fsdp_ext.checkpoint import verify_checkpoint
+
+    root = tmp_path / "out"
+    with Checkpointer(root, model=_tiny_model(1)) as ckpt:
+        for step in range(1, 6):
+            ckpt.save(step)
+    assert [s for s, _ in checkpoint_steps(root)] == [3, 4, 5]
+    data = sorted((root / "step-0000005").glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    model = _tiny_model(2)
+    with Checkpointer(root, model=model) as ckpt:
+        with pytest.warns(UserWarning, match="skipping .*step-0000005"):
+            assert ckpt.resume() == 4
+        with pytest.warns(UserWarning, match="corrupt, moved to"):
+            ckpt.save(5)
+    (aside,) = root.glob("step-0000005.corrupt-*")
+    assert (aside / data.name).read_bytes() == bytes(raw)  # the evidence, as it was
+    assert verify_checkpoint(root / "step-0000005").ok
