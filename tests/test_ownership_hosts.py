@@ -501,3 +501,40 @@ def test_keep_defaults_to_three_and_a_corrupt_step_saved_again_is_set_aside(tmp_
     (aside,) = root.glob("step-0000005.corrupt-*")
     assert (aside / data.name).read_bytes() == bytes(raw)  # the evidence, as it was
     assert verify_checkpoint(root / "step-0000005").ok
+
+
+class Opaque:
+    """A class no allowlist admits: a checkpoint holding one verifies but does not load."""
+
+
+class _Box:
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def test_a_checkpoint_that_verifies_but_fails_to_load_is_recorded_and_never_pruned(tmp_path):
+    from fsdp_ext import Checkpointer
+    from fsdp_ext.checkpoint import verify_checkpoint
+    from fsdp_ext.checkpoint.resume import skipped_checkpoints
+
+    root = tmp_path / "out"
+    with Checkpointer(root, model=_tiny_model(1), extra={"box": _Box(1)}, keep=None) as ckpt:
+        ckpt.save(1)
+        ckpt.state["box"].value = Opaque()
+        ckpt.save(2)
+    assert verify_checkpoint(root / "step-0000002").ok  # sound bytes, an unloadable pickle
+    with Checkpointer(root, model=_tiny_model(2), extra={"box": _Box(0)}, keep=1) as ckpt:
+        with pytest.warns(UserWarning, match="skipping .*step-0000002: it failed to load"):
+            assert ckpt.resume() == 1
+        assert "step-0000002" in skipped_checkpoints(root)
+        ckpt.state["box"].value = 3
+        ckpt.save(3)
+        ckpt.save(4)
+    # keep=1 counts only what loads: step 2 is kept for inspection, never pruned
+    assert [s for s, _ in checkpoint_steps(root)] == [2, 4]
