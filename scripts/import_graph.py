@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Source folders. ``triton_kernels/`` installs as ``fsdp_ext.kernels`` (pyproject's package-dir).
-PACKAGES = ("fsdp_ext", "triton_kernels", "benchmarks", "examples")
-KERNELS_FOLDER, KERNELS = "triton_kernels", "fsdp_ext.kernels"
+# Source folders.
+PACKAGES = ("fsdp_ext", "benchmarks", "examples")
+# The kernels: a layer below the rest of the library, which they never import.
+KERNELS = "fsdp_ext.kernels"
 # Where private torch names are looked for (tests may reach into anything).
-PRIVATE_SCAN = ("fsdp_ext", "triton_kernels", "benchmarks", "examples", "scripts")
+PRIVATE_SCAN = ("fsdp_ext", "benchmarks", "examples", "scripts")
 TORCH_SHIMS = "fsdp_ext/_torch.py"
 
 LIBRARY = "fsdp_ext"
@@ -147,8 +148,6 @@ class Graph:
 
 def module_name(path: Path, root: Path = ROOT) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
-    if parts[0] == KERNELS_FOLDER:
-        parts[:1] = KERNELS.split(".")
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)

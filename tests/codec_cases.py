@@ -4,8 +4,9 @@ NaN/Inf; a random error state; and a comparison that treats NaN as equal to NaN.
 from __future__ import annotations
 
 import torch
-from fsdp_ext.kernels.codec_common import TILE_ELEMENTS
 from hypothesis import strategies as st
+
+from fsdp_ext.kernels.codec_common import TILE_ELEMENTS
 
 
 @st.composite

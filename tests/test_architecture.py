@@ -1,8 +1,7 @@
 """The house rules of docs/architecture.md, read from the source by scripts/import_graph.py.
 
 No import cycle (function-local imports included); data flows examples/benchmarks ->
-fsdp_ext -> fsdp_ext.kernels (the folder triton_kernels/); a room imports another only
-through its ``__init__``; nothing
+fsdp_ext -> fsdp_ext.kernels; a room imports another only through its ``__init__``; nothing
 in the library imports ``integrations``, ``lab`` or ``testing``; benchmarks and examples
 use public names only; every package re-exports one way (``__all__``); and private torch
 names, and reads of FSDP2's internal objects (``group.fsdp_params``, ``group.mp_policy``), appear
@@ -104,8 +103,8 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
         "fsdp_ext/comm/x.py": "def hook():\n    pass\n",
         "fsdp_ext/integrations/__init__.py": "__all__ = []\n",
         "fsdp_ext/integrations/acc.py": "from fsdp_ext.comm import hook\n",
-        "triton_kernels/__init__.py": "",
-        "triton_kernels/k.py": "",
+        "fsdp_ext/kernels/__init__.py": "",
+        "fsdp_ext/kernels/k.py": "",
         "benchmarks/bench.py": "import fsdp_ext\n",
         "examples/__init__.py": "",
     }
@@ -156,7 +155,7 @@ def test_checker_passes_a_clean_tree(tmp_path):
             "fsdp_ext.integrations, which nothing inside the library may import",
         ),
         (  # kernels importing the library
-            {"triton_kernels/k.py": "import fsdp_ext\n"},
+            {"fsdp_ext/kernels/k.py": "import fsdp_ext\n"},
             "fsdp_ext.kernels.k imports fsdp_ext (an outer layer)",
         ),
         (  # a benchmark importing a name the package does not export

@@ -7,6 +7,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from fsdp_ext.kernels.codec_common import (
     TRITON_GROUP_SIZES,
     payload_chunk_bytes,
@@ -27,9 +30,6 @@ from fsdp_ext.kernels.quantize_ef import (
     quantize_ef_to_payload_triton,
     quantize_ef_triton,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from tests.codec_cases import error_state, gradients, same
 
 # numpy, under the Triton interpreter, warns on the NaN arithmetic of non-finite groups

@@ -7,12 +7,16 @@ import os
 import subprocess
 import sys
 
-import fsdp_ext.kernels.codec_common as codec_common
-import fsdp_ext.kernels.dequantize_reduce as dequantize_reduce
-import fsdp_ext.kernels.quantize_ef as quantize_ef
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fsdp_ext.kernels.codec_common as codec_common
+import fsdp_ext.kernels.dequantize_reduce as dequantize_reduce
+import fsdp_ext.kernels.quantize_ef as quantize_ef
+from fsdp_ext import LoCoConfig, LoCoReduceScatter
 from fsdp_ext.kernels import backend
 from fsdp_ext.kernels.codec_common import payload_chunk_bytes
 from fsdp_ext.kernels.cpu_native import ENV as NATIVE_ENV
@@ -29,10 +33,6 @@ from fsdp_ext.kernels.quantize_ef import (
     quantize_ef_to_payload_cpu,
     quantize_ef_to_payload_reference,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from fsdp_ext import LoCoConfig, LoCoReduceScatter
 from fsdp_ext.testing import run_distributed
 from tests.codec_cases import error_state, gradients
 

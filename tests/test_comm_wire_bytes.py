@@ -14,11 +14,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fsdp_ext.kernels.quantize_blockwise import (
-    dequantize_blockwise_reference,
-    payload_row_bytes,
-    quantize_blockwise_reference,
-)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -26,6 +21,11 @@ from torch.distributed.fsdp import fully_shard
 import fsdp_ext
 from fsdp_ext.comm import AbsmaxCodec, choose_wire
 from fsdp_ext.comm.blockwise_int8_codec import BlockwiseInt8Codec
+from fsdp_ext.kernels.quantize_blockwise import (
+    dequantize_blockwise_reference,
+    payload_row_bytes,
+    quantize_blockwise_reference,
+)
 from fsdp_ext.testing import run_distributed
 
 WORLD = 2

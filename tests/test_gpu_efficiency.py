@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fsdp_ext.kernels.backend import use_backend
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_ext
 from fsdp_ext.comm.hierarchical import NodeGroups, node_local_reduce_scatter
+from fsdp_ext.kernels.backend import use_backend
 from fsdp_ext.testing import HostSyncs, KernelLaunches, run_distributed
 
 pytestmark = [

@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+
 from fsdp_ext.kernels.codec_common import TILE_ELEMENTS, TRITON_GROUP_SIZES, payload_chunk_bytes
 from fsdp_ext.kernels.dequantize_reduce import (
     dequantize_reduce_from_payload_reference,

@@ -9,6 +9,7 @@ run the Triton kernels (interpreter) inside the compiled graph.
 
 import pytest
 import torch
+
 from fsdp_ext.kernels.backend import use_backend
 from fsdp_ext.kernels.codec_common import payload_chunk_bytes
 from fsdp_ext.kernels.dequantize_reduce import dequantize_reduce, dequantize_reduce_from_payload

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from fsdp_ext.kernels import backend
 from fsdp_ext.kernels.codec_common import (
     AOT_ALL_STORAGES,

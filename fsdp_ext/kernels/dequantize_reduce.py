@@ -18,6 +18,7 @@ Two entry points share each implementation: :func:`dequantize_reduce` returns a 
 from __future__ import annotations
 
 import torch
+
 from fsdp_ext.kernels import backend
 from fsdp_ext.kernels.codec_common import (
     AOT_ALL_STORAGES,
