@@ -4,7 +4,6 @@ The public surface: every name below, re-exported from its room (``fsdp_ext.wrap
 ``fsdp_ext.comm``, ``fsdp_ext.moe``, ``fsdp_ext.checkpoint``, ``fsdp_ext.pipeline``).
 """
 
-import fsdp_ext._interrupt  # noqa: F401  (before torch: Ctrl-C while it imports is one line, status 130)
 from fsdp_ext.checkpoint import (
     CheckpointBusyError,
     Checkpointer,
