@@ -121,10 +121,3 @@ __all__ = [
     "unit_sizes",
     "verify_checkpoint",
 ]
-
-
-def __getattr__(name: str) -> object:
-    """Deprecated names (``QuantizedAllGather``), with a warning naming the new one."""
-    from fsdp_ext._deprecated import renamed_attribute
-
-    return renamed_attribute(__name__, name, globals())

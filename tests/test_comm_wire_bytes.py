@@ -111,9 +111,10 @@ def _train_rank() -> dict:
     for unit in UNITS:
         fully_shard(getattr(net, unit), mesh=mesh)
     fully_shard(net, mesh=mesh)
-    handle = fsdp_ext.register_comm_hook(
-        net, fsdp_ext.LoCoConfig(), weights=fsdp_ext.WeightQuantConfig(group_size=256)
+    config = fsdp_ext.CommConfig(
+        gradients=fsdp_ext.LoCoConfig(), weights=fsdp_ext.WeightQuantConfig(group_size=256)
     )
+    handle = fsdp_ext.comm.enable(net, config)
     spy = _Spy()
     modules = {"<root>": net, **{u: getattr(net, u) for u in UNITS}}
     for fqn, comm in handle.reduce_scatters.items():
