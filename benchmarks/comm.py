@@ -49,7 +49,6 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from fsdp_ext.kernels.backend import use_backend  # noqa: E402
 
 from benchmarks.comm_fidelity import (  # noqa: E402
     FidelityTracker,
@@ -66,6 +65,7 @@ from fsdp_ext import (  # noqa: E402
     clip_grad_norm_,
     register_comm_hook,
 )
+from fsdp_ext.kernels.backend import use_backend  # noqa: E402
 from fsdp_ext.testing import WireCounter, run_distributed  # noqa: E402
 
 MODES = ("default", "q4", "loco")

@@ -44,6 +44,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+
+from fsdp_ext.comm import Codec, WeightQuantConfig, make_codec  # noqa: E402
 from fsdp_ext.kernels.backend import implementation  # noqa: E402
 from fsdp_ext.kernels.codec_common import payload_chunk_bytes  # noqa: E402
 from fsdp_ext.kernels.cpu_native import ENV as NATIVE_ENV  # noqa: E402
@@ -64,8 +66,6 @@ from fsdp_ext.kernels.quantize_ef import (  # noqa: E402
     quantize_ef_to_payload_cpu,
     quantize_ef_to_payload_reference,
 )
-
-from fsdp_ext.comm import Codec, WeightQuantConfig, make_codec  # noqa: E402
 from fsdp_ext.testing import KernelLaunches  # noqa: E402
 
 GROUP, BITS, CHUNKS = 128, 4, 8  # LoCo defaults; 8 ranks' chunks per reduction

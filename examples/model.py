@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_ext import MoE
+from fsdp_ext.moe import SwiGLU
 
 
 def _flag(default, help: str, low: int = 1):
@@ -47,19 +48,6 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, t, d))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -75,7 +63,7 @@ class Block(nn.Module):
                 load_balance_coef=cfg.load_balance_coef,
             )
             if cfg.num_experts > 0
-            else FeedForward(cfg.dim, cfg.hidden_dim)
+            else SwiGLU(cfg.dim, cfg.hidden_dim)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

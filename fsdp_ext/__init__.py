@@ -4,8 +4,6 @@ The public surface: every name below, re-exported from its room (``fsdp_ext.wrap
 ``fsdp_ext.comm``, ``fsdp_ext.moe``, ``fsdp_ext.checkpoint``, ``fsdp_ext.pipeline``).
 """
 
-import fsdp_ext._interrupt  # before torch: Ctrl-C while it imports is one line, status 130
-import fsdp_ext._source_tree  # noqa: F401  (first: it maps fsdp_ext.kernels in a source tree)
 from fsdp_ext.checkpoint import (
     CheckpointBusyError,
     Checkpointer,
@@ -125,10 +123,3 @@ __all__ = [
     "unit_sizes",
     "verify_checkpoint",
 ]
-
-
-def __getattr__(name: str) -> object:
-    """Deprecated names (``QuantizedAllGather``), with a warning naming the new one."""
-    from fsdp_ext._deprecated import renamed_attribute
-
-    return renamed_attribute(__name__, name, globals())

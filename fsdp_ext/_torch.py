@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
+import logging
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +29,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     _CHECKPOINT_WRAPPED_MODULE as CHECKPOINT_WRAPPED_MODULE,
 )
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint import state_dict_loader as dcp_loader
 
 # 2.11-2.15: DCP's stock de-duplication of replicated items over the ranks' save plans.
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
@@ -101,12 +100,18 @@ except ImportError:  # older releases: no comm object is set by default
 # data-dependent ops with (``_local_scalar_dense``, ``nonzero``, ...).
 from torch.utils._python_dispatch import TorchDispatchMode
 
+logger = logging.getLogger(__name__)
+
+# The installed release, (major, minor): what a shim for one release range looks at.
+RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
 __all__ = [
-    "DCP_LOAD_HIDES_METADATA_ERRORS",
+    "DCP_LOAD_DROPS_METADATA_ERRORS",
     "DCP_METADATA_LEGACY_GLOBALS",
     "DCP_METADATA_PRIVATE_GLOBALS",
     "GROUP_TRANSITIONS_AFTER",
     "GROUP_TRANSITIONS_BEFORE",
+    "RELEASE",
     "AllGather",
     "DcpStorageInfo",
     "DedupHookSavePlanner",
@@ -115,7 +120,6 @@ __all__ = [
     "FSDP1Policy",
     "FSDPParamGroup",
     "FSDPUnit",
-    "MetadataReadError",
     "PipelineStageBase",
     "ReduceScatter",
     "ShardPlacementResult",
@@ -142,11 +146,11 @@ __all__ = [
     "is_hsdp_group",
     "is_sharded_post_forward",
     "is_unsharded",
+    "log_metadata_error_dcp_load_drops",
     "padded_shard_numel",
     "param_group",
     "param_groups",
     "param_mp_policy",
-    "pass_metadata_error_to_dcp_load",
     "reduce_scatter_into",
     "run_fsdp1_policy",
     "set_state_dict_element",
@@ -544,34 +548,18 @@ def thread_in_dcp_save(thread_ident: int) -> bool:
     return False
 
 
-# 2.11: ``dcp.load`` reads ``.metadata`` under ``except Exception`` and then fails with a bare
-# "metadata is None", losing the reader's error; 2.13-2.15 keep it (``global_metadata_exc``).
-DCP_LOAD_HIDES_METADATA_ERRORS = "global_metadata_exc" not in inspect.getsource(dcp_loader)
-_DCP_LOAD_FRAME = ("state_dict_loader.py", "local_step")
+# 2.11: ``dcp.load`` reads ``.metadata`` under ``except Exception``, logs one INFO line without
+# the error and fails with a bare "metadata is None": the storage reader's error is lost.
+# 2.13-2.15 keep it ("metadata is None; global metadata read failed: <error>"). 2.12 is not
+# checked and counted with 2.11 (the cost: the error logged once more).
+DCP_LOAD_DROPS_METADATA_ERRORS = RELEASE < (2, 13)
 
 
-class MetadataReadError(BaseException):
-    """A storage reader's ``.metadata`` error on its way out of 2.11's ``dcp.load``.
-
-    Not an ``Exception``, so that release's ``except Exception`` lets it through; DCP then
-    reports it, as 2.13 does its own, as the rank's failure in ``CheckpointException``.
-    """
-
-
-def pass_metadata_error_to_dcp_load(exc: Exception) -> None:
-    """Raise ``exc`` as a :class:`MetadataReadError` where ``dcp.load`` would swallow it
-    (2.11, called from its local step); return otherwise, for the caller to re-raise."""
-    if not DCP_LOAD_HIDES_METADATA_ERRORS:
-        return
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == _DCP_LOAD_FRAME[1] and code.co_filename.endswith(_DCP_LOAD_FRAME[0]):
-            # worded as 2.13-2.15's own error, so users see one message on every release
-            raise MetadataReadError(
-                f"metadata is None; global metadata read failed: {exc}"
-            ) from exc
-        frame = frame.f_back
+def log_metadata_error_dcp_load_drops(exc: Exception) -> None:
+    """Log a storage reader's ``.metadata`` error where ``dcp.load`` drops it (2.11), worded
+    as 2.13-2.15's own message, so that the cause is not lost; the caller re-raises it."""
+    if DCP_LOAD_DROPS_METADATA_ERRORS:
+        logger.error("metadata is None; global metadata read failed: %s", exc)
 
 
 # 2.11-2.15: globals DCP's ``.metadata`` pickles under private names: the memory-format enum

@@ -19,11 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.distributed as dist
+
+from fsdp_ext import LoCoConfig, LoCoReduceScatter
 from fsdp_ext.kernels.codec_common import payload_chunk_bytes
 from fsdp_ext.kernels.dequantize_reduce import dequantize_reduce_from_payload_reference
 from fsdp_ext.kernels.quantize_ef import quantize_ef_to_payload_reference
-
-from fsdp_ext import LoCoConfig, LoCoReduceScatter
 
 STEPS, SHARD = 3, 100_003  # padded, several tiles
 

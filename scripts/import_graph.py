@@ -6,8 +6,9 @@
     python scripts/import_graph.py --check         # exit 1 on a cycle, a layering break
                                                    # a private torch name or a read of FSDP's
                                                    # internal objects outside _torch.py,
-                                                   # or a checkpoint module's file I/O
-                                                   # outside its storage (fs.py)
+                                                   # a checkpoint module's file I/O
+                                                   # outside its storage (fs.py), or
+                                                   # frame inspection in the library
 
 Every ``import`` counts, function-local ones included, and importing ``a.b.c`` also
 imports the packages ``a.b`` and ``a`` (their ``__init__`` runs first), as Python does.
@@ -28,11 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Source folders. ``triton_kernels/`` installs as ``fsdp_ext.kernels`` (pyproject's package-dir).
-PACKAGES = ("fsdp_ext", "triton_kernels", "benchmarks", "examples")
-KERNELS_FOLDER, KERNELS = "triton_kernels", "fsdp_ext.kernels"
+# Source folders.
+PACKAGES = ("fsdp_ext", "benchmarks", "examples")
+# The kernels: a layer below the rest of the library, which they never import.
+KERNELS = "fsdp_ext.kernels"
 # Where private torch names are looked for (tests may reach into anything).
-PRIVATE_SCAN = ("fsdp_ext", "triton_kernels", "benchmarks", "examples", "scripts")
+PRIVATE_SCAN = ("fsdp_ext", "benchmarks", "examples", "scripts")
 TORCH_SHIMS = "fsdp_ext/_torch.py"
 
 LIBRARY = "fsdp_ext"
@@ -147,8 +149,6 @@ class Graph:
 
 def module_name(path: Path, root: Path = ROOT) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
-    if parts[0] == KERNELS_FOLDER:
-        parts[:1] = KERNELS.split(".")
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -625,6 +625,62 @@ def fsdp_internal_reads(root: Path = ROOT, dirs: Iterable[str] = PRIVATE_SCAN) -
     return sorted(set(found), key=lambda u: (u.path, u.line, u.text))
 
 
+# ------------------------------------------------------------------ frame inspection
+
+# Reading the interpreter's stack frames (this thread's or another's): behaviour that depends
+# on who called, or on what another thread is doing, instead of state passed explicitly.
+FRAME_CALLS = frozenset(
+    {
+        "sys._current_frames", "sys._getframe", "sys._getframemodulename",
+        "inspect.currentframe", "inspect.stack", "inspect.trace", "inspect.getouterframes",
+        "inspect.getinnerframes", "traceback.extract_stack", "traceback.walk_stack",
+        "traceback.format_stack", "traceback.print_stack",
+    }
+)  # fmt: skip
+FRAME_ATTRS = frozenset({"f_back", "f_locals", "f_globals", "tb_frame"})
+# "path::function" -> why it may, for now
+FRAME_INSPECTION_OK = {
+    # removed with the lease rewrite
+    "fsdp_ext/_torch.py::thread_in_dcp_save": "removed with the lease rewrite",
+    "fsdp_ext/testing/gpu_counters.py::HostSyncs._record": (
+        "a test counter's report of where a host sync came from; nothing depends on it"
+    ),
+}
+
+
+def _frame_inspections(tree: ast.Module) -> Iterator[tuple[int, str, str]]:
+    """(line, enclosing function's qualified name, what) of every frame read."""
+    stack: list[tuple[ast.AST, str]] = [(tree, "")]
+    while stack:
+        node, scope = stack.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            scope = f"{scope}.{node.name}" if scope else node.name
+        if isinstance(node, ast.Attribute) and _dotted(node) in FRAME_CALLS:
+            yield node.lineno, scope, f"{_dotted(node)}"
+        elif isinstance(node, ast.Attribute) and node.attr in FRAME_ATTRS:
+            yield node.lineno, scope, f"frame attribute .{node.attr}"
+        elif isinstance(node, ast.ImportFrom) and node.module in ("sys", "inspect", "traceback"):
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in FRAME_CALLS:
+                    yield node.lineno, scope, f"from {node.module} import {alias.name}"
+        stack.extend((child, scope) for child in ast.iter_child_nodes(node))
+
+
+def frame_inspections(root: Path = ROOT) -> list[PrivateUse]:
+    """Frame inspection in the library (``sys._getframe``, ``sys._current_frames``,
+    ``inspect.stack``, ``inspect.currentframe``, ``traceback.extract_stack``, a frame's
+    ``f_back``, ...), outside the functions of ``FRAME_INSPECTION_OK``."""
+    found = []
+    for path in sorted((root / LIBRARY).rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for line, scope, text in _frame_inspections(ast.parse(path.read_text())):
+            if f"{rel}::{scope}" not in FRAME_INSPECTION_OK:
+                found.append(
+                    PrivateUse(rel, line, f"frame inspection: {text} in {scope or '<module>'}")
+                )
+    return sorted(set(found), key=lambda u: (u.path, u.line, u.text))
+
+
 # ------------------------------------------------------------------ checkpoint storage
 
 CHECKPOINT_ROOM = "fsdp_ext/checkpoint"
@@ -850,6 +906,7 @@ def main(argv: list[str] | None = None) -> int:
     problems += [f"private torch name: {u}" for u in private_torch_uses()]
     problems += [f"FSDP internals: {u}" for u in fsdp_internal_reads()]
     problems += [f"checkpoint file I/O: {u}" for u in storage_bypasses()]
+    problems += [str(u) for u in frame_inspections()]
     for problem in problems:
         print(problem)
     print(f"{len(graph.modules)} modules, {len(problems)} problems")

@@ -4,8 +4,9 @@ NaN/Inf; a random error state; and a comparison that treats NaN as equal to NaN.
 from __future__ import annotations
 
 import torch
-from fsdp_ext.kernels.codec_common import TILE_ELEMENTS
 from hypothesis import strategies as st
+
+from fsdp_ext.kernels.codec_common import TILE_ELEMENTS, payload_chunk_bytes, payload_views
 
 
 @st.composite
@@ -70,3 +71,52 @@ def same(a, b):
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+# The library calls the codec kernels only through their payload entry points
+# (``quantize_ef_to_payload``, ``dequantize_reduce_from_payload``); the flat references
+# (``quantize_ef_reference``, ``dequantize_reduce_reference``) are the spec. These adapters
+# run a payload entry point with the flat reference's signature and results, so that a test
+# holds the payload path to the spec directly. The payload layout needs whole 4-byte words
+# of codes per group: group sizes of 8 and up (16 and up would do for 2-bit codes).
+PAYLOAD_GROUP_SIZES = (8, 32, 64, 128)
+
+
+def one_row(to_payload):
+    """``to_payload`` on ``x`` as one row: ``(packed, scales)`` as ``quantize_ef_reference``
+    returns them (copies out of the payload row)."""
+
+    def quantize(x, error=None, error_scales=None, *, group_size=128, bits=4, beta=0.0):
+        groups = -(-x.numel() // group_size)
+        width = payload_chunk_bytes(groups, group_size, bits)
+        payload = torch.full((1, width), 0xAB, dtype=torch.uint8, device=x.device)
+        to_payload(
+            x.view(1, -1),
+            payload,
+            error,
+            error_scales,
+            group_size=group_size,
+            bits=bits,
+            beta=beta,
+        )
+        codes, scales = payload_views(payload, groups, group_size, bits)
+        return codes.reshape(-1).clone(), scales.reshape(-1).clone()
+
+    return quantize
+
+
+def from_chunks(from_payload):
+    """``from_payload`` on ``[W, bytes]`` codes and ``[W, G]`` scales laid out as a received
+    payload: a new flat tensor, as ``dequantize_reduce_reference`` returns it."""
+
+    def dequantize(
+        packed, scales, *, group_size=128, bits=4, out_scale=1.0, out_dtype=torch.float32
+    ):
+        payload = torch.cat([packed, scales.contiguous().view(torch.uint8)], dim=1)
+        out = torch.full(
+            (scales.shape[1] * group_size,), 7.0, dtype=out_dtype, device=packed.device
+        )
+        from_payload(payload, out, group_size=group_size, bits=bits, out_scale=out_scale)
+        return out
+
+    return dequantize

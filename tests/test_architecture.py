@@ -1,8 +1,7 @@
 """The house rules of docs/architecture.md, read from the source by scripts/import_graph.py.
 
 No import cycle (function-local imports included); data flows examples/benchmarks ->
-fsdp_ext -> fsdp_ext.kernels (the folder triton_kernels/); a room imports another only
-through its ``__init__``; nothing
+fsdp_ext -> fsdp_ext.kernels; a room imports another only through its ``__init__``; nothing
 in the library imports ``integrations``, ``lab`` or ``testing``; benchmarks and examples
 use public names only; every package re-exports one way (``__all__``); and private torch
 names, and reads of FSDP2's internal objects (``group.fsdp_params``, ``group.mp_policy``), appear
@@ -104,8 +103,8 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
         "fsdp_ext/comm/x.py": "def hook():\n    pass\n",
         "fsdp_ext/integrations/__init__.py": "__all__ = []\n",
         "fsdp_ext/integrations/acc.py": "from fsdp_ext.comm import hook\n",
-        "triton_kernels/__init__.py": "",
-        "triton_kernels/k.py": "",
+        "fsdp_ext/kernels/__init__.py": "",
+        "fsdp_ext/kernels/k.py": "",
         "benchmarks/bench.py": "import fsdp_ext\n",
         "examples/__init__.py": "",
     }
@@ -156,7 +155,7 @@ def test_checker_passes_a_clean_tree(tmp_path):
             "fsdp_ext.integrations, which nothing inside the library may import",
         ),
         (  # kernels importing the library
-            {"triton_kernels/k.py": "import fsdp_ext\n"},
+            {"fsdp_ext/kernels/k.py": "import fsdp_ext\n"},
             "fsdp_ext.kernels.k imports fsdp_ext (an outer layer)",
         ),
         (  # a benchmark importing a name the package does not export
@@ -295,3 +294,54 @@ def test_storage_checker_catches_a_planted_file_operation(tmp_path, code, expect
     found = [str(u) for u in ig.storage_bypasses(tmp_path)]
     assert len(found) == 1 and expected in found[0], found
     assert found[0].startswith("fsdp_ext/checkpoint/reader.py:")
+
+
+# ------------------------------------------------- no frame inspection in the library
+
+
+def test_the_library_does_not_inspect_stack_frames():
+    assert [str(u) for u in ig.frame_inspections()] == []
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (
+            "import sys\ndef f(t):\n    return sys._current_frames()[t]\n",
+            "sys._current_frames in f",
+        ),
+        ("import sys\ndef f():\n    return sys._getframe(1).f_code\n", "sys._getframe in f"),
+        ("import inspect\ndef f():\n    return inspect.stack()\n", "inspect.stack in f"),
+        (
+            "import inspect\nclass A:\n    def f(self):\n        return inspect.currentframe()\n",
+            "inspect.currentframe in A.f",
+        ),
+        (
+            "import traceback\nX = traceback.extract_stack()\n",
+            "traceback.extract_stack in <module>",
+        ),
+        ("from sys import _getframe\n", "from sys import _getframe"),
+        ("def f(frame):\n    return frame.f_back\n", "frame attribute .f_back in f"),
+    ],
+)
+def test_frame_checker_catches(tmp_path, code, expected):
+    room = tmp_path / "fsdp_ext/comm"
+    room.mkdir(parents=True)
+    (room / "x.py").write_text(code)
+    (room / "y.py").write_text(
+        "import sys, inspect\ndef f(e):\n    return sys.exc_info(), inspect.signature(f)\n"
+    )
+    found = [str(u) for u in ig.frame_inspections(tmp_path)]
+    assert (
+        len(found) == 1 and expected in found[0] and found[0].startswith("fsdp_ext/comm/x.py:")
+    ), found
+
+
+def test_frame_checker_allows_only_the_listed_function(tmp_path):
+    (tmp_path / "fsdp_ext").mkdir()
+    code = "import sys\ndef {}(t):\n    return sys._current_frames().get(t)\n"
+    (tmp_path / "fsdp_ext/_torch.py").write_text(
+        code.format("thread_in_dcp_save") + code.format("another")
+    )
+    found = [str(u) for u in ig.frame_inspections(tmp_path)]
+    assert found == ["fsdp_ext/_torch.py:6: frame inspection: sys._current_frames in another"]

@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fsdp_ext._torch import DCP_LOAD_DROPS_METADATA_ERRORS
 from fsdp_ext.checkpoint import (
     CheckpointIntegrityError,
     SafeLoadPlanner,
@@ -152,12 +153,15 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE), ids=lambda f: f.__name__)
-def test_damage_gives_one_error_naming_the_file(ckpt, damage):
+def test_damage_gives_one_error_naming_the_file(ckpt, damage, caplog):
     file = damage(ckpt)
     with pytest.raises(CheckpointException) as err:
         load_ours(ckpt)
     error = cause(err)
     message = str(error)
+    if DCP_LOAD_DROPS_METADATA_ERRORS and message == "metadata is None":
+        # 2.11's dcp.load drops the reader's error; the reader logs it, worded as 2.13's
+        (message,) = [r.getMessage() for r in caplog.records if r.name == "fsdp_ext._torch"]
     assert "\n" not in message and f"{file}: " in message, message
     if file.name.startswith("__"):
         assert isinstance(error, CheckpointIntegrityError)

@@ -1,5 +1,9 @@
 """The gradient codec kernels: Triton (interpreted on CPU) against the torch reference, and
-the codec's own guarantees (round-trip bound, error bookkeeping, non-finite groups)."""
+the codec's own guarantees (round-trip bound, error bookkeeping, non-finite groups).
+
+The library calls the kernels through their payload entry points only; the flat references
+are the spec each payload path is held to (``tests/codec_cases.py``: ``one_row``,
+``from_chunks``)."""
 
 import os
 
@@ -7,30 +11,42 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from fsdp_ext.kernels.codec_common import (
     TRITON_GROUP_SIZES,
     payload_chunk_bytes,
     qmax,
 )
 from fsdp_ext.kernels.dequantize_reduce import (
-    dequantize_reduce,
+    dequantize_reduce_from_payload,
     dequantize_reduce_from_payload_reference,
     dequantize_reduce_from_payload_triton,
     dequantize_reduce_reference,
-    dequantize_reduce_triton,
     dequantize_reference,
 )
 from fsdp_ext.kernels.quantize_ef import (
-    quantize_ef,
     quantize_ef_reference,
+    quantize_ef_to_payload,
     quantize_ef_to_payload_reference,
     quantize_ef_to_payload_triton,
-    quantize_ef_triton,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from tests.codec_cases import (
+    PAYLOAD_GROUP_SIZES,
+    error_state,
+    from_chunks,
+    gradients,
+    one_row,
+    same,
+)
 
-from tests.codec_cases import error_state, gradients, same
+# the library's entry points (the dispatching custom ops) and the Triton launchers, each run
+# with the flat reference's arguments and results
+quantize_ef = one_row(quantize_ef_to_payload)
+dequantize_reduce = from_chunks(dequantize_reduce_from_payload)
+quantize_ef_triton = one_row(quantize_ef_to_payload_triton)
+dequantize_reduce_triton = from_chunks(dequantize_reduce_from_payload_triton)
 
 # numpy, under the Triton interpreter, warns on the NaN arithmetic of non-finite groups
 pytestmark = [
@@ -130,7 +146,7 @@ def test_payload_kernels_match_reference(grad, rows, cut, error_dtype, bits, out
 
 
 @FEW
-@given(gradients(), st.sampled_from([4, 8]))
+@given(gradients(PAYLOAD_GROUP_SIZES), st.sampled_from([4, 8]))
 def test_round_trip_error_at_most_half_a_step(grad, bits):
     x, group_size, _ = grad
     packed, scales = quantize_ef(x, group_size=group_size, bits=bits)
@@ -148,7 +164,7 @@ def test_round_trip_error_at_most_half_a_step(grad, bits):
 
 
 @FEW
-@given(gradients(), st.sampled_from([4, 8]))
+@given(gradients(PAYLOAD_GROUP_SIZES), st.sampled_from([4, 8]))
 def test_beta_zero_error_is_the_residual_exactly(grad, bits):
     x, group_size, _ = grad
     error = torch.zeros(x.numel())

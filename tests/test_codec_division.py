@@ -13,6 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import numpy as np
 import pytest
 import torch
+
 from fsdp_ext.kernels.codec_common import div_round_half_up, tl, triton
 
 pytestmark = [

@@ -57,7 +57,7 @@ def _python(code: str, env: dict, *, cpuinfo: Path | None = None) -> str:
 
 # cpu_native is standard library only: loaded alone, a fresh interpreter starts in a tenth of
 # a second, where importing it as fsdp_ext.kernels.cpu_native imports torch first (3-4 s)
-CPU_NATIVE_FILE = str(REPO / "triton_kernels" / "cpu_native.py")
+CPU_NATIVE_FILE = str(REPO / "fsdp_ext" / "kernels" / "cpu_native.py")
 CPU_NATIVE = (
     "import importlib.util\n"
     f"spec = importlib.util.spec_from_file_location('cpu_native', {CPU_NATIVE_FILE!r})\n"

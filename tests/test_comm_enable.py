@@ -8,8 +8,6 @@ reference of tests/pipeline_cases.py).
 
 from __future__ import annotations
 
-import ast
-import warnings
 from pathlib import Path
 
 import pytest
@@ -67,94 +65,14 @@ def test_enable_refuses_what_is_not_a_comm_config():
         enable(nn.Linear(2, 2), LoCoConfig())
 
 
-# ------------------------------------------------ deprecated names
-
-
-@pytest.mark.parametrize("package", [fsdp_ext, fsdp_ext.comm], ids=["fsdp_ext", "comm"])
-def test_the_old_config_name_warns_and_names_the_new_one(package):
-    with pytest.warns(FutureWarning, match=r"QuantizedAllGather is deprecated.*WeightQuantConfig"):
-        old = package.QuantizedAllGather
-    assert old is WeightQuantConfig
-    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
-        package.NoSuchName  # noqa: B018  (only the renamed names resolve)
-
-
-def test_the_old_name_in_a_from_import_warns():
-    with pytest.warns(FutureWarning, match="use fsdp_ext.comm.WeightQuantConfig"):
-        from fsdp_ext.comm import QuantizedAllGather  # noqa: F401
-
-
-def test_the_adapters_old_loco_argument_warns_and_means_comm_gradients():
+def test_adapters_take_comm_only():
     from fsdp_ext.integrations._common import comm_from_arguments
 
-    old = r"prepare\(loco=\.\.\.\) is deprecated.*use prepare\(comm=CommConfig\(gradients="
-    with pytest.warns(FutureWarning, match=old):
-        comm = comm_from_arguments(None, LoCoConfig(bits=8), "prepare")
-    assert comm == CommConfig(gradients=LoCoConfig(bits=8))
-    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="not both"):
-        comm_from_arguments(CommConfig(), LoCoConfig(), "prepare")
     with pytest.raises(TypeError, match=r"comm must be a fsdp_ext\.CommConfig or None"):
-        comm_from_arguments(LoCoConfig(), None, "prepare")
-    assert comm_from_arguments(CommConfig(), None, "prepare") is None  # nothing on: stock
-
-
-OLD_NAMES = {"QuantizedAllGather"}
-# keyword arguments that are deprecated on these calls
-OLD_KEYWORDS = {
-    "register_comm_hook": {"weights"},
-    "prepare": {"loco"},
-    "FSDPExtTrainer": {"loco"},
-    "apply_fsdp": {"loco"},
-}
-
-
-def _deprecated_uses(path: Path) -> list[str]:
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        name = getattr(node, "id", None) or getattr(node, "attr", None)
-        if isinstance(node, ast.alias):
-            name = node.name
-        if name in OLD_NAMES:
-            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
-        if isinstance(node, ast.Call):
-            callee = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
-            for keyword in node.keywords:
-                if keyword.arg in OLD_KEYWORDS.get(callee, ()):
-                    found.append(
-                        f"{path.relative_to(ROOT)}:{node.lineno}: {callee}({keyword.arg}=)"
-                    )
-    return found
-
-
-def test_no_example_benchmark_or_script_uses_a_deprecated_name():
-    files = [p for d in ("examples", "benchmarks", "scripts") for p in (ROOT / d).rglob("*.py")]
-    assert len(files) > 10
-    assert [use for path in files for use in _deprecated_uses(path)] == []
-
-
-def test_the_checker_finds_each_kind_of_old_use(tmp_path):
-    """The scan above can fail: each deprecated spelling in a file is found."""
-    sample = ROOT / "examples" / "_deprecated_sample.py"
-    sample.write_text(
-        "import fsdp_ext\n"
-        "from fsdp_ext import QuantizedAllGather\n"
-        "w = fsdp_ext.QuantizedAllGather()\n"
-        "fsdp_ext.register_comm_hook(m, c, weights=w)\n"
-        "prepare(a, m, o, loco=c)\n"
-        "FSDPExtTrainer(model=m, loco=c)\n"
-        "apply_fsdp(m, mesh, loco=c)\n"
-    )
-    try:
-        assert len(_deprecated_uses(sample)) == 6
-    finally:
-        sample.unlink()
-
-
-def test_docs_name_the_old_config_only_as_deprecated():
-    for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
-        for line in path.read_text().splitlines():
-            if "QuantizedAllGather" in line:
-                assert "deprecated" in line, f"{path.name}: {line}"
+        comm_from_arguments(LoCoConfig())
+    assert comm_from_arguments(CommConfig()) is None  # nothing on: stock
+    cfg = CommConfig(gradients=LoCoConfig(bits=8))
+    assert comm_from_arguments(cfg) is cfg
 
 
 # ------------------------------------------------ on 4 gloo ranks, 2 nodes of 2
@@ -248,10 +166,6 @@ def _rank_enable() -> dict:
     with pytest.raises(ValueError) as error:
         enable(net, CommConfig(weights="int8"), replicate_group=dist.group.WORLD)
     out["replicate_error"] = str(error.value)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fsdp_ext.register_comm_hook(net, LoCoConfig(), weights=WeightQuantConfig()).remove()
-    out["hook_warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     return out
 
 
@@ -347,9 +261,6 @@ def test_hpz_that_would_be_silently_off_is_refused(ranks):
     assert "unit <root> keeps its post-forward copy on ranks [0, 1, 2, 3]" in run["off_error"]
     assert "reshard_after_forward='node'" in run["off_error"]
     assert "set CommConfig.gradients" in run["replicate_error"]
-    assert len(run["hook_warnings"]) == 1
-    assert "register_comm_hook(weights=...) is deprecated" in run["hook_warnings"][0]
-    assert "fsdp_ext.comm.enable(model, CommConfig(" in run["hook_warnings"][0]
 
 
 def test_zeropp_under_build_pipeline_against_the_reference(ranks):

@@ -71,7 +71,8 @@ def _run(built_before: bool) -> dict:
     optimizer = torch.optim.AdamW(_groups(list(model.named_parameters())))
     optimizer = optimizer if built_before else factory
     loco = fsdp_ext.LoCoConfig(bits=4, group_size=32)
-    model, optimizer, handle = prepare(accelerator, model, optimizer, loco=loco)
+    comm = fsdp_ext.CommConfig(gradients=loco)
+    model, optimizer, handle = prepare(accelerator, model, optimizer, comm=comm)
     by_id = {id(p): n for n, p in model.named_parameters()}
     held = [[by_id.get(id(p), "?") for p in g["params"]] for g in optimizer.param_groups]
     hyper = [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups]

@@ -3,10 +3,10 @@
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_ext.kernels.dequantize_reduce import dequantize_reduce_reference
-from fsdp_ext.kernels.quantize_ef import quantize_ef_reference
 
 from fsdp_ext import LoCoConfig, LoCoReduceScatter
+from fsdp_ext.kernels.dequantize_reduce import dequantize_reduce_reference
+from fsdp_ext.kernels.quantize_ef import quantize_ef_reference
 from fsdp_ext.testing import run_distributed
 
 OPS = {

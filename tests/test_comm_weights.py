@@ -12,12 +12,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fsdp_ext.kernels.backend import use_backend
-from fsdp_ext.kernels.quantize_blockwise import (
-    dequantize_blockwise_reference,
-    payload_row_bytes,
-    quantize_blockwise_reference,
-)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -25,6 +19,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import fsdp_ext
 from fsdp_ext.comm.blockwise_int8_codec import BlockwiseInt8Codec
 from fsdp_ext.comm.registry import make_codec
+from fsdp_ext.kernels.backend import use_backend
+from fsdp_ext.kernels.quantize_blockwise import (
+    dequantize_blockwise_reference,
+    payload_row_bytes,
+    quantize_blockwise_reference,
+)
 from fsdp_ext.testing import run_distributed
 
 DIM, HIDDEN, DIN, DOUT = 13, 40, 7, 5  # odd sizes: dim-0 padding on 2 ranks

@@ -14,11 +14,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fsdp_ext.kernels.quantize_blockwise import (
-    dequantize_blockwise_reference,
-    payload_row_bytes,
-    quantize_blockwise_reference,
-)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -26,6 +21,11 @@ from torch.distributed.fsdp import fully_shard
 import fsdp_ext
 from fsdp_ext.comm import AbsmaxCodec, choose_wire
 from fsdp_ext.comm.blockwise_int8_codec import BlockwiseInt8Codec
+from fsdp_ext.kernels.quantize_blockwise import (
+    dequantize_blockwise_reference,
+    payload_row_bytes,
+    quantize_blockwise_reference,
+)
 from fsdp_ext.testing import run_distributed
 
 WORLD = 2
@@ -111,9 +111,10 @@ def _train_rank() -> dict:
     for unit in UNITS:
         fully_shard(getattr(net, unit), mesh=mesh)
     fully_shard(net, mesh=mesh)
-    handle = fsdp_ext.register_comm_hook(
-        net, fsdp_ext.LoCoConfig(), weights=fsdp_ext.WeightQuantConfig(group_size=256)
+    config = fsdp_ext.CommConfig(
+        gradients=fsdp_ext.LoCoConfig(), weights=fsdp_ext.WeightQuantConfig(group_size=256)
     )
+    handle = fsdp_ext.comm.enable(net, config)
     spy = _Spy()
     modules = {"<root>": net, **{u: getattr(net, u) for u in UNITS}}
     for fqn, comm in handle.reduce_scatters.items():

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fsdp_ext.kernels.backend import use_backend
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_ext
 from fsdp_ext.comm.hierarchical import NodeGroups, node_local_reduce_scatter
+from fsdp_ext.kernels.backend import use_backend
 from fsdp_ext.testing import HostSyncs, KernelLaunches, run_distributed
 
 pytestmark = [
@@ -51,9 +51,11 @@ def _counted_step() -> dict:
     torch.manual_seed(0)
     net = Net()
     fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh)
-    handle = fsdp_ext.register_comm_hook(
-        net, fsdp_ext.LoCoConfig(group_size=32), weights=fsdp_ext.WeightQuantConfig(group_size=64)
+    config = fsdp_ext.CommConfig(
+        gradients=fsdp_ext.LoCoConfig(group_size=32),
+        weights=fsdp_ext.WeightQuantConfig(group_size=64),
     )
+    handle = fsdp_ext.comm.enable(net, config)
     optim = torch.optim.SGD(net.parameters(), lr=1e-2)
     x, y = torch.randn(4, 64), torch.randn(4, 8)
 

@@ -160,11 +160,11 @@ def _zeropp_rank() -> dict:
         *(_unit_chunks(b, [n for n, _ in b.named_parameters()], WORLD) for b in net.blocks),
     ]
     fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh, reshard_after_forward="node")
-    handle = fsdp_ext.register_comm_hook(
-        net,
-        fsdp_ext.LoCoConfig(intra_node_size="auto", group_size=32),
+    config = fsdp_ext.CommConfig(
+        gradients=fsdp_ext.LoCoConfig(intra_node_size="auto", group_size=32),
         weights=fsdp_ext.WeightQuantConfig(group_size=32),
     )
+    handle = fsdp_ext.comm.enable(net, config)
     forward, backward = [], []
 
     def hook(mod, _inputs, output):

@@ -12,8 +12,6 @@ and tests/test_integrations_hf_trainer.py.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -121,18 +119,6 @@ def _rank_hf_trainer(output_dir: str) -> dict:
         trainer.steps, trainer.loco_before = [], {}
         trainer.train()
         out[name] = _summary([s["loss"] for s in trainer.steps], trainer.comm_handle)
-    # the deprecated loco= still turns LoCo on, and says what replaces it
-    AcceleratorState._reset_state(reset_partial_state=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer = _trainer_class()(
-            model=_llama(),
-            args=_args(f"{output_dir}/old", save_strategy="no", max_steps=1),
-            train_dataset=_Tokens(),
-            loco=fsdp_ext.LoCoConfig(group_size=GROUP),
-        )
-    out["old_warnings"] = [str(w.message) for w in caught if w.category is FutureWarning]
-    out["old_gradients"] = trainer.comm.gradients
     return out
 
 
@@ -170,11 +156,6 @@ def test_hf_trainer_with_zeropp_against_the_run_without(tmp_path, monkeypatch):
     runs = run_distributed(_rank_hf_trainer, WORLD, str(tmp_path), timeout=600)
     # the Trainer's losses are per rank (its own batch), compared rank by rank
     _check(runs, LLAMA_UNITS)
-    for run in runs:
-        assert len(run["old_warnings"]) == 1
-        assert "FSDPExtTrainer(loco=...) is deprecated" in run["old_warnings"][0]
-        assert "FSDPExtTrainer(comm=CommConfig(gradients=...))" in run["old_warnings"][0]
-        assert run["old_gradients"] == fsdp_ext.LoCoConfig(group_size=GROUP)
 
 
 def _rank_torchtitan() -> dict:

@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+
 from fsdp_ext.kernels.codec_common import TILE_ELEMENTS, TRITON_GROUP_SIZES, payload_chunk_bytes
 from fsdp_ext.kernels.dequantize_reduce import (
     dequantize_reduce_from_payload_reference,
@@ -28,8 +29,8 @@ from fsdp_ext.kernels.quantize_ef import (
     quantize_ef_reference,
     quantize_ef_to_payload_reference,
     quantize_ef_to_payload_triton,
-    quantize_ef_triton,
 )
+from tests.codec_cases import one_row
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (scripts/gpu-check.sh runs it)", allow_module_level=True)
@@ -79,13 +80,14 @@ def _cuda(t):
     ),
 )
 def test_quantize_ef_cuda_equals_reference(group_size, bits, error_dtype, x_dtype):
+    """The payload kernel on one row, against the flat reference (the spec)."""
     numel = (2 * TILE_ELEMENTS["quantize_ef"] // group_size + 3) * group_size  # crosses tiles
     x = _gradient(numel, x_dtype, group_size + bits)
     e_ref, s_ref = _error(error_dtype, numel, group_size, 1)
     e_gpu, s_gpu = _cuda(e_ref), _cuda(s_ref)
     kw = dict(group_size=group_size, bits=bits, beta=0.8)
     ref = quantize_ef_reference(x, e_ref, s_ref, **kw)
-    gpu = quantize_ef_triton(x.cuda(), e_gpu, s_gpu, **kw)
+    gpu = one_row(quantize_ef_to_payload_triton)(x.cuda(), e_gpu, s_gpu, **kw)
     assert all(_same(a, b) for a, b in zip(ref, gpu, strict=True))
     for a, b in ((e_ref, e_gpu), (s_ref, s_gpu)):
         assert a is None or _same(a, b)

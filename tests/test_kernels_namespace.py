@@ -1,7 +1,8 @@
-"""The kernels install as ``fsdp_ext.kernels`` (the folder ``triton_kernels/``, through
-pyproject's package-dir), with custom ops under ``torch.ops.fsdp_ext``, so that Triton's own
-``triton_kernels`` (PyPI ``triton-kernels``, shipped in some inference images) installs beside
-the project without either one shadowing the other."""
+"""The kernels are the subpackage ``fsdp_ext.kernels`` (the folder ``fsdp_ext/kernels/``), with
+custom ops under ``torch.ops.fsdp_ext``, so that Triton's own ``triton_kernels`` (PyPI
+``triton-kernels``, shipped in some inference images) installs beside the project without
+either one shadowing the other, and a source checkout on ``PYTHONPATH`` imports its own
+kernels with no package mapping and no import hook."""
 
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ print(json.dumps({
 
 
 def _copy_of_the_project(dest: Path) -> Path:
-    for part in ("fsdp_ext", "triton_kernels"):
-        shutil.copytree(ROOT / part, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "fsdp_ext", dest / "fsdp_ext", ignore=shutil.ignore_patterns("__pycache__")
+    )
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, dest)
     return dest
@@ -93,7 +95,7 @@ def test_pypi_triton_kernels_and_ours_import_side_by_side(
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=tmp_path,  # not the checkout: its folder triton_kernels/ would be on sys.path
+        cwd=tmp_path,  # not the checkout: the wheel's fsdp_ext, not the source tree's
         env=env,
     )
     assert out.returncode == 0, out.stderr
@@ -122,12 +124,12 @@ def test_a_source_checkout_on_pythonpath_imports_its_own_kernels(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     kernels, package = out.stdout.split()
-    assert kernels == str(copy / "triton_kernels" / "backend.py")
+    assert kernels == str(copy / "fsdp_ext" / "kernels" / "backend.py")
     assert package == str(copy / "fsdp_ext" / "__init__.py")
 
 
 def test_pyproject_installs_every_package_of_the_library():
-    """``packages`` is an explicit list (package-dir maps the kernels): a new room must be in it."""
+    """``packages`` is an explicit list: a new room must be in it."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     found = {
@@ -135,5 +137,5 @@ def test_pyproject_installs_every_package_of_the_library():
         for p in (ROOT / "fsdp_ext").rglob("__init__.py")
         if "__pycache__" not in p.parts
     }
-    assert set(config["packages"]) == found | {"fsdp_ext.kernels"}
-    assert config["package-dir"] == {"fsdp_ext.kernels": "triton_kernels"}
+    assert set(config["packages"]) == found
+    assert "package-dir" not in config  # every package sits where its name says

@@ -14,7 +14,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_ext.kernels.backend import use_backend
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -22,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fsdp_ext import LoCoConfig, LoCoReduceScatter, register_comm_hook
+from fsdp_ext.kernels.backend import use_backend
 from fsdp_ext.testing import run_distributed
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered")]

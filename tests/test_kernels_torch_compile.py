@@ -9,11 +9,12 @@ run the Triton kernels (interpreter) inside the compiled graph.
 
 import pytest
 import torch
+
 from fsdp_ext.kernels.backend import use_backend
 from fsdp_ext.kernels.codec_common import payload_chunk_bytes
-from fsdp_ext.kernels.dequantize_reduce import dequantize_reduce, dequantize_reduce_from_payload
+from fsdp_ext.kernels.dequantize_reduce import dequantize_reduce_from_payload
 from fsdp_ext.kernels.permute_indices import permute_indices
-from fsdp_ext.kernels.quantize_ef import quantize_ef, quantize_ef_to_payload
+from fsdp_ext.kernels.quantize_ef import quantize_ef_to_payload
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
@@ -31,35 +32,22 @@ def _compiled_equals_eager(fn, *args):
     return eager
 
 
-def test_quantize_ef_compiles():
-    def step(x, error, error_scales):
-        packed, scales = quantize_ef(x * 2, error, error_scales, group_size=32, beta=0.5)
-        return packed, scales + 1
+@pytest.mark.parametrize(("bits", "int8_error"), [(4, False), (8, True)])
+def test_payload_ops_compile(bits, int8_error):
+    """The codec's custom ops, their mutated arguments included: the error (and an int8
+    error's scales), the payload and the output."""
 
-    x = torch.randn(256, generator=torch.Generator().manual_seed(0))
-    error = torch.randint(-127, 128, (256,), dtype=torch.int8)
-    packed, _ = _compiled_equals_eager(step, x, error, torch.rand(8) * 0.01)
-    assert packed.shape == (128,)
-
-
-def test_dequantize_reduce_compiles():
-    def reduce(packed, scales):
-        return (dequantize_reduce(packed, scales, group_size=32, bits=8, out_scale=0.5) * 3,)
-
-    packed = torch.randint(0, 256, (3, 64), dtype=torch.uint8)
-    (out,) = _compiled_equals_eager(reduce, packed, torch.rand(3, 2))
-    assert out.shape == (64,) and out.abs().max() > 0
-
-
-def test_payload_ops_compile():
-    def exchange(rows, error, payload, out):
-        quantize_ef_to_payload(rows, payload, error, group_size=32, bits=4, beta=0.8)
-        dequantize_reduce_from_payload(payload, out, group_size=32, bits=4, out_scale=0.5)
+    def exchange(rows, error, error_scales, payload, out):
+        scales = error_scales if int8_error else None
+        quantize_ef_to_payload(rows * 2, payload, error, scales, group_size=32, bits=bits, beta=0.8)
+        dequantize_reduce_from_payload(payload, out, group_size=32, bits=bits, out_scale=0.5)
         return (out.sum(),)
 
     rows = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
-    payload = torch.zeros(2, payload_chunk_bytes(2, 32, 4), dtype=torch.uint8)
-    _compiled_equals_eager(exchange, rows, torch.zeros(128), payload, torch.zeros(50))
+    error = torch.randint(-127, 128, (128,), dtype=torch.int8) if int8_error else torch.zeros(128)
+    payload = torch.zeros(2, payload_chunk_bytes(2, 32, bits), dtype=torch.uint8)
+    error_scales = torch.rand(4) * 0.01
+    _compiled_equals_eager(exchange, rows, error, error_scales, payload, torch.zeros(50))
 
 
 def test_permute_indices_compiles():

@@ -2,14 +2,14 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fsdp_ext.kernels.permute_indices import (
     permute_indices,
     permute_indices_reference,
     permute_indices_triton,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from fsdp_ext.testing import KernelLaunches
 
 

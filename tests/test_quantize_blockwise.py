@@ -7,6 +7,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from fsdp_ext.kernels.backend import use_backend
 from fsdp_ext.kernels.quantize_blockwise import (
     TILE_ELEMENTS,
@@ -21,9 +24,6 @@ from fsdp_ext.kernels.quantize_blockwise import (
     quantize_blockwise_triton,
     unit_payload_row_bytes,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from fsdp_ext.testing import KernelLaunches
 
 pytestmark = [

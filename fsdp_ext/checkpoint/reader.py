@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fsdp_ext._torch import (
-    pass_metadata_error_to_dcp_load,
+    log_metadata_error_dcp_load_drops,
     set_state_dict_element,
     stored_tensor_layout,
 )
@@ -404,7 +404,7 @@ class VerifiedFileSystemReader(FileSystemReader):
         try:
             return self._read_verified_metadata()
         except (CheckpointIntegrityError, UnsafeCheckpointError) as exc:
-            pass_metadata_error_to_dcp_load(exc)  # torch 2.11 would swallow it
+            log_metadata_error_dcp_load_drops(exc)  # torch 2.11 drops it
             raise
 
     def _read_verified_metadata(self) -> Metadata:

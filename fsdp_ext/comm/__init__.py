@@ -47,10 +47,3 @@ __all__ = [
     "register_weight_all_gather",
     "unit_sizes",
 ]
-
-
-def __getattr__(name: str) -> object:
-    """Deprecated names (``QuantizedAllGather``), with a warning naming the new one."""
-    from fsdp_ext._deprecated import renamed_attribute
-
-    return renamed_attribute(__name__, name, globals())

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_ext._deprecated import warn_deprecated
 from fsdp_ext._torch import (
     DefaultReduceScatter,
     canonical_fqn,
@@ -32,8 +31,7 @@ from fsdp_ext.comm.unit import (
     reduce_dtype_of,
 )
 from fsdp_ext.comm.weight_all_gather import WeightGatherStats
-from fsdp_ext.comm.weight_config import WeightQuantConfig
-from fsdp_ext.comm.weight_register import WeightGatherHandle, register_weight_all_gather
+from fsdp_ext.comm.weight_register import WeightGatherHandle
 
 logger = logging.getLogger("fsdp_ext.comm")
 
@@ -288,12 +286,11 @@ def register_comm_hook(
     *,
     replicate_group: dist.ProcessGroup | None = None,
     strict: bool = False,
-    weights: WeightQuantConfig | None = None,
 ) -> CommHandle:
     """Install a :class:`LoCoReduceScatter` on every FSDP unit of ``model``.
 
-    ``weights`` (deprecated: use :func:`fsdp_ext.comm.enable` with
-    ``CommConfig(gradients=..., weights=...)``): also quantise the parameter all-gathers.
+    (Quantised parameter all-gathers too: :func:`fsdp_ext.comm.enable` with
+    ``CommConfig(gradients=..., weights=...)``.)
 
     Every unit gets its own comm, sized over all of its trainable parameters (a unit of
     several modules, ``fully_shard([a, b])``, included). With ``replicate_group`` (HSDP),
@@ -301,11 +298,6 @@ def register_comm_hook(
     :class:`LoCoAllReduceHook`. ``strict`` governs checkpoint loads (see :class:`CommHandle`).
     Call it on every rank, after ``fully_shard``; unsupported reduce dtypes are refused here.
     """
-    if weights is not None:
-        warn_deprecated(
-            "register_comm_hook(weights=...)",
-            "fsdp_ext.comm.enable(model, CommConfig(gradients=..., weights=...))",
-        )
     config = config if config is not None else LoCoConfig()
     if not isinstance(config, LoCoConfig):
         raise TypeError(f"config must be a LoCoConfig, got {type(config).__name__}")
@@ -362,7 +354,4 @@ def register_comm_hook(
             hook = LoCoAllReduceHook(config, replicate_group, unit=binding)
             module.set_all_reduce_hook(hook)
         units[fqn] = _Unit(module, binding, comm, hook, shard_group.size())
-    handle = CommHandle(units, config, strict=strict)
-    if weights is not None:
-        handle.weights = register_weight_all_gather(model, weights)
-    return handle
+    return CommHandle(units, config, strict=strict)

@@ -17,7 +17,6 @@ MIN_GROUP_SIZE, MAX_GROUP_SIZE = 32, 4096
 class WeightQuantConfig:
     """Settings of qwZ: FSDP's parameter all-gather sends block-wise int8 weights instead of
     the param dtype (:class:`~fsdp_ext.comm.weight_all_gather.QuantizedWeightAllGather` does).
-    Named ``QuantizedAllGather`` in 0.1 (a deprecated alias, for one release).
 
     ``bits``: 8 (int8 codes, one fp32 absmax scale per group; 4-bit weights lose too much
     for pre-training, ZeRO++ section 5). ``group_size``: values per scale, a power of two

@@ -27,9 +27,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
-from fsdp_ext._deprecated import warn_deprecated
 from fsdp_ext._torch import compiled_inner
-from fsdp_ext.comm import CommConfig, CommHandle, LoCoConfig
+from fsdp_ext.comm import CommConfig, CommHandle
 from fsdp_ext.wrap import GranularityPolicy, fully_shard, node_local_reshard
 
 LOCO_STATE_FILE = "fsdp_ext_loco_rank{rank}.pt"
@@ -65,18 +64,8 @@ __all__ = [
 # ------------------------------------------------------------------------- ZeRO++
 
 
-def comm_from_arguments(
-    comm: CommConfig | None, loco: LoCoConfig | None, where: str
-) -> CommConfig | None:
-    """An adapter's ``comm=``, or its deprecated ``loco=`` (with the warning), checked."""
-    if loco is not None:
-        instead = f"{where}(comm=CommConfig(gradients=...))"
-        warn_deprecated(f"{where}(loco=...)", instead, stacklevel=4)
-        if comm is not None:
-            raise ValueError(f"{where}: pass comm= or the deprecated loco=, not both")
-        if not isinstance(loco, LoCoConfig):
-            raise TypeError(f"loco must be a LoCoConfig or None, got {type(loco).__name__}")
-        return CommConfig(gradients=loco)
+def comm_from_arguments(comm: CommConfig | None) -> CommConfig | None:
+    """An adapter's ``comm=``, checked; None when it turns nothing on."""
     if comm is not None and not isinstance(comm, CommConfig):
         raise TypeError(f"comm must be a fsdp_ext.CommConfig or None, got {type(comm).__name__}")
     return comm if comm is not None and comm.enabled else None

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fsdp_ext._torch import compiled_inner
-from fsdp_ext.comm import CommConfig, LoCoConfig, enable
+from fsdp_ext.comm import CommConfig, enable
 from fsdp_ext.integrations._common import (
     check_plugin,
     comm_from_arguments,
@@ -49,7 +49,6 @@ def prepare(
     *other: Any,
     auto_wrap_policy: Any = None,
     comm: CommConfig | None = None,
-    loco: LoCoConfig | None = None,
 ) -> tuple[Any, ...]:
     """``accelerator.prepare(model, optimizer, *other)`` with fsdp-ext's sharding.
 
@@ -58,8 +57,8 @@ def prepare(
     must still be empty), or a factory ``params -> optimizer``. ``auto_wrap_policy``:
     anything :func:`fsdp_ext.fully_shard` takes (default ``GranularityPolicy()``, one unit
     per block). ``comm``: ZeRO++ on every unit (``fsdp_ext.comm.enable``; hpZ shards
-    with the node's ranks), LoCo's error buffers kept in ``save_state`` / ``load_state``;
-    ``loco`` (deprecated) is ``comm=CommConfig(gradients=loco)``. Returns what ``prepare``
+    with the node's ranks), LoCo's error buffers kept in ``save_state`` / ``load_state``.
+    Returns what ``prepare``
     returns, then the ``CommHandle`` (None without ``comm``):
     ``model, optimizer, handle = prepare(...)``.
     Call it on every rank, on a model ``accelerator.prepare`` has not seen.
@@ -69,7 +68,7 @@ def prepare(
         "pass the unsharded model to fsdp_ext.integrations.accelerate.prepare in place of "
         "accelerator.prepare; it shards with auto_wrap_policy, then calls accelerator.prepare",
     )
-    comm = comm_from_arguments(comm, loco, "prepare")
+    comm = comm_from_arguments(comm)
     if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
         raise ValueError("optimizer must not have stepped yet: its state cannot be resharded")
     names = {p: n for n, p in model.named_parameters()}

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer
 
 from fsdp_ext._torch import compiled_inner
-from fsdp_ext.comm import CommConfig, CommHandle, LoCoConfig, enable
+from fsdp_ext.comm import CommConfig, CommHandle, enable
 from fsdp_ext.integrations._common import (
     CPU_FSDP_DROPPED,
     LOCO_STATE_FILE,
@@ -51,8 +51,8 @@ class FSDPExtTrainer(Trainer):
     ``fsdp_ext.plan_units(model, auto_wrap_policy)`` prints. The plugin's mesh, mixed
     precision, offload and ``reshard_after_forward`` apply as with accelerate's own wrap.
     ``comm``: ZeRO++ on every unit (``fsdp_ext.comm.enable``); ``self.comm_handle`` is the
-    ``CommHandle`` once ``train()`` has sharded the model. ``loco`` (deprecated) is
-    ``comm=CommConfig(gradients=loco)``. Everything else is the stock ``Trainer``.
+    ``CommHandle`` once ``train()`` has sharded the model. Everything else is the stock
+    ``Trainer``.
     """
 
     def __init__(
@@ -60,11 +60,10 @@ class FSDPExtTrainer(Trainer):
         *args: Any,
         auto_wrap_policy: Any = None,
         comm: CommConfig | None = None,
-        loco: LoCoConfig | None = None,
         **kwargs: Any,
     ):
         self.auto_wrap_policy = auto_wrap_policy
-        self.comm = comm_from_arguments(comm, loco, "FSDPExtTrainer")
+        self.comm = comm_from_arguments(comm)
         self.comm_handle: CommHandle | None = None
         self._optimizer_param_names: list[list[str]] | None = None
         super().__init__(*args, **kwargs)

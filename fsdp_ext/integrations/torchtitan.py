@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Shard
 
 from fsdp_ext._torch import ShardPlacementResult, fsdp_mesh_info, fsdp_units
-from fsdp_ext.comm import CommConfig, CommHandle, LoCoConfig, enable
+from fsdp_ext.comm import CommConfig, CommHandle, enable
 from fsdp_ext.integrations._common import comm_from_arguments, hpz_reshard_after_forward
 from fsdp_ext.wrap import GranularityPolicy, WrapPlan, check_wrap, fully_shard
 
@@ -66,15 +66,13 @@ def apply_fsdp(
     *,
     auto_wrap_policy: object = None,
     comm: CommConfig | None = None,
-    loco: LoCoConfig | None = None,
 ) -> CommHandle | None:
     """``apply_fsdp_to_decoder`` with ``auto_wrap_policy`` choosing the blocks' units.
 
     ``auto_wrap_policy``: anything :func:`fsdp_ext.fully_shard` takes (default
     ``GranularityPolicy()``: one unit per block, torchtitan's plan). ``comm``: ZeRO++ on
     every unit, returning the ``CommHandle`` (put LoCo's state in the checkpoint with
-    :func:`with_comm_state`); None otherwise. ``loco`` (deprecated) is
-    ``comm=CommConfig(gradients=loco)``. Call it on every rank, where torchtitan
+    :func:`with_comm_state`); None otherwise. Call it on every rank, where torchtitan
     calls ``apply_fsdp_to_decoder``: after TP/EP, activation checkpointing and compile,
     before ``to_empty`` and ``init_weights``.
     """
@@ -86,7 +84,7 @@ def apply_fsdp(
     _check_arguments(
         model, param_dtype, reduce_dtype, pp_enabled, reshard_after_forward_policy, ep_degree
     )
-    comm = comm_from_arguments(comm, loco, "apply_fsdp")
+    comm = comm_from_arguments(comm)
     if comm is not None and ep_degree > 1:
         raise ValueError(
             f"comm with ep_degree={ep_degree} > 1 is not supported: experts on edp_mesh give "

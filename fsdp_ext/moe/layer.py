@@ -214,7 +214,8 @@ class MoE(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Dense SwiGLU feed-forward (the shared expert)."""
+    """Dense SwiGLU feed-forward: the MoE's shared expert, and the dense layers of
+    ``examples/model.py``."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()

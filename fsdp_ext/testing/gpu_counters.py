@@ -96,7 +96,7 @@ class HostSyncs:
         frames = [
             f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
             for f in traceback.extract_stack()[:-2]
-            if "/fsdp_ext/" in f.filename or "/triton_kernels/" in f.filename
+            if "/fsdp_ext/" in f.filename
         ]
         frames = [f for f in frames if not f.startswith("testing/")]
         self.where.append((name, frames[-1] if frames else "<outside the library>"))

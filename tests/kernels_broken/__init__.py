@@ -4,6 +4,7 @@ compile case, and the two patterns that held the LoCo kernels back on an H200.""
 
 import triton
 import triton.language as tl
+
 from fsdp_ext.kernels.codec_common import CompileCase
 
 

@@ -14,6 +14,7 @@ the alignment padding (our expert compute loops over experts and needs none).
 from __future__ import annotations
 
 import torch
+
 from fsdp_ext.kernels import backend
 from fsdp_ext.kernels.codec_common import CompileCase, launch_options, tl, triton
 

@@ -83,6 +83,8 @@ def payload_views(
     """``[W, G * code_bytes]`` uint8 codes and ``[W, G]`` fp32 scales, both views of ``payload``."""
     code_bytes = groups * bytes_per_group(group_size, bits)
     codes = payload[:, :code_bytes]
+    if payload.shape[1] == 0:  # no groups: torch views a [W, 0] byte tensor as no floats
+        return codes, payload.new_empty((payload.shape[0], 0), dtype=torch.float32)
     scales = payload.view(torch.float32)[:, code_bytes // 4 :]
     return codes, scales
 

@@ -18,13 +18,12 @@ spec), the Triton kernel, and a fast CPU path, bit-exact with the reference
 torch ops can be); where no C compiler is found, plain torch makes the reference's passes
 block by block over cache-resident buffers, with the same IEEE operations in the same order.
 
-Two entry points share each implementation:
-
-- :func:`quantize_ef` takes a flat ``x`` and returns ``(packed, scales)``;
-- :func:`quantize_ef_to_payload` takes ``[W, n]`` rows (any ``n``; each row is zero-padded to
-  whole groups inside the kernel) and writes each row's codes and scales into row ``w`` of an
-  all-to-all send buffer (layout in :mod:`fsdp_ext.kernels.codec_common`), so the sender makes
-  one pass: read ``g``, read and write ``e``, write the payload.
+The entry point, :func:`quantize_ef_to_payload`, takes ``[W, n]`` rows (any ``n``; each row
+is zero-padded to whole groups inside the kernel) and writes each row's codes and scales into
+row ``w`` of an all-to-all send buffer (layout in :mod:`fsdp_ext.kernels.codec_common`), so
+the sender makes one pass: read ``g``, read and write ``e``, write the payload.
+:func:`quantize_ef_reference` (a flat ``x`` -> ``(packed, scales)``) is the spec the payload
+reference is built on and checked against; it has no fast path of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from fsdp_ext.kernels import backend
 from fsdp_ext.kernels.codec_common import (
     AOT_ALL_STORAGES,
@@ -346,35 +346,6 @@ def _block_checks(absmax: torch.Tensor, safe: torch.Tensor) -> tuple[bool, bool]
     return not math.isfinite(total), smallest < SMALLEST_NORMAL
 
 
-def quantize_ef_cpu(
-    x: torch.Tensor,
-    error: torch.Tensor | None = None,
-    error_scales: torch.Tensor | None = None,
-    *,
-    group_size: int = 128,
-    bits: int = 4,
-    beta: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fast CPU path; same contract and bits as :func:`quantize_ef_reference`."""
-    _check_args(x, error, error_scales, group_size, bits)
-    groups = x.numel() // group_size
-    packed = torch.empty(
-        groups * bytes_per_group(group_size, bits), dtype=torch.uint8, device=x.device
-    )
-    scales = torch.empty(groups, dtype=torch.float32, device=x.device)
-    _quantize_rows_cpu(
-        x.view(1, -1),
-        packed.view(1, -1),
-        scales.view(1, -1),
-        error,
-        error_scales,
-        group_size,
-        bits,
-        beta,
-    )
-    return packed, scales
-
-
 def quantize_ef_to_payload_cpu(
     rows: torch.Tensor,
     payload: torch.Tensor,
@@ -583,38 +554,6 @@ def _launch(
     )
 
 
-def quantize_ef_triton(
-    x: torch.Tensor,
-    error: torch.Tensor | None = None,
-    error_scales: torch.Tensor | None = None,
-    *,
-    group_size: int = 128,
-    bits: int = 4,
-    beta: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton launcher; same contract as :func:`quantize_ef_reference`."""
-    _check_args(x, error, error_scales, group_size, bits)
-    groups = x.numel() // group_size
-    packed = torch.empty(
-        groups * bytes_per_group(group_size, bits), dtype=torch.uint8, device=x.device
-    )
-    scales = torch.empty(groups, dtype=torch.float32, device=x.device)
-    _launch(
-        x.view(1, -1),
-        error,
-        error_scales,
-        packed,
-        packed.numel(),
-        scales,
-        groups,
-        groups,
-        group_size,
-        bits,
-        beta,
-    )
-    return packed, scales
-
-
 def quantize_ef_to_payload_triton(
     rows: torch.Tensor,
     payload: torch.Tensor,
@@ -644,11 +583,6 @@ def quantize_ef_to_payload_triton(
     )
 
 
-_QUANTIZE_EF = {
-    "triton": quantize_ef_triton,
-    "cpu": quantize_ef_cpu,
-    "reference": quantize_ef_reference,
-}
 _QUANTIZE_EF_TO_PAYLOAD = {
     "triton": quantize_ef_to_payload_triton,
     "cpu": quantize_ef_to_payload_cpu,
@@ -658,32 +592,6 @@ _QUANTIZE_EF_TO_PAYLOAD = {
 
 # Explicit schemas: the same registration on every torch from 2.4 (the GPU machines' 2.11
 # included), whatever its reading of string annotations.
-@torch.library.custom_op(
-    "fsdp_ext::quantize_ef",
-    mutates_args=("error", "error_scales"),
-    schema="(Tensor x, Tensor(a!)? error, Tensor(b!)? error_scales, int group_size, int bits, "
-    "float beta) -> (Tensor, Tensor)",
-)
-def _quantize_ef_op(
-    x: torch.Tensor,
-    error: torch.Tensor | None,
-    error_scales: torch.Tensor | None,
-    group_size: int,
-    bits: int,
-    beta: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    fn = _QUANTIZE_EF[backend.implementation(x, cpu_path=True)]
-    return fn(x, error, error_scales, group_size=group_size, bits=bits, beta=beta)
-
-
-@_quantize_ef_op.register_fake
-def _(x, error, error_scales, group_size, bits, beta):
-    _check_args(x, error, error_scales, group_size, bits)
-    groups = x.numel() // group_size
-    packed = x.new_empty(groups * bytes_per_group(group_size, bits), dtype=torch.uint8)
-    return packed, x.new_empty(groups, dtype=torch.float32)
-
-
 @torch.library.custom_op(
     "fsdp_ext::quantize_ef_to_payload",
     mutates_args=("payload", "error", "error_scales"),
@@ -706,23 +614,6 @@ def _quantize_ef_to_payload_op(
 @_quantize_ef_to_payload_op.register_fake
 def _(rows, payload, error, error_scales, group_size, bits, beta):
     return None
-
-
-def quantize_ef(
-    x: torch.Tensor,
-    error: torch.Tensor | None = None,
-    error_scales: torch.Tensor | None = None,
-    *,
-    group_size: int = 128,
-    bits: int = 4,
-    beta: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel or the torch reference, as :mod:`fsdp_ext.kernels.backend` decides.
-
-    Runs as the custom op ``torch.ops.fsdp_ext.quantize_ef``, so ``torch.compile``
-    treats it as one opaque call (its fake implementation gives the output shapes).
-    """
-    return torch.ops.fsdp_ext.quantize_ef(x, error, error_scales, group_size, bits, beta)
 
 
 def quantize_ef_to_payload(

@@ -1,4 +1,4 @@
-/* LoCo's sender on a CPU, compiled on the machine that runs it (triton_kernels/cpu_native.py).
+/* LoCo's sender on a CPU, compiled on the machine that runs it (fsdp_ext/kernels/cpu_native.py).
  *
  * quantize_ef_reference's arithmetic, group by group in one pass over cache-resident buffers,
  * every operation the reference's IEEE fp32 operation in its order: compiled without FMA

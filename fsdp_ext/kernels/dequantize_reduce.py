@@ -1,23 +1,25 @@
 """Receiver side of the quantised reduce-scatter: dequantise W chunks, sum, scale.
 
-``packed[w]`` and ``scales[w]`` are chunk ``w`` as produced by ``quantize_ef``. The output is
-``(sum_w deQ(packed[w], scales[w])) * out_scale`` in ``out_dtype``. The sum runs in fp32 in
-chunk order ``w = 0, 1, ...``, so the reference and the kernel agree bit for bit, and a NaN
+``packed[w]`` and ``scales[w]`` are chunk ``w`` as produced by ``quantize_ef_to_payload``. The
+output is ``(sum_w deQ(packed[w], scales[w])) * out_scale`` in ``out_dtype``. The sum runs in
+fp32 in chunk order ``w = 0, 1, ...``, so the reference and the kernel agree bit for bit, and a NaN
 scale (a non-finite group on some sender) makes that group non-finite in the output.
 
 Three implementations (chosen by :mod:`fsdp_ext.kernels.backend`): the torch reference, the
 Triton kernel, and a fast CPU path, bit-exact with the reference (same operations, same
 order, block by block in cache).
 
-Two entry points share each implementation: :func:`dequantize_reduce` returns a new flat tensor, and
-:func:`dequantize_reduce_from_payload` reads a received all-to-all buffer in place (layout in
-:mod:`fsdp_ext.kernels.codec_common`) and writes the first ``out.numel()`` values straight into
-``out`` (FSDP's reduce-scatter output): one read of the payload, one write of the output.
+The entry point, :func:`dequantize_reduce_from_payload`, reads a received all-to-all buffer
+in place (layout in :mod:`fsdp_ext.kernels.codec_common`) and writes the first
+``out.numel()`` values straight into ``out`` (FSDP's reduce-scatter output): one read of the
+payload, one write of the output. :func:`dequantize_reduce_reference` (``[W, bytes]`` codes
+and ``[W, G]`` scales -> a new flat tensor) is the spec the payload reference is built on.
 """
 
 from __future__ import annotations
 
 import torch
+
 from fsdp_ext.kernels import backend
 from fsdp_ext.kernels.codec_common import (
     AOT_ALL_STORAGES,
@@ -168,22 +170,6 @@ def _dequantize_rows_cpu(codes, scales, out, group_size, bits, out_scale) -> Non
             ab.add_(qb)
         ab.mul_(out_scale32)
         out[lo:hi].copy_(ab.view(-1)[: hi - lo])
-
-
-def dequantize_reduce_cpu(
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    *,
-    group_size: int = 128,
-    bits: int = 4,
-    out_scale: float = 1.0,
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Fast CPU path; same contract and bits as :func:`dequantize_reduce_reference`."""
-    _check_args(packed, scales, group_size, bits, out_dtype)
-    out = torch.empty(scales.shape[1] * group_size, dtype=out_dtype, device=packed.device)
-    _dequantize_rows_cpu(packed, scales, out, group_size, bits, out_scale)
-    return out
 
 
 def dequantize_reduce_from_payload_cpu(
@@ -349,24 +335,6 @@ def _launch(codes, scales, out, groups, group_size, bits, out_scale) -> None:
     )
 
 
-def dequantize_reduce_triton(
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    *,
-    group_size: int = 128,
-    bits: int = 4,
-    out_scale: float = 1.0,
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Triton launcher; same contract as :func:`dequantize_reduce_reference`."""
-    _check_args(packed, scales, group_size, bits, out_dtype)
-    packed, scales = packed.contiguous(), scales.contiguous()
-    groups = scales.shape[1]
-    out = torch.empty(groups * group_size, dtype=out_dtype, device=packed.device)
-    _launch(packed, scales, out, groups, group_size, bits, out_scale)
-    return out
-
-
 def dequantize_reduce_from_payload_triton(
     payload: torch.Tensor,
     out: torch.Tensor,
@@ -381,42 +349,11 @@ def dequantize_reduce_from_payload_triton(
     _launch(codes, scales, out, groups, group_size, bits, out_scale)
 
 
-_DEQUANTIZE_REDUCE = {
-    "triton": dequantize_reduce_triton,
-    "cpu": dequantize_reduce_cpu,
-    "reference": dequantize_reduce_reference,
-}
 _DEQUANTIZE_REDUCE_FROM_PAYLOAD = {
     "triton": dequantize_reduce_from_payload_triton,
     "cpu": dequantize_reduce_from_payload_cpu,
     "reference": dequantize_reduce_from_payload_reference,
 }
-
-
-@torch.library.custom_op(
-    "fsdp_ext::dequantize_reduce",
-    mutates_args=(),
-    schema="(Tensor packed, Tensor scales, int group_size, int bits, float out_scale, "
-    "ScalarType out_dtype) -> Tensor",
-)
-def _dequantize_reduce_op(
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    group_size: int,
-    bits: int,
-    out_scale: float,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    fn = _DEQUANTIZE_REDUCE[backend.implementation(packed, cpu_path=True)]
-    return fn(
-        packed, scales, group_size=group_size, bits=bits, out_scale=out_scale, out_dtype=out_dtype
-    )
-
-
-@_dequantize_reduce_op.register_fake
-def _(packed, scales, group_size, bits, out_scale, out_dtype):
-    _check_args(packed, scales, group_size, bits, out_dtype)
-    return packed.new_empty(scales.shape[1] * group_size, dtype=out_dtype)
 
 
 @torch.library.custom_op(
@@ -434,24 +371,6 @@ def _dequantize_reduce_from_payload_op(
 @_dequantize_reduce_from_payload_op.register_fake
 def _(payload, out, group_size, bits, out_scale):
     return None
-
-
-def dequantize_reduce(
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    *,
-    group_size: int = 128,
-    bits: int = 4,
-    out_scale: float = 1.0,
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """The Triton kernel or the torch reference, as :mod:`fsdp_ext.kernels.backend` decides.
-
-    Runs as the custom op ``torch.ops.fsdp_ext.dequantize_reduce``.
-    """
-    return torch.ops.fsdp_ext.dequantize_reduce(
-        packed, scales, group_size, bits, float(out_scale), out_dtype
-    )
 
 
 def dequantize_reduce_from_payload(

@@ -126,9 +126,10 @@ def compile_case(case, arch: int, enable_fp_fusion: bool | None = None) -> dict[
     """Compile one case for ``sm_<arch>`` with the launchers' own options (or FP fusion
     forced to ``enable_fp_fusion``); returns facts about its PTX and TTIR."""
     import triton
-    from fsdp_ext.kernels.codec_common import launch_options
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from fsdp_ext.kernels.codec_common import launch_options
 
     options = {"num_warps": case.num_warps, **launch_options()}
     if enable_fp_fusion is not None:

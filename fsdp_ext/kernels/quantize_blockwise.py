@@ -36,6 +36,7 @@ import threading
 from collections.abc import Sequence
 
 import torch
+
 from fsdp_ext.kernels import backend
 from fsdp_ext.kernels.codec_common import (
     CompileCase,
