@@ -24,7 +24,11 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `examples` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import fsdp_ext  # noqa: F401  (before torch: a Ctrl-C while it imports is one line)
+    try:  # importing torch takes seconds: a Ctrl-C meanwhile is one line and status 130
+        import fsdp_ext  # noqa: F401
+    except KeyboardInterrupt:
+        print("train.py: interrupted while importing torch", file=sys.stderr)
+        sys.exit(130)
 
 import torch
 import torch.distributed as dist

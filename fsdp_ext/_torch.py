@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -158,7 +157,6 @@ __all__ = [
     "sharded_param",
     "sharded_post_forward_data",
     "stored_tensor_layout",
-    "thread_in_dcp_save",
     "trainable_fsdp_params",
     "tree_map",
     "unflatten_mesh",
@@ -527,25 +525,6 @@ class PipelineStageBase(PipelineStage):
     def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         with self.metadata_inference_context():
             return super()._backward_metadata_inference(*args, **kwargs)
-
-
-# 2.11-2.15: the function every ``dcp.save`` / ``dcp.async_save`` runs its save in.
-_DCP_SAVE_FRAME = ("state_dict_saver.py", "_save_state_dict")
-
-
-def thread_in_dcp_save(thread_ident: int) -> bool:
-    """Whether the thread ``thread_ident`` of this process is inside a DCP save right now.
-
-    DCP calls no storage-writer method after a save fails, so a checkpoint lock taken by a
-    save that then failed is recognised by its thread having left ``_save_state_dict``.
-    """
-    frame = sys._current_frames().get(thread_ident)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == _DCP_SAVE_FRAME[1] and code.co_filename.endswith(_DCP_SAVE_FRAME[0]):
-            return True
-        frame = frame.f_back
-    return False
 
 
 # 2.11: ``dcp.load`` reads ``.metadata`` under ``except Exception``, logs one INFO line without

@@ -640,8 +640,6 @@ FRAME_CALLS = frozenset(
 FRAME_ATTRS = frozenset({"f_back", "f_locals", "f_globals", "tb_frame"})
 # "path::function" -> why it may, for now
 FRAME_INSPECTION_OK = {
-    # removed with the lease rewrite
-    "fsdp_ext/_torch.py::thread_in_dcp_save": "removed with the lease rewrite",
     "fsdp_ext/testing/gpu_counters.py::HostSyncs._record": (
         "a test counter's report of where a host sync came from; nothing depends on it"
     ),

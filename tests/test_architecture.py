@@ -339,9 +339,14 @@ def test_frame_checker_catches(tmp_path, code, expected):
 
 def test_frame_checker_allows_only_the_listed_function(tmp_path):
     (tmp_path / "fsdp_ext").mkdir()
-    code = "import sys\ndef {}(t):\n    return sys._current_frames().get(t)\n"
-    (tmp_path / "fsdp_ext/_torch.py").write_text(
-        code.format("thread_in_dcp_save") + code.format("another")
+    (tmp_path / "fsdp_ext/testing").mkdir()
+    (tmp_path / "fsdp_ext/testing/gpu_counters.py").write_text(
+        "import traceback\nclass HostSyncs:\n    def _record(self):\n"
+        "        return traceback.extract_stack()\n"
+        "    def other(self):\n        return traceback.extract_stack()\n"
     )
     found = [str(u) for u in ig.frame_inspections(tmp_path)]
-    assert found == ["fsdp_ext/_torch.py:6: frame inspection: sys._current_frames in another"]
+    assert found == [
+        "fsdp_ext/testing/gpu_counters.py:6: frame inspection: traceback.extract_stack in "
+        "HostSyncs.other"
+    ], found
