@@ -9,8 +9,8 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
+import shutil
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from examples.config import TrainConfig
 from fsdp_ext import Checkpointer
 from fsdp_ext.checkpoint import Snapshots
+from fsdp_ext.checkpoint.snapshot import job_name, snapshot_dir
 
 __all__ = ["INTERRUPTED", "ending", "resume_step", "snapshots"]
 
@@ -29,13 +30,19 @@ INTERRUPTED = 130  # 128 + SIGINT
 def snapshots(cfg: TrainConfig, ckpt: Checkpointer | None, fresh: bool) -> Snapshots | None:
     """This job's in-memory snapshots (None without --snapshot-every). The job's name is
     its checkpoint root, which its restarts and every node share; ``fresh``: a run that
-    starts over drops what an earlier run of the same --out left in RAM."""
-    if not cfg.snapshot_every or ckpt is None:
+    starts over drops what an earlier run of the same --out left in RAM, and so does a run
+    that takes none (an earlier job of this --out that failed for good left them)."""
+    if ckpt is None:
         return None
-    root = os.path.realpath(cfg.checkpoint_root)
-    job = hashlib.sha256(root.encode()).hexdigest()[:16]
+    job = job_name(cfg.checkpoint_root)
+    if not cfg.snapshot_every:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            shutil.rmtree(snapshot_dir(job), ignore_errors=True)
+        return None
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    snaps = Snapshots(ckpt.state, job=job, ranks_per_node=per_node)
+    snaps = Snapshots(
+        ckpt.state, job=job, ranks_per_node=per_node, checkpoint_root=cfg.checkpoint_root
+    )
     if fresh:
         snaps.clear()
     return snaps

@@ -538,3 +538,78 @@ def test_a_checkpoint_that_verifies_but_fails_to_load_is_recorded_and_never_prun
         ckpt.save(4)
     # keep=1 counts only what loads: step 2 is kept for inspection, never pruned
     assert [s for s, _ in checkpoint_steps(root)] == [2, 4]
+
+
+# ----------------------------------------------------------------------- snapshots in RAM
+
+
+def test_snapshots_that_do_not_fit_are_skipped_and_a_dead_jobs_are_cleaned(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small RAM disk needs root")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(shm)], check=True)
+    try:
+        small = {**ENV, "FSDP_EXT_SNAPSHOT_ROOT": str(shm)}
+        flags = ["--steps", "6", "--ckpt-every", "3", "--snapshot-every", "1"]
+        proc = subprocess.run(
+            [*TRAIN, *flags, "--out", str(tmp_path / "small")],
+            env=small,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        skipped = [x for x in proc.stderr.splitlines() if "in-memory snapshot of step" in x]
+        assert len(skipped) == 6 and "step 1 skipped: it needs" in skipped[0], skipped
+        assert f"bytes in {shm} on each node and" in skipped[0] and "are free" in skipped[0]
+        assert [s for s, _ in checkpoint_steps(tmp_path / "small" / "checkpoints")] == [3, 6]
+        assert os.listdir(shm) == []  # nothing of the job left in RAM
+    finally:
+        subprocess.run(["umount", "--lazy", str(shm)], check=True)
+    # a job that fails for good leaves its snapshots; clean-snapshots removes those of a
+    # job that is provably gone and keeps a live one's; the next start on --out removes its
+    ram = tmp_path / "ram"
+    env = {**ENV, "FSDP_EXT_SNAPSHOT_ROOT": str(ram)}
+    long = ["--steps", "100000", "--ckpt-every", "2", "--snapshot-every", "1"]
+    jobs = {
+        name: subprocess.Popen(
+            [*TRAIN, *long, "--out", str(tmp_path / name)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for name in ("dead", "live")
+    }
+    try:
+        for proc in jobs.values():
+            _lines_until(proc, "step     3 ")
+        jobs["dead"].kill()
+        jobs["dead"].wait(30)
+        assert len(os.listdir(ram)) == 2
+        cleaned = subprocess.run(
+            [sys.executable, "-m", "fsdp_ext.checkpoint", "clean-snapshots", str(ram)],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert cleaned.returncode == 0, cleaned.stderr
+        lines = sorted(cleaned.stdout.splitlines())
+        assert len(lines) == 2, lines
+        assert any(f"removed (its process {jobs['dead'].pid} has exited)" in x for x in lines)
+        assert any("kept: the job owning" in x and "live" in x for x in lines), lines
+        assert len(os.listdir(ram)) == 1
+    finally:
+        jobs["live"].kill()
+        jobs["live"].wait(30)
+    again = subprocess.run(
+        [*TRAIN, *long[:4], "--stop-after", "1", "--out", str(tmp_path / "live")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert os.listdir(ram) == []

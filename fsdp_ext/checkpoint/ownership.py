@@ -64,6 +64,7 @@ __all__ = [
     "claim",
     "exit_with_launcher",
     "generations",
+    "owner_gone",
 ]
 
 OWNER_DIR = ".owner"
@@ -253,6 +254,27 @@ def retire(fs: CheckpointStorage, root: Path, *, below: int) -> None:
         else:
             with contextlib.suppress(FileNotFoundError):
                 fs.unlink(path)
+
+
+def owner_gone(root: str | os.PathLike, fs: CheckpointStorage | None = None) -> str | None:
+    """Why the job owning ``root`` is certainly gone (it released it, none ever owned it, or
+    its process on this machine exited), looking once; None when it may be alive."""
+    fs = fs if fs is not None else LocalStorage()
+    found = generations(fs, root)
+    if not found:
+        return f"no job owns {root}"
+    record = Path(root) / OWNER_DIR / record_name(found[-1])
+    holder = _holder(fs, Path(root), found[-1])
+    if holder is None:
+        return None
+    try:
+        if fs.readlink(beat_path(record, holder)) == RELEASED:
+            return f"its job released {root}"
+    except OSError:
+        pass
+    if holder.on_this_machine() and holder.pid != os.getpid():
+        return holder.stale_reason()
+    return None
 
 
 def exit_with_launcher() -> bool:

@@ -16,6 +16,12 @@ Integrity, as on disk: each file is written to a temporary name and renamed into
 SHA-256, and a file that does not match them is skipped with a warning, never loaded.
 Snapshots hold this rank's local shards: they load into the same world size and sharding
 only (a resume on fewer nodes loads the disk checkpoint, which DCP reshards).
+
+RAM is small and shared: a snapshot that does not fit on every rank's node is skipped on all
+of them (one warning naming the step, the bytes needed and the bytes free), and training and
+disk checkpoints go on. A job's directory records its checkpoint root (``job.json``), so that
+``python -m fsdp_ext.checkpoint clean-snapshots`` can remove what a job that failed for good
+left in a node's RAM once that job's owner is provably gone.
 """
 
 from __future__ import annotations
@@ -34,12 +40,60 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from fsdp_ext.checkpoint.fs import LocalStorage
-from fsdp_ext.checkpoint.storage import CheckpointStorage
+from fsdp_ext.checkpoint.ownership import owner_gone
+from fsdp_ext.checkpoint.storage import CheckpointStorage, is_out_of_space
 
-__all__ = ["SNAPSHOT_ROOT_ENV", "Snapshots", "read_snapshot", "write_snapshot"]
+__all__ = [
+    "SNAPSHOT_ROOT_ENV",
+    "Snapshots",
+    "clean_snapshots",
+    "job_name",
+    "read_snapshot",
+    "snapshot_dir",
+    "write_snapshot",
+]
 
 SNAPSHOT_ROOT_ENV = "FSDP_EXT_SNAPSHOT_ROOT"  # default /dev/shm: the node's RAM
 _MAGIC = "fsdp_ext-snapshot/1"
+_PREFIX = "fsdp_ext-snapshots-"
+_JOB_RECORD = "job.json"  # {"checkpoint_root": ...}: whose snapshots these are
+
+
+def job_name(checkpoint_root: str | os.PathLike) -> str:
+    """The snapshot name of the job that owns ``checkpoint_root``: its restarts and every
+    node share it, other jobs do not."""
+    return hashlib.sha256(os.path.realpath(checkpoint_root).encode()).hexdigest()[:16]
+
+
+def snapshot_dir(job: str, root: str | os.PathLike | None = None) -> Path:
+    """Where this node keeps job ``job``'s snapshots (``$FSDP_EXT_SNAPSHOT_ROOT``, else
+    /dev/shm)."""
+    return Path(root or os.environ.get(SNAPSHOT_ROOT_ENV) or "/dev/shm") / f"{_PREFIX}{job}"
+
+
+def clean_snapshots(
+    root: str | os.PathLike | None = None, fs: CheckpointStorage | None = None
+) -> list[tuple[Path, str]]:
+    """Remove this node's snapshots of jobs whose owner is provably gone (released, or its
+    process on this machine exited); keep the others. Returns (directory, what was done)."""
+    fs = fs or LocalStorage()
+    base = snapshot_dir("", root).parent
+    done = []
+    for name in fs.listdir(base) if fs.kind(base) != "missing" else []:
+        if not name.startswith(_PREFIX):
+            continue
+        path = base / name
+        try:
+            owner_root = json.loads(fs.read_bytes(path / _JOB_RECORD))["checkpoint_root"]
+        except (OSError, ValueError, KeyError, TypeError):
+            owner_root = None
+        why = "no job record" if owner_root is None else owner_gone(owner_root)
+        if why is None:
+            done.append((path, f"kept: the job owning {owner_root} may be alive"))
+            continue
+        fs.remove_tree(path, missing_ok=True)
+        done.append((path, f"removed ({why})"))
+    return done
 
 
 class TornSnapshotError(ValueError):
@@ -86,16 +140,29 @@ def _fill(template: Any, saved: Any, where: str) -> Any:
     return saved
 
 
-def write_snapshot(fs: CheckpointStorage, path: Path, header: dict, payload: bytes) -> None:
-    """Header line + payload, written aside and renamed into place (whole or absent)."""
+def snapshot_bytes(header: dict, payload: bytes) -> bytes:
+    """A snapshot file's bytes: its header line, then the payload."""
     meta = {**header, "magic": _MAGIC, "size": len(payload)}
     meta["sha256"] = hashlib.sha256(payload).hexdigest()
+    return json.dumps(meta).encode() + b"\n" + payload
+
+
+def write_snapshot(fs: CheckpointStorage, path: Path, header: dict, payload: bytes) -> None:
+    """Header line + payload, written aside and renamed into place (whole or absent)."""
+    _write_whole(fs, path, snapshot_bytes(header, payload))
+
+
+def _write_whole(fs: CheckpointStorage, path: Path, blob: bytes) -> None:
     fs.makedirs(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with fs.open_write(tmp) as f:
-        f.write(json.dumps(meta).encode() + b"\n")
-        f.write(payload)
-    fs.rename(tmp, path)
+    try:
+        with fs.open_write(tmp) as f:
+            f.write(blob)
+        fs.rename(tmp, path)
+    except OSError:
+        if fs.kind(tmp) != "missing":
+            fs.unlink(tmp)  # a full RAM disk keeps nothing of a snapshot that did not fit
+        raise
 
 
 def read_snapshot(blob: bytes) -> tuple[dict, bytes]:
@@ -137,6 +204,7 @@ class Snapshots:
         root: str | os.PathLike | None = None,
         keep: int = 2,
         fs: CheckpointStorage | None = None,
+        checkpoint_root: str | os.PathLike | None = None,
     ) -> None:
         self.state = state
         self.fs = fs or LocalStorage()
@@ -150,8 +218,8 @@ class Snapshots:
         self.ranks_per_node = ranks_per_node
         self.nodes = self.world // ranks_per_node
         self.keep = keep
-        root = Path(root or os.environ.get(SNAPSHOT_ROOT_ENV) or "/dev/shm")
-        self.dir = root / f"fsdp_ext-snapshots-{job}"
+        self.dir = snapshot_dir(job, root)
+        self.checkpoint_root = None if checkpoint_root is None else str(checkpoint_root)
         self.recovered: list[int] = []  # ranks the last restore sent their peer's copy
 
     @property
@@ -169,29 +237,80 @@ class Snapshots:
         return self.dir / _step_name(step) / f"rank-{owner:05d}.snap"
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int) -> None:
-        """This rank's shards into its node's RAM and its peer's (collective)."""
+    def save(self, step: int) -> bool:
+        """This rank's shards into its node's RAM and its peer's (collective). Skipped on
+        every rank, with one warning, when some node lacks the room; returns whether taken."""
         buffer = io.BytesIO()
         torch.save({k: _to_local(v.state_dict()) for k, v in self.state.items()}, buffer)
-        payload = buffer.getvalue()
-        header = {"step": step, "rank": self.rank, "world": self.world}
-        write_snapshot(self.fs, self._file(step, self.rank), header, payload)
+        blob = snapshot_bytes(
+            {"step": step, "rank": self.rank, "world": self.world}, buffer.getvalue()
+        )
+        need = len(blob) * (1 if self.peer is None else 2)  # its own copy and its peer's
+        free = self._free_bytes()
+        fits = torch.tensor([1 if free >= need + len(blob) else 0], dtype=torch.int64)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)  # a partial snapshot restores nothing
+        taken = bool(fits.item())
+        if taken:
+            taken = self._keep(self._file(step, self.rank), blob, step, need, free)
         if self.peer is not None:
-            blob = self.fs.read_bytes(self._file(step, self.rank))
-            received = self._exchange(blob, send_to=self.peer, recv_from=self._from)
-            try:
-                meta, body = read_snapshot(received)
-                write_snapshot(self.fs, self._file(step, meta["rank"]), _header(meta), body)
-            except TornSnapshotError as exc:
-                warnings.warn(f"snapshot of rank {self._from} at step {step}: {exc}", stacklevel=2)
+            received = self._exchange(
+                blob if taken else b"", send_to=self.peer, recv_from=self._from
+            )
+            if received:
+                try:
+                    meta, _body = read_snapshot(received)
+                    self._keep(self._file(step, meta["rank"]), received, step, need, free)
+                except TornSnapshotError as exc:
+                    warnings.warn(
+                        f"snapshot of rank {self._from} at step {step}: {exc}", stacklevel=2
+                    )
+        if not fits.item():
+            self._skipped(step, need, free)
         self._prune()
+        return taken
+
+    def _free_bytes(self) -> int:
+        self._record_job()
+        try:
+            return self.fs.free_bytes(self.dir)
+        except OSError:
+            return 1 << 62  # cannot tell: try, and let a full disk say so
+
+    def _record_job(self) -> None:
+        if self.fs.kind(self.dir) == "directory":
+            return
+        self.fs.makedirs(self.dir)
+        if self.checkpoint_root is not None:
+            record = json.dumps({"checkpoint_root": self.checkpoint_root}).encode()
+            self.fs.write_file(self.dir / _JOB_RECORD, record, False)
+
+    def _keep(self, path: Path, blob: bytes, step: int, need: int, free: int) -> bool:
+        try:
+            _write_whole(self.fs, path, blob)
+            return True
+        except OSError as exc:
+            if not is_out_of_space(exc):
+                raise
+            self.fs.remove_tree(path.parent, missing_ok=True)  # a part of a step is no use
+            self._skipped(step, need, free)
+            return False
+
+    def _skipped(self, step: int, need: int, free: int) -> None:
+        warnings.warn(
+            f"in-memory snapshot of step {step} skipped: it needs {need} bytes in "
+            f"{self.dir.parent} on each node and {free} are free on this one; training and "
+            "disk checkpoints go on",
+            stacklevel=3,
+        )
 
     def _exchange(self, blob: bytes, *, send_to: int, recv_from: int) -> bytes:
         size = torch.tensor([len(blob)], dtype=torch.int64)
         their = torch.zeros(1, dtype=torch.int64)
         for work in (dist.isend(size, send_to), dist.irecv(their, recv_from)):
             work.wait()
-        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        data = torch.tensor(list(blob[:0]), dtype=torch.uint8)
+        if blob:
+            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         got = torch.empty(int(their), dtype=torch.uint8)
         for work in (dist.isend(data, send_to), dist.irecv(got, recv_from)):
             work.wait()
