@@ -165,6 +165,11 @@ class TrainConfig:
     val_batches: int = _arg(8, "validation batches at the end of the run", low=1)
     ckpt_every: int = _arg(0, "save a checkpoint every N steps (0: never)", low=0)
     keep: int = _arg(3, "complete checkpoints kept on disk, the newest", low=1)
+    async_save: bool = _arg(
+        False,
+        "save in the background: a save blocks the step only to copy the state into host "
+        "buffers (reused from save to save), then the write, commit and prune overlap training",
+    )
     snapshot_every: int = _arg(
         0,
         "every N steps, keep a snapshot of each rank's shards in its node's RAM (/dev/shm) "

@@ -352,7 +352,7 @@ def _train_loop(
                 f"{tokens_per_step / ms * 1e3:8.0f} tok/s | {ms:7.1f} ms/step"
             )
         if cfg.ckpt_every and step % cfg.ckpt_every == 0:
-            ckpt.save(step)
+            ckpt.save(step, blocking=not cfg.async_save)
         if snaps is not None and step % cfg.snapshot_every == 0:
             snaps.save(step)
 

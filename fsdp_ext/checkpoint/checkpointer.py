@@ -12,15 +12,25 @@ corrupt), and resumes from the newest checkpoint that verifies (``resume.py``)::
                                  extra={"loco": handle})
     for step in range(ckpt.resume(), steps):
         ...
-        ckpt.save(step + 1)
-    ckpt.close()
+        ckpt.save(step + 1, blocking=False)  # staged to host memory, written in the background
+    ckpt.close()  # waits for the last background write
+
+A save with ``blocking=False`` copies the state into host buffers it keeps from save to save
+(``staging.py``), then writes them through the same writer, planner and commit protocol in a
+background thread, whose collectives run on a process group of their own: nothing of the
+save touches the training's group while a step runs. The next save waits for the previous
+write (and says how long), never drops one; ``close()`` waits for the last.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +65,7 @@ from fsdp_ext.checkpoint.resume import (
     skipped_checkpoints,
     step_name,
 )
+from fsdp_ext.checkpoint.staging import StagingBuffers
 from fsdp_ext.checkpoint.storage import CheckpointStorage
 from fsdp_ext.checkpoint.versions import remove_checkpoint
 from fsdp_ext.checkpoint.writer import SpreadFileSystemWriter
@@ -115,13 +126,32 @@ def _leader() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _agree(error: str | None) -> str | None:
+def _agree(error: str | None, group: dist.ProcessGroup | None = None) -> str | None:
     """Rank 0's error string on every rank (so every rank fails alike, before training)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [error]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         return box[0]
     return error
+
+
+@dataclass
+class SaveStats:
+    """What saving cost this job: seconds each save blocked the caller (staging included),
+    seconds a save waited for the previous background write, the staging buffers' bytes."""
+
+    blocked_s: list[float] = field(default_factory=list)
+    waited_s: list[float] = field(default_factory=list)
+    background_s: list[float] = field(default_factory=list)
+    staging_bytes: int = 0
+
+
+@dataclass
+class _Background:
+    step: int
+    thread: threading.Thread
+    started: float
+    error: BaseException | None = None
 
 
 class Checkpointer:
@@ -175,6 +205,10 @@ class Checkpointer:
         self.state.update(extra)
         self._extras = tuple(extra)
         self._ownership: Ownership | None = None
+        self._staging = StagingBuffers()
+        self._background: _Background | None = None
+        self._group: dist.ProcessGroup | None = None  # the background writes' own group
+        self.stats = SaveStats()
         error = None
         if _leader():
             try:
@@ -193,11 +227,16 @@ class Checkpointer:
         """The owner generation this job writes as (rank 0's; None elsewhere)."""
         return None if self._ownership is None else self._ownership.fence
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, *, blocking: bool = True) -> Path:
         """Save every state as ``root/step-N`` (collective), then prune to ``keep``.
 
-        Raises :class:`DirectoryFencedError` on every rank, with nothing published, once
-        another job has taken ``root`` over."""
+        ``blocking=False``: return once the state is staged to host memory; the write, the
+        commit and the prune run in the background. A save first waits for the previous
+        background write. Raises :class:`DirectoryFencedError` on every rank, with nothing
+        published, once another job has taken ``root`` over (a background save's error is
+        raised by the next ``save``, ``wait`` or ``close``)."""
+        t0 = time.perf_counter()
+        self.wait(before=step)
         path = self.path(step)
         fence = self.fence
         lost = None
@@ -208,12 +247,64 @@ class Checkpointer:
         lost = _agree(lost)
         if lost is not None:
             raise DirectoryFencedError(lost)
+        if blocking:
+            self._write(path, self.state, None)
+            self.stats.blocked_s.append(time.perf_counter() - t0)
+            return path
+        staged = self._staging.stage({k: v.state_dict() for k, v in self.state.items()})
+        self.stats.staging_bytes = self._staging.nbytes
+        group = self._background_group()
+        job = _Background(step, threading.Thread(), time.perf_counter())
+
+        def write() -> None:
+            try:
+                self._write(path, staged, group)
+            except BaseException as exc:  # raised by the next save, wait or close
+                job.error = exc
+            self.stats.background_s.append(time.perf_counter() - job.started)
+
+        job.thread = threading.Thread(target=write, name=f"fsdp_ext-save-{step}")
+        self._background = job
+        job.thread.start()
+        self.stats.blocked_s.append(time.perf_counter() - t0)
+        return path
+
+    def wait(self, *, before: int | None = None) -> float:
+        """Wait for the background save, if one runs; raise its error. Returns the seconds
+        waited (said on stderr by rank 0 when a save had to wait for the previous one)."""
+        job, self._background = self._background, None
+        if job is None:
+            return 0.0
+        t0 = time.perf_counter()
+        job.thread.join()
+        waited = time.perf_counter() - t0
+        if before is not None:
+            self.stats.waited_s.append(waited)
+            if waited >= 0.001 and _leader():
+                print(
+                    f"fsdp_ext.checkpoint: the save of step {before} waited {waited:.3f} s "
+                    f"for the background write of step {job.step} to finish",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if job.error is not None:
+            raise job.error
+        return waited
+
+    def _background_group(self) -> dist.ProcessGroup | None:
+        """A process group for the background writes alone (made once, collectively)."""
+        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _write(self, path: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+        fence = self.fence
         writer = SpreadFileSystemWriter(path, fs=self.fs, fence=fence)
         try:
-            dcp.save(self.state, storage_writer=writer, planner=SpreadSavePlanner())
+            dcp.save(state, storage_writer=writer, planner=SpreadSavePlanner(), process_group=group)
         except (Exception, CheckpointException) as exc:  # failed on every rank alike
             writer.abandon()
-            lost = _agree(None if fence is None else fence.lost())
+            lost = _agree(None if fence is None else fence.lost(), group)
             if lost is not None:
                 raise DirectoryFencedError(lost) from exc
             full = _out_of_space(exc)
@@ -228,10 +319,9 @@ class Checkpointer:
                 lost = None if fence is None else fence.lost()
                 if lost is None:
                     raise
-        lost = _agree(lost)
+        lost = _agree(lost, group)
         if lost is not None:
             raise DirectoryFencedError(lost)
-        return path
 
     def prune(self) -> list[Path]:
         """Remove all but the newest ``keep`` intact checkpoints; returns what went. One
@@ -256,10 +346,14 @@ class Checkpointer:
         return 0 if step is None else step
 
     def close(self) -> None:
-        """Give the directory up: the job is finished (a later job takes it at once)."""
-        if self._ownership is not None:
-            self._ownership.release()
-            self._ownership = None
+        """Wait for the background save, then give the directory up: the job is finished
+        (a later job takes it at once)."""
+        try:
+            self.wait()
+        finally:
+            if self._ownership is not None:
+                self._ownership.release()
+                self._ownership = None
 
     def __enter__(self) -> Checkpointer:
         return self
