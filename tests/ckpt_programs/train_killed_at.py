@@ -1,0 +1,64 @@
+"""examples/train.py whose worker kills itself (SIGKILL) at one point of a background save,
+a different point in each torchrun attempt: ``$KILL_PLAN`` holds one point per attempt,
+comma-separated, each ``RANK/WHAT``:
+
+- ``R/stage`` : rank R, in the middle of staging (after its third buffer copy);
+- ``R/OP@NAME``: rank R, in the background save thread, before the first storage operation
+  ``OP`` (write, rename, exchange, fsync...) on a path whose last part matches the regular
+  expression ``NAME``;
+- ``-``: no kill in that attempt.
+
+Only the first save of an attempt is struck (the save after its resume).
+"""
+
+import os
+import re
+import runpy
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from fsdp_ext.checkpoint import staging
+from fsdp_ext.checkpoint.fs import LocalStorage
+
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+rank = int(os.environ.get("RANK", "0"))
+plan = os.environ["KILL_PLAN"].split(",")
+point = plan[attempt] if attempt < len(plan) else "-"
+who, _, what = point.partition("/")
+
+
+def _die(where: str) -> None:
+    print(f"killed: attempt {attempt} rank {rank} at {where}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if point != "-" and int(who) == rank:
+    if what == "stage":
+        copy = staging.StagingBuffers._buffer
+        calls = [0]
+
+        def _buffer(self, key, source, seen):
+            calls[0] += 1
+            if calls[0] == 3:
+                _die("staging")
+            return copy(self, key, source, seen)
+
+        staging.StagingBuffers._buffer = _buffer
+    else:
+        op_name, _, name = what.partition("@")
+        first_save: list[str] = []
+
+        def before(self, op, path):
+            thread = threading.current_thread().name
+            if not thread.startswith("fsdp_ext-save"):
+                return
+            first_save.append(thread) if not first_save else None
+            if thread == first_save[0] and op == op_name and re.fullmatch(name, Path(path).name):
+                _die(f"{op} {path}")
+
+        LocalStorage.before = before
+
+sys.argv = [str(Path(__file__).resolve().parents[2] / "examples" / "train.py"), *sys.argv[1:]]
+runpy.run_path(sys.argv[0], run_name="__main__")

@@ -1,0 +1,149 @@
+"""Checkpointer's background saves: what each checkpoint holds, the order they publish in,
+the wait a save reports, and close() finishing the last write."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from fsdp_ext import Checkpointer, SafeLoadPlanner, VerifiedFileSystemReader
+from fsdp_ext.checkpoint import LocalStorage, checkpoint_steps, verify_checkpoint
+from tests.test_train_job_life import TINY, contents, same
+
+
+class _SlowBackground(LocalStorage):
+    """Every storage operation of a background save takes a little while (a slow disk);
+    records the checkpoint paths published, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.published: list[str] = []
+
+    def before(self, op, path):
+        if threading.current_thread().name.startswith("fsdp_ext-save"):
+            time.sleep(0.01)
+            if op in ("rename", "exchange") and "step-" in str(path).rsplit("/", 1)[-1][:5]:
+                self.published.append(str(path).rsplit("/", 1)[-1])
+
+
+def test_background_saves_hold_their_own_step_publish_in_order_and_close_waits(tmp_path, capfd):
+    root, fs = tmp_path / "out", _SlowBackground()
+    model = nn.Linear(64, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, keep=None, fs=fs)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(step))
+        ckpt.save(step, blocking=False)
+        with torch.no_grad():  # the next step changes the weights at once
+            for p in model.parameters():
+                p.fill_(-1.0)
+    ckpt.close()
+    assert [s for s, _ in checkpoint_steps(root)] == [1, 2, 3]  # close() waited
+    assert fs.published == ["step-0000001", "step-0000002", "step-0000003"]
+    err = capfd.readouterr().err
+    assert "the save of step 2 waited" in err and "write of step 1 to finish" in err
+    assert "the save of step 3 waited" in err
+    for step, path in checkpoint_steps(root):
+        assert verify_checkpoint(path).ok
+        fresh = nn.Linear(64, 32)
+        dcp.load(
+            {"model": _ModelOnly(fresh)},
+            storage_reader=VerifiedFileSystemReader(path),
+            planner=SafeLoadPlanner(),
+        )
+        for p in fresh.parameters():
+            assert torch.equal(p, torch.full_like(p, float(step))), step  # its own step's
+    stats = ckpt.stats
+    assert len(stats.blocked_s) == 3 and len(stats.waited_s) == 2  # saves 2 and 3 waited
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    # staging holds the model and AdamW's two moments (and step counters): bounded by the
+    # state's bytes, allocated once and reused
+    assert 3 * nbytes <= stats.staging_bytes <= 3 * nbytes * 1.1 + 1024, stats.staging_bytes
+
+
+class _ModelOnly:
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.model, state)
+
+
+# -- train.py --async-save, killed -9 at every point of a background save ------------------
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN2 = [sys.executable, str(REPO / "examples" / "train.py"), "--nproc-per-node", "2"]
+KILL_POINTS = [
+    "0/stage",  # rank 0 while staging (after three buffer copies)
+    r"1/write@__1_.*\.distcp",  # rank 1 writing its data file
+    r"0/write@__0_.*\.distcp",  # rank 0 writing its data file
+    r"0/write@\.metadata",  # the coordinator writing .metadata
+    r"0/rename@\.manifest\.json",  # just before the commit (the manifest's rename)
+    r"0/rename@step-\d+",  # just before the publish
+    "0/fsync@checkpoints",  # just after the publish (the directory's fsync)
+    r"0/rename@\.fsdp_ext-trash-.*",  # the prune after it
+]
+
+
+def test_async_saves_killed_at_every_point_resume_bit_for_bit(tmp_path):
+    args = [*TINY.split(), "--steps", "20", "--ckpt-every", "2", "--keep", "1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "KILL_PLAN": ",".join(KILL_POINTS)}
+    struck = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            str(len(KILL_POINTS)),
+            str(REPO / "tests" / "ckpt_programs" / "train_killed_at.py"),
+            *args,
+            "--async-save",
+            "--out",
+            str(tmp_path / "struck"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert struck.returncode == 0, struck.stderr[-4000:]
+    kills = [x for x in struck.stderr.splitlines() if x.startswith("killed: attempt")]
+    assert [int(x.split()[2]) for x in kills] == list(range(len(KILL_POINTS))), (
+        kills
+    )  # every point was reached, in its attempt
+    straight = subprocess.run(
+        [*TRAIN2, *args, "--out", str(tmp_path / "straight")],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    left = checkpoint_steps(tmp_path / "struck" / "checkpoints")
+    assert [s for s, _ in left] == [20]
+    for step, path in left:
+        assert verify_checkpoint(path).ok
+        want = tmp_path / "straight" / "checkpoints" / path.name
+        assert same(contents(path), contents(want)), step  # bit for bit
+    root = tmp_path / "struck" / "checkpoints"
+    assert [n for n in os.listdir(root) if n.startswith(".")] == [".owner"]  # nothing leaked
+    work = [p for p in (root / ".owner").iterdir() if p.is_dir()]
+    assert all(not any(p.iterdir()) for p in work)
