@@ -2,6 +2,7 @@
 the wait a save reports, and close() finishing the last write."""
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -87,6 +88,7 @@ class _ModelOnly:
 # -- train.py --async-save, killed -9 at every point of a background save ------------------
 
 REPO = Path(__file__).resolve().parent.parent
+TORCHRUN2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 TRAIN2 = [sys.executable, str(REPO / "examples" / "train.py"), "--nproc-per-node", "2"]
 KILL_POINTS = [
     "0/stage",  # rank 0 while staging (after three buffer copies)
@@ -147,3 +149,54 @@ def test_async_saves_killed_at_every_point_resume_bit_for_bit(tmp_path):
     assert [n for n in os.listdir(root) if n.startswith(".")] == [".owner"]  # nothing leaked
     work = [p for p in (root / ".owner").iterdir() if p.is_dir()]
     assert all(not any(p.iterdir()) for p in work)
+
+
+def test_sigterm_to_the_launcher_during_a_background_write_and_resume(tmp_path):
+    args = [*TINY.split(), "--steps", "8", "--ckpt-every", "2", "--keep", "2", "--async-save"]
+    out = tmp_path / "run"
+    shm_before = set(os.listdir("/dev/shm"))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "KILL_PLAN": r"0/pause@rename@\.manifest\.json",  # just before the commit
+    }
+    launcher = subprocess.Popen(
+        [
+            *TORCHRUN2,
+            str(REPO / "tests" / "ckpt_programs" / "train_killed_at.py"),
+            *args,
+            "--out",
+            str(out),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in launcher.stderr:
+            if line.startswith("paused:"):
+                break
+        else:
+            raise AssertionError(f"never paused; exit {launcher.wait()}")
+        launcher.send_signal(signal.SIGTERM)
+        launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    root = out / "checkpoints"
+    assert checkpoint_steps(root) == []  # the write stopped before its commit: not visible
+    assert set(os.listdir("/dev/shm")) == shm_before  # nothing staged in shared memory
+    resumed = subprocess.run(
+        [*TRAIN2, *args, "--out", str(out)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [s for s, _ in checkpoint_steps(root)] == [6, 8]
+    assert all(verify_checkpoint(p).ok for _, p in checkpoint_steps(root))
+    assert [n for n in os.listdir(root) if n.startswith(".")] == [".owner"]  # nothing leaked
+    assert all(not any(p.iterdir()) for p in (root / ".owner").iterdir() if p.is_dir())

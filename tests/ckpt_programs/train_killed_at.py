@@ -6,6 +6,8 @@ comma-separated, each ``RANK/WHAT``:
 - ``R/OP@NAME``: rank R, in the background save thread, before the first storage operation
   ``OP`` (write, rename, exchange, fsync...) on a path whose last part matches the regular
   expression ``NAME``;
+- ``R/pause@OP@NAME``: the same point, where the background thread stops for 10 minutes
+  instead (printing ``paused:``), for a launcher to be signalled meanwhile;
 - ``-``: no kill in that attempt.
 
 Only the first save of an attempt is struck (the save after its resume).
@@ -17,6 +19,7 @@ import runpy
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from fsdp_ext.checkpoint import staging
@@ -47,7 +50,8 @@ if point != "-" and int(who) == rank:
 
         staging.StagingBuffers._buffer = _buffer
     else:
-        op_name, _, name = what.partition("@")
+        pause = what.startswith("pause@")
+        op_name, _, name = what.removeprefix("pause@").partition("@")
         first_save: list[str] = []
 
         def before(self, op, path):
@@ -56,6 +60,9 @@ if point != "-" and int(who) == rank:
                 return
             first_save.append(thread) if not first_save else None
             if thread == first_save[0] and op == op_name and re.fullmatch(name, Path(path).name):
+                if pause:
+                    print(f"paused: rank {rank} at {op} {path}", file=sys.stderr, flush=True)
+                    time.sleep(600)
                 _die(f"{op} {path}")
 
         LocalStorage.before = before
