@@ -88,6 +88,7 @@ class _ModelOnly:
 # -- train.py --async-save, killed -9 at every point of a background save ------------------
 
 REPO = Path(__file__).resolve().parent.parent
+PROGRAM = REPO / "tests" / "ckpt_programs" / "train_killed_at.py"
 TORCHRUN2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 TRAIN2 = [sys.executable, str(REPO / "examples" / "train.py"), "--nproc-per-node", "2"]
 KILL_POINTS = [
