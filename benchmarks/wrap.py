@@ -22,14 +22,19 @@ parameters and gradients (``UnshardedBytesTracker``, on an untimed first step).
     python benchmarks/wrap.py                  # 8 layers; budget sweep plot
     python benchmarks/wrap.py --growth         # and growth over 16/64/128 experts
     python benchmarks/wrap.py --quick --norm decomposed   # leaf's last bits differ
-    python benchmarks/wrap.py --hf              # only: HF Llama / Mixtral, default vs per-block
+    python benchmarks/wrap.py --hf              # only: HF Llama / Mixtral, ours vs torch per layer
     python benchmarks/wrap.py --hf --quick      # the tiny HF configs only
 
 HF configs (``--hf``; built from a config, nothing downloaded): ``LlamaForCausalLM`` and
 ``MixtralForCausalLM``, tiny and about 100M parameters, on 4 gloo ranks. Each is sharded
-twice from the same initial weights, with ``GranularityPolicy()`` and with one unit per
-decoder layer, and both train on the same batches, steps interleaved and rotated as above;
-``hf_<config>_default_over_block`` is the ratio of median step times (target <= 1.0).
+three times from the same initial weights: ``default``, ``fsdp_ext.fully_shard`` with
+``GranularityPolicy()``; ``torch_per_layer``, torch's own ``fully_shard`` per decoder layer
+and then the root, as the PyTorch tutorials write it; ``torch_same_plan``, the same with the
+last layer kept gathered after forward (torchtitan's former default, and our plan on these
+models). All train on the same batches, steps interleaved and rotated as above.
+``default_over_torch_per_layer_<config>`` and ``default_over_torch_same_plan_<config>`` are
+paired medians (the median over batches of our step over theirs; the steps of one batch run
+back to back). ``--burners N`` runs N busy processes beside it (the loaded condition).
 
 The model's RMSNorm is fused (one backward node) by default. ``--norm decomposed`` uses
 the eager form, whose input gets two gradients; FSDP2's node on a norm unit's input then
@@ -39,9 +44,11 @@ regroups a float sum, so ``leaf`` differs from the others in the last bits (docs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -58,7 +65,8 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 import fsdp_ext
 from benchmarks.wrap_models import DecoderLayer, FineMoE, FineMoEConfig
-from fsdp_ext.testing import WireCounter, run_distributed
+from benchmarks.wrap_torch import torch_per_layer
+from fsdp_ext.testing import WireCounter, fsdp_units, run_distributed
 
 WORLD = 2
 
@@ -226,28 +234,38 @@ def hf_model(name: str) -> torch.nn.Module:
     return MixtralForCausalLM(MixtralConfig(**kwargs, num_experts_per_tok=2))
 
 
+HF_PATHS = ("default", "torch_per_layer", "torch_same_plan")
+
+
+def _shard_hf(path: str, model: torch.nn.Module, mesh) -> None:
+    """``default``: ``fsdp_ext.fully_shard`` with ``GranularityPolicy()`` (our plan);
+    ``torch_per_layer``: torch's ``fully_shard`` per decoder layer, then the root, as the
+    tutorials write it; ``torch_same_plan``: the same with the last layer kept gathered after
+    forward (torchtitan's former default), which is our plan on these models."""
+    if path == "default":
+        fsdp_ext.fully_shard(model, auto_wrap_policy=fsdp_ext.GranularityPolicy(), mesh=mesh)
+    else:
+        torch_per_layer(model, mesh, keep_last=path == "torch_same_plan")
+
+
 def _hf_rank(name: str, steps: int, warmup: int) -> dict:
-    """Default vs per-block on one HF config: same weights, same batches, interleaved."""
+    """Our default against torch's per-layer fully_shard on one HF config: same weights,
+    same batches, steps interleaved and rotated."""
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (HF_WORLD,))
     _, kwargs, batch, seq = HF_CONFIGS[name]
     runs = {}
-    for policy_name in ("default", "block"):
+    for path in HF_PATHS:
         torch.manual_seed(0)
         model = hf_model(name)
-        layer = type(model.model.layers[0])
-        policy = fsdp_ext.GranularityPolicy() if policy_name == "default" else {layer}
-        plan = fsdp_ext.plan_units(model, policy, world_size=HF_WORLD)
-        fsdp_ext.fully_shard(model, auto_wrap_policy=policy, mesh=mesh)
-        runs[policy_name] = {
+        _shard_hf(path, model, mesh)
+        runs[path] = {
             "model": model,
-            # plain SGD: no optimizer state, so two copies of a 100M model fit on 4 ranks
+            # plain SGD: no optimizer state, so three copies of a 100M model fit on 4 ranks
             "optim": torch.optim.SGD(model.parameters(), lr=1e-2),
-            "plan": plan,
             "times": [],
             "losses": [],
-            "gathers": 0,
-            "scatters": 0,
+            "wire": {},
         }
     vocab = kwargs["vocab_size"]
     counter = WireCounter().open()  # for the whole rank
@@ -267,65 +285,121 @@ def _hf_rank(name: str, steps: int, warmup: int) -> dict:
     for i in range(warmup + steps):
         g = torch.Generator().manual_seed(10_000 * i + rank)
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-        for policy_name in names[i % 2 :] + names[: i % 2]:
+        shift = i % len(names)
+        for path in names[shift:] + names[:shift]:
+            run = runs[path]
             gc.collect()
             dist.barrier()
-            before = _collectives(counter)
-            elapsed = step(runs[policy_name], tokens)
-            after = _collectives(counter)
+            before = _wire(counter)
+            elapsed = step(run, tokens)
             if i >= warmup:
-                runs[policy_name]["times"].append(elapsed)
-                runs[policy_name]["gathers"] += after["all_gather"] - before["all_gather"]
-                runs[policy_name]["scatters"] += after["reduce_scatter"] - before["reduce_scatter"]
+                run["times"].append(elapsed)
+                for key, value in _wire(counter).items():
+                    run["wire"][key] = run["wire"].get(key, 0) + value - before[key]
     gc.enable()
+    counter.close()
     return {
-        policy_name: {
-            "units": [u.fqn or "<root>" for u in run["plan"].units],
-            "kept_after_forward": sum(r is False for r in run["plan"].reshard_after_forward),
+        path: {
+            "units": [fqn or "<root>" for fqn, _ in fsdp_units(run["model"])],
             "params": sum(p.numel() for p in run["model"].parameters()),
             "times": run["times"],
             "losses": run["losses"],
-            "all_gathers_per_step": run["gathers"] / steps,
-            "reduce_scatters_per_step": run["scatters"] / steps,
+            **{key: value / steps for key, value in run["wire"].items()},
         }
-        for policy_name, run in runs.items()
+        for path, run in runs.items()
     }
 
 
+WIRE_KEYS = (
+    "all_gathers_per_step",
+    "reduce_scatters_per_step",
+    "all_gather_bytes_per_step",
+    "reduce_scatter_bytes_per_step",
+)
+
+
+def _wire(counter: WireCounter) -> dict[str, int]:
+    """Calls and bytes sent so far, by :data:`WIRE_KEYS` (totals, not yet per step)."""
+    return {
+        "all_gathers_per_step": counter.calls.get("all_gather", 0),
+        "reduce_scatters_per_step": counter.calls.get("reduce_scatter", 0),
+        "all_gather_bytes_per_step": counter.sent.get("all_gather", 0),
+        "reduce_scatter_bytes_per_step": counter.sent.get("reduce_scatter", 0),
+    }
+
+
+def _paired_median(ours: list[float], base: list[float]) -> float:
+    """The median of per-batch ratios: the steps of one batch run back to back, so each
+    ratio sees one load."""
+    return round(statistics.median(o / b for o, b in zip(ours, base, strict=True)), 3)
+
+
 def run_hf(names: list[str], steps: int, warmup: int) -> dict:
-    """Per config: units, median step ms of each policy (slowest rank per step), ratio."""
+    """Per config and path: units, collectives and bytes per step, median step ms (slowest
+    rank per step); ours over each torch baseline, by medians and paired."""
     out = {}
     for name in names:
         ranks = run_distributed(_hf_rank, HF_WORLD, name, steps, warmup, timeout=3600)
         row = {"params": ranks[0]["default"]["params"]}  # DTensors report global numel
-        for policy_name in ("default", "block"):
-            per_step = [max(r[policy_name]["times"][i] for r in ranks) for i in range(steps)]
-            row[policy_name] = {
-                "units": ranks[0][policy_name]["units"],
-                "kept_after_forward": ranks[0][policy_name]["kept_after_forward"],
+        for path in HF_PATHS:
+            per_step = [max(r[path]["times"][i] for r in ranks) for i in range(steps)]
+            mine = ranks[0][path]
+            row[path] = {
+                "units": mine["units"],
                 "median_step_ms": round(1000 * statistics.median(per_step), 1),
                 "step_ms": [round(1000 * t, 1) for t in per_step],
-                "all_gathers_per_step": ranks[0][policy_name]["all_gathers_per_step"],
-                "reduce_scatters_per_step": ranks[0][policy_name]["reduce_scatters_per_step"],
+                **{key: mine[key] for key in WIRE_KEYS},
             }
-        row["losses_identical"] = ranks[0]["default"]["losses"] == ranks[0]["block"]["losses"]
-        row["default_over_block"] = round(
-            row["default"]["median_step_ms"] / row["block"]["median_step_ms"], 3
+        row["losses_identical"] = all(
+            r[path]["losses"] == r["default"]["losses"] for r in ranks for path in HF_PATHS
         )
-        # the two steps of one batch run back to back: their ratio sees the same load
-        steps_ms = zip(row["default"]["step_ms"], row["block"]["step_ms"], strict=True)
-        paired = [d / b for d, b in steps_ms]
-        row["default_over_block_paired_median"] = round(statistics.median(paired), 3)
+        for base in ("torch_per_layer", "torch_same_plan"):
+            row[f"default_over_{base}_medians"] = round(
+                row["default"]["median_step_ms"] / row[base]["median_step_ms"], 3
+            )
+            row[f"default_over_{base}"] = _paired_median(
+                row["default"]["step_ms"], row[base]["step_ms"]
+            )
+        row["same_collectives_as_same_plan"] = all(
+            row["default"][k] == row["torch_same_plan"][k] for k in ("units", *WIRE_KEYS)
+        )
+        d = row["default"]
         print(
-            f"{name}: {row['params'] / 1e6:.1f}M params, default {row['default']['units']} "
-            f"{row['default']['median_step_ms']} ms, per-block {row['block']['units']} "
-            f"{row['block']['median_step_ms']} ms, ratio {row['default_over_block']} (paired "
-            f"{row['default_over_block_paired_median']}), all-gathers per step "
-            f"{row['default']['all_gathers_per_step']} vs {row['block']['all_gathers_per_step']}",
+            f"{name}: {row['params'] / 1e6:.1f}M params, units {d['units']}; median ms "
+            + ", ".join(f"{p} {row[p]['median_step_ms']}" for p in HF_PATHS)
+            + f"; ours / torch per layer {row['default_over_torch_per_layer']} paired "
+            f"({row['default_over_torch_per_layer_medians']} by medians), / same plan "
+            f"{row['default_over_torch_same_plan']} ({row['default_over_torch_same_plan_medians']})"
+            f"; all-gathers per step {d['all_gathers_per_step']} vs "
+            f"{row['torch_per_layer']['all_gathers_per_step']} (tutorial loop)",
             flush=True,
         )
         out[name] = row
     return out
+
+
+def _burn() -> None:
+    """A CPU burner beside the benchmark (``--burners``): a loop that never sleeps."""
+    x = 0
+    while True:
+        x = (x * 1103515245 + 12345) % 2**31
+
+
+@contextlib.contextmanager
+def burners(n: int):
+    """``n`` busy processes for as long as the block runs (the loaded condition)."""
+    procs = [
+        multiprocessing.get_context("spawn").Process(target=_burn, daemon=True) for _ in range(n)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.join()
 
 
 def _layer_bytes(cfg: FineMoEConfig) -> tuple[int, int]:
@@ -606,26 +680,36 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--plot", default="docs/wrap_growth.png")
     parser.add_argument(
-        "--hf", action="store_true", help="only the HF configs: default vs per-block, 4 ranks"
+        "--hf", action="store_true", help="only the HF configs: ours vs torch per layer, 4 ranks"
     )
     parser.add_argument("--hf-steps", type=int, default=6, help="timed steps per policy (6)")
+    parser.add_argument(
+        "--burners", type=int, default=0, help="--hf: busy processes beside it (loaded runs)"
+    )
     parser.add_argument(
         "--hf-configs", nargs="+", default=None, help=f"a subset of {list(HF_CONFIGS)}"
     )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.burners < 0:
+        parser.error(f"--burners must be >= 0, got {args.burners}")
     layers = args.layers or (4 if args.quick else 8)
     if args.hf:
         names = args.hf_configs or [n for n in HF_CONFIGS if n.endswith("_tiny") or not args.quick]
         unknown = sorted(set(names) - set(HF_CONFIGS))
         if unknown:
             parser.error(f"--hf-configs must be among {list(HF_CONFIGS)}, got {unknown}")
-        hf = run_hf(names, args.hf_steps, args.warmup)
-        summary = {"bench": "wrap_hf", "world_size": HF_WORLD, "configs": hf}
-        summary["hf_default_over_block_max"] = max(r["default_over_block"] for r in hf.values())
-        for n, r in hf.items():
-            summary[f"hf_{n}_default_over_block"] = r["default_over_block"]
+        with burners(args.burners):
+            hf = run_hf(names, args.hf_steps, args.warmup)
+        summary = {"bench": "wrap_hf", "world_size": HF_WORLD, "burners": args.burners}
+        summary["configs"] = hf
+        for base in ("torch_per_layer", "torch_same_plan"):
+            for n, r in hf.items():
+                summary[f"default_over_{base}_{n}"] = r[f"default_over_{base}"]
+            summary[f"default_over_{base}_max"] = max(
+                r[f"default_over_{base}"] for r in hf.values()
+            )
         print(json.dumps(summary))
         return summary
 

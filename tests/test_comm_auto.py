@@ -17,12 +17,16 @@ from fsdp_ext.comm.auto import (
     Hop,
     Layout,
     Measurements,
+    Prediction,
     auto_config,
     candidates,
     choose,
+    codec_speed,
     measure,
+    pick,
     predict,
     slowest,
+    time_codecs,
 )
 from fsdp_ext.testing import run_distributed
 
@@ -203,6 +207,145 @@ def test_explain_shows_every_candidate_and_the_choice():
     assert all(c.name in text for c in candidates(LAYOUT))
     assert "inter-node link" in text and "6.2 MB/s" in text
     assert f"chosen: {d.choice.name}" in text
+
+
+# ------------------------------------------------ decision edges (each fails a known mutant)
+
+ZEROPP = Candidate("qwz", True, "loco", True)  # the most quantised of the three below
+LOCO_FLAT = Candidate(gradients="loco")
+STOCK = Candidate()
+
+
+def _predictions(totals: dict[Candidate, float]) -> list[Prediction]:
+    return [Prediction(c, {"weights": t}) for c, t in totals.items()]
+
+
+def _scaled(m: Measurements, k: float) -> Measurements:
+    """Every measured time ``k`` times as long: every prediction scales by exactly ``k``."""
+    return Measurements(
+        intra=Hop(m.intra.bandwidth / k, m.intra.latency * k),
+        inter=Hop(m.inter.bandwidth / k, m.inter.latency * k),
+        codecs={key: CodecSpeed(s.per_call * k, s.per_element * k) for key, s in m.codecs.items()},
+    )
+
+
+def test_near_ties_just_inside_and_just_outside_the_tolerance():
+    """Within 5 % of the fastest the least quantised wins, however much faster the most
+    quantised is; just past 5 % it is out. (Fails if ties go fastest-first.)"""
+    inside = pick(_predictions({ZEROPP: 1.0, LOCO_FLAT: 1.03, STOCK: 1.0499}), 0.05)
+    assert inside == STOCK
+    outside = pick(_predictions({ZEROPP: 1.0, LOCO_FLAT: 1.03, STOCK: 1.0501}), 0.05)
+    assert outside == LOCO_FLAT  # the least quantised of what is left
+    assert pick(_predictions({ZEROPP: 1.0, LOCO_FLAT: 1.0501, STOCK: 1.06}), 0.05) == ZEROPP
+    # equally quantised (2 parts each): the faster one
+    fwd = Candidate("qwz_forward")
+    assert fwd.lossy_parts == LOCO_FLAT.lossy_parts
+    assert pick(_predictions({fwd: 1.01, LOCO_FLAT: 1.02}), 0.05) == fwd
+    assert pick(_predictions({fwd: 1.02, LOCO_FLAT: 1.01}), 0.05) == LOCO_FLAT
+
+
+@pytest.mark.parametrize("link_mbit", [50, 1000])
+def test_near_ties_in_the_cost_model_switch_exactly_at_the_tolerance(link_mbit):
+    """The same through ``choose`` on real predictions: with the tolerance a hair above the
+    ratio of the fastest stock candidate to the fastest one, stock wins; a hair below, not."""
+    m = _measurements(link_mbit)
+    preds = [predict(c, LAYOUT, m, UNITS) for c in candidates(LAYOUT)]
+    best = min(preds, key=lambda p: p.total)
+    stock = min((p for p in preds if p.candidate.lossy_parts == 0), key=lambda p: p.total)
+    assert best.candidate.lossy_parts > 0  # quantising is the fastest on these links
+    ratio = stock.total / best.total - 1
+    assert choose(LAYOUT, m, UNITS, tolerance=ratio * (1 + 1e-6)).choice == stock.candidate
+    assert choose(LAYOUT, m, UNITS, tolerance=ratio * (1 - 1e-6)).choice.lossy_parts > 0
+
+
+@pytest.mark.parametrize("scale_s", [1e-3, 1.0, 1e3])
+def test_the_tolerance_is_relative_at_fast_and_slow_steps(scale_s):
+    """4 % slower is inside 5 % and 6 % outside, on a millisecond step as on a 1000 s one.
+    (Fails if the tolerance is taken as absolute seconds.)"""
+    assert pick(_predictions({ZEROPP: scale_s, STOCK: 1.04 * scale_s}), 0.05) == STOCK
+    assert pick(_predictions({ZEROPP: scale_s, STOCK: 1.06 * scale_s}), 0.05) == ZEROPP
+
+
+@pytest.mark.parametrize("link_mbit", [50, 1000])
+def test_the_choice_does_not_depend_on_the_time_scale(link_mbit):
+    """Every measured time 1000x shorter or longer scales every prediction alike, so the
+    choice stays (the cost model and the rule together)."""
+    m = _measurements(link_mbit)
+    choice = choose(LAYOUT, m, UNITS).choice
+    for k in (1e-3, 1e3):
+        d = choose(LAYOUT, _scaled(m, k), UNITS)
+        assert d.choice == choice, (k, d.choice.name, choice.name)
+        assert d.predicted_ms() == pytest.approx(k * choose(LAYOUT, m, UNITS).predicted_ms())
+
+
+def test_the_decision_follows_the_slowest_ranks_codec():
+    """At 1 Gbit/s a codec at 2 ns per element pays (int8 weights, LoCo) and one at 50 ns
+    does not. One slow rank sets the pace, so the decision is the slow rank's, whichever
+    rank it is. (Fails if ``slowest`` takes the fastest rank's per-element time.)"""
+    fast = _measurements(1000, ns_per_element=2)
+    slow = _measurements(1000, ns_per_element=50)
+    quantised = choose(LAYOUT, fast, UNITS).choice
+    stock = choose(LAYOUT, slow, UNITS).choice
+    assert quantised.weights == "qwz" and stock.weights == "stock"
+    assert stock.gradients == "stock"
+    for views in ([fast, slow, fast, fast], [slow, fast, fast, fast], [fast, fast, fast, slow]):
+        combined = slowest(views)
+        for key in KEYS:
+            assert combined.codecs[key].per_element == pytest.approx(50e-9)
+        assert choose(LAYOUT, combined, UNITS).choice == stock
+    # per call and per element are each the worst of any rank, even from different ranks
+    mixed = _measurements(1000, ns_per_element=2, per_call_us=90)
+    combined = slowest([mixed, slow])
+    loco = combined.codecs["loco_encode"]
+    assert (loco.per_call, loco.per_element) == pytest.approx((90e-6, 50e-9))
+
+
+def _constant_time(seconds: float):
+    return lambda fn, reps: seconds
+
+
+def test_a_codec_never_measures_as_free():
+    """A noisy probe can time the large call no slower than the tiny one (or faster): each
+    codec still costs a tenth of the large call's own rate per element, never 0 or less.
+    (Fails if the probe's floor on per-element time is removed.)"""
+    sample = 1 << 18
+    for per_call, whole in ((1e-3, 1e-3), (2e-3, 1e-3), (1e-3, 1.01e-3)):
+        speed = codec_speed(per_call, whole, sample)
+        assert speed.per_call == per_call
+        assert speed.per_element == pytest.approx(max(whole - per_call, 0.1 * whole) / sample)
+        assert speed.per_element >= 0.1 * whole / sample > 0
+    # an honest probe is not floored: 1 ms per call, 1 ms + 2 ns x sample in all
+    honest = codec_speed(1e-3, 1e-3 + 2e-9 * sample, sample)
+    assert honest.per_element == pytest.approx(2e-9)
+    with pytest.raises(ValueError, match="sample must be an int >= 1"):
+        codec_speed(1e-3, 1e-3, 0)
+
+
+def test_a_faked_probe_where_the_large_call_is_no_slower_than_the_tiny_one():
+    """The probe's timing loop with a fake clock: every call, tiny or large, takes 1 ms.
+    Every codec comes out at 1 ms per call plus a floor per element; on a 100 Gbit/s link
+    the weights then stay in fp32, where codecs measured as free would quantise them."""
+    sample = 1 << 18
+    calls = dict.fromkeys(KEYS, lambda: None)
+    timed = []
+
+    def fake(fn, reps):
+        timed.append(reps)
+        return 1e-3
+
+    codecs = time_codecs(calls, calls, sample, time_call=fake)
+    assert sorted(codecs) == sorted(KEYS) and len(timed) == 2 * len(KEYS)
+    for speed in codecs.values():
+        assert speed.per_call == 1e-3
+        assert speed.per_element == pytest.approx(1e-4 / sample)
+    units = [[0]] + [[1 << 22]] * 4
+
+    def choice(codecs):
+        m = Measurements(intra=Hop(2e9, 30e-6), inter=Hop(100_000 * MBIT, 200e-6), codecs=codecs)
+        return choose(LAYOUT, m, units).choice
+
+    assert choice(codecs).weights == "stock"
+    assert choice(dict.fromkeys(KEYS, CodecSpeed(1e-3, 0.0))).weights == "qwz"
 
 
 # ------------------------------------------------------------------ on real gloo ranks

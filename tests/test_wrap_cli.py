@@ -107,6 +107,23 @@ def test_benchmark_smoke():
     assert result["step_ratio_best_budget_vs_block"] > 0
 
 
+@pytest.mark.slow
+def test_benchmark_hf_smoke():
+    """``--hf``: ours against torch's own per-layer fully_shard, its keys and wire counts."""
+    pytest.importorskip("transformers")
+    args = ["--hf", "--hf-configs", "mixtral_tiny", "--hf-steps", "2", "--warmup", "1"]
+    out = _run("benchmarks/wrap.py", *args, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    row = result["configs"]["mixtral_tiny"]
+    assert row["losses_identical"] is True and row["same_collectives_as_same_plan"] is True
+    ours, tutorial = row["default"], row["torch_per_layer"]
+    assert ours["units"] == tutorial["units"] == ["<root>", "model.layers.0", "model.layers.1"]
+    assert (ours["all_gathers_per_step"], tutorial["all_gathers_per_step"]) == (4, 5)
+    for key in ("default_over_torch_per_layer", "default_over_torch_same_plan"):
+        assert result[f"{key}_mixtral_tiny"] > 0 and f"{key}_max" in result
+
+
 def test_train_script_defaults_to_granularity_wrap():
     import torch
 

@@ -11,8 +11,8 @@ from fsdp_ext.comm.auto.cost import (
     candidates,
     predict,
 )
-from fsdp_ext.comm.auto.decide import AutoDecision, auto_config, choose, slowest
-from fsdp_ext.comm.auto.measure import measure
+from fsdp_ext.comm.auto.decide import AutoDecision, auto_config, choose, pick, slowest
+from fsdp_ext.comm.auto.measure import codec_speed, measure, time_codecs
 from fsdp_ext.comm.auto.units import unit_sizes
 
 __all__ = [
@@ -26,8 +26,11 @@ __all__ = [
     "auto_config",
     "candidates",
     "choose",
+    "codec_speed",
     "measure",
+    "pick",
     "predict",
     "slowest",
+    "time_codecs",
     "unit_sizes",
 ]

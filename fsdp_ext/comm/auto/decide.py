@@ -34,7 +34,7 @@ from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.weight_config import WeightQuantConfig
 from fsdp_ext.comm.zeropp import CommConfig
 
-__all__ = ["AutoDecision", "auto_config", "choose", "slowest"]
+__all__ = ["AutoDecision", "auto_config", "choose", "pick", "slowest"]
 
 COLUMNS = ("weights", "weights_intra", "weights_codec", "grads", "grads_intra", "grads_codec")
 
@@ -186,10 +186,22 @@ def choose(
             "one rank per node"
         )
     predictions = [predict(c, layout, measurements, units, root=root) for c in allowed]
+    chosen = pick(predictions, tolerance)
+    return AutoDecision(chosen, layout, measurements, predictions, fixed, tolerance)
+
+
+def pick(predictions: Sequence[Prediction], tolerance: float) -> Candidate:
+    """The rule on predicted totals alone (pure, so tests can feed it exact near-ties).
+
+    ``tolerance`` is relative to the fastest total, so the rule reads the same on a 1 ms
+    and a 100 s step; within it the least quantised candidate wins (the model is a few
+    percent from the truth at best), then the faster of equally quantised ones.
+    """
+    if not predictions:
+        raise ValueError("pick: predictions must not be empty")
     best = min(p.total for p in predictions)
     near = [p for p in predictions if p.total <= best * (1 + tolerance)]
-    chosen = min(near, key=lambda p: (p.candidate.lossy_parts, p.total)).candidate
-    return AutoDecision(chosen, layout, measurements, predictions, fixed, tolerance)
+    return min(near, key=lambda p: (p.candidate.lossy_parts, p.total)).candidate
 
 
 def _check_fixed(fixed: dict[str, object]) -> None:

@@ -18,6 +18,7 @@ from the tiny one.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.weight_config import WeightQuantConfig
 
-__all__ = ["measure"]
+__all__ = ["codec_speed", "measure", "time_codecs"]
 
 MIN_BYTES = 16 * 1024
 MAX_BYTES = 16 * 1024 * 1024  # per rank and gather
@@ -134,18 +135,38 @@ def _codec_calls(n: int) -> dict[str, object]:
     }
 
 
+def codec_speed(per_call: float, whole: float, sample: int) -> CodecSpeed:
+    """One codec's speed from the best time of a tiny call (``per_call``) and of a call on
+    ``sample`` elements (``whole``). A noisy machine can time the large call no slower than
+    the tiny one: per element keeps a floor of a tenth of the large call's own rate, so no
+    codec is ever judged free (auto would then quantise everything)."""
+    if not isinstance(sample, int) or sample < 1:
+        raise ValueError(f"sample must be an int >= 1, got {sample!r}")
+    per_element = max(whole - per_call, 0.1 * whole) / sample
+    return CodecSpeed(per_call=per_call, per_element=per_element)
+
+
+def time_codecs(
+    tiny: dict[str, Callable[[], object]],
+    large: dict[str, Callable[[], object]],
+    sample: int,
+    *,
+    time_call: Callable[[Callable[[], object], int], float] = _time_call,
+) -> dict[str, CodecSpeed]:
+    """Time each codec's tiny and large call (``time_call(fn, reps)``: best seconds), in
+    :data:`CODEC_KEYS` order; tests pass a fake ``time_call``."""
+    out = {}
+    for key in CODEC_KEYS:
+        per_call = time_call(tiny[key], 3)
+        whole = time_call(large[key], 2)
+        out[key] = codec_speed(per_call, whole, sample)
+    return out
+
+
 def _probe_codecs(sample: int) -> dict[str, CodecSpeed]:
     tiny, large = _codec_calls(512), _codec_calls(sample)
     dist.barrier()  # every rank at once: ranks sharing cores slow each other
-    out = {}
-    for key in CODEC_KEYS:
-        per_call = _time_call(tiny[key], 3)
-        whole = _time_call(large[key], 2)
-        # a noisy machine can time the large call no slower than the tiny one: keep a floor
-        # of a tenth of the large call's own rate, so no codec is ever judged free
-        per_element = max(whole - per_call, 0.1 * whole) / sample
-        out[key] = CodecSpeed(per_call=per_call, per_element=per_element)
-    return out
+    return time_codecs(tiny, large, sample)
 
 
 def measure(
