@@ -613,3 +613,59 @@ def test_snapshots_that_do_not_fit_are_skipped_and_a_dead_jobs_are_cleaned(tmp_p
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert os.listdir(ram) == []
+
+
+PUBLISH_STEPS = [
+    r"rename@\.manifest\.json",  # the commit
+    r"rename@step-\d+",  # the publish
+    "fsync@checkpoints",  # just after it
+    r"rename@\.fsdp_ext-trash-.*",  # the prune
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", PUBLISH_STEPS)
+def test_a_pause_inside_a_save_at_each_publish_step_is_fenced(tmp_path, point):
+    """The owner's host is frozen (SIGSTOP) while its background save stands at a publish
+    step; another host takes over; thawed, the save goes on, is refused by the storage
+    (or was published before the takeover), and the job exits 3 at its next save."""
+    out, lease = tmp_path / "run", 2.0
+    flags = [*TINY.split(), "--steps", "30", "--ckpt-every", "2", "--keep", "2"]
+    flags += ["--lease", str(lease), "--async-save", "--out", str(out)]
+    program = REPO / "tests" / "ckpt_programs" / "train_killed_at.py"
+    env_a = {**ENV, "KILL_PLAN": f"0/pause@{point}", "PAUSE_S": "1"}
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    a = start_on_host(
+        tmp_path, "host-a", [sys.executable, str(program), *flags], env=env_a, **pipes
+    )
+    b = None
+    try:
+        for line in a.stderr:
+            if line.startswith("paused:"):
+                break
+        signal_host(a, signal.SIGSTOP)
+        stopped = time.monotonic()
+        before = {s: m["save_id"] for s, m in _manifests(out / "checkpoints").items()}
+        b = start_on_host(
+            tmp_path, "host-b", [*TRAIN, *flags[len(TINY.split()) :]], env=ENV, **pipes
+        )
+        fs = LocalStorage()
+        while generations(fs, out / "checkpoints") != [2] or time.monotonic() - stopped < 3 * lease:
+            assert b.poll() is None, b.stderr.read()[-3000:]
+            time.sleep(0.1)
+        signal_host(a, signal.SIGCONT)
+        _a_out, a_err = a.communicate(timeout=120)
+        _b_out, b_err = b.communicate(timeout=300)
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                power_off(proc)
+    assert b.returncode == 0, b_err[-3000:]
+    assert a.returncode == 3, (a.returncode, a_err[-3000:])
+    after = _manifests(out / "checkpoints")
+    assert list(after) == [28, 30]
+    assert all(m["replaces"] is None for m in after.values())
+    assert all(after[s]["save_id"] == sid for s, sid in before.items() if s in after)
+    root = out / "checkpoints"
+    assert [n for n in os.listdir(root) if n.startswith(".")] == [OWNER_DIR]
+    assert all(n.startswith(record_name(2)) for n in os.listdir(root / OWNER_DIR))

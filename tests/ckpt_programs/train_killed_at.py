@@ -6,11 +6,12 @@ comma-separated, each ``RANK/WHAT``:
 - ``R/OP@NAME``: rank R, in the background save thread, before the first storage operation
   ``OP`` (write, rename, exchange, fsync...) on a path whose last part matches the regular
   expression ``NAME``;
-- ``R/pause@OP@NAME``: the same point, where the background thread stops for 10 minutes
-  instead (printing ``paused:``), for a launcher to be signalled meanwhile;
+- ``R/pause@OP@NAME``: the same point, where the background thread stops for
+  ``$PAUSE_S`` seconds (default 600) instead, printing ``paused:``, then goes on;
 - ``-``: no kill in that attempt.
 
-Only the first save of an attempt is struck (the save after its resume).
+A kill strikes only the first save of an attempt (the save after its resume); a pause, the
+first save that reaches its point.
 """
 
 import os
@@ -58,12 +59,16 @@ if point != "-" and int(who) == rank:
             thread = threading.current_thread().name
             if not thread.startswith("fsdp_ext-save"):
                 return
-            first_save.append(thread) if not first_save else None
-            if thread == first_save[0] and op == op_name and re.fullmatch(name, Path(path).name):
-                if pause:
-                    print(f"paused: rank {rank} at {op} {path}", file=sys.stderr, flush=True)
-                    time.sleep(600)
+            if not first_save:
+                first_save.append(thread)
+            struck = op == op_name and re.fullmatch(name, Path(path).name)
+            if "done" in first_save or not struck or (thread != first_save[0] and not pause):
+                return
+            if not pause:
                 _die(f"{op} {path}")
+            print(f"paused: rank {rank} at {op} {path}", file=sys.stderr, flush=True)
+            first_save.append("done")  # pause once
+            time.sleep(float(os.environ.get("PAUSE_S", "600")))
 
         LocalStorage.before = before
 
