@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 from examples.config import TrainConfig
 from fsdp_ext import Checkpointer
-from fsdp_ext.checkpoint import Snapshots
-from fsdp_ext.checkpoint.snapshot import job_name, snapshot_dir
+from fsdp_ext.checkpoint import Snapshots, job_name, snapshot_dir
 
 __all__ = ["INTERRUPTED", "ending", "resume_step", "snapshots"]
 

@@ -35,7 +35,7 @@ from fsdp_ext.checkpoint.ownership import (
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner, item_nbytes, spread_plans
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
 from fsdp_ext.checkpoint.resume import checkpoint_steps, latest_intact, load_intact, step_name
-from fsdp_ext.checkpoint.snapshot import Snapshots
+from fsdp_ext.checkpoint.snapshot import Snapshots, clean_snapshots, job_name, snapshot_dir
 from fsdp_ext.checkpoint.storage import CheckpointStorage
 from fsdp_ext.checkpoint.verify import CheckpointReport, verify_checkpoint
 from fsdp_ext.checkpoint.versions import CheckpointExistsError, remove_checkpoint
@@ -70,13 +70,16 @@ __all__ = [
     "check_lease",
     "checkpoint_steps",
     "claim",
+    "clean_snapshots",
     "default_layer_key",
     "exit_with_launcher",
     "item_nbytes",
+    "job_name",
     "latest_intact",
     "load_intact",
     "read_lease",
     "remove_checkpoint",
+    "snapshot_dir",
     "spread_plans",
     "step_name",
     "unlock",
