@@ -62,7 +62,7 @@ _JOB_RECORD = "job.json"  # {"checkpoint_root": ...}: whose snapshots these are
 def job_name(checkpoint_root: str | os.PathLike) -> str:
     """The snapshot name of the job that owns ``checkpoint_root``: its restarts and every
     node share it, other jobs do not."""
-    return hashlib.sha256(os.path.realpath(checkpoint_root).encode()).hexdigest()[:16]
+    return hashlib.sha256(os.path.abspath(checkpoint_root).encode()).hexdigest()[:16]
 
 
 def snapshot_dir(job: str, root: str | os.PathLike | None = None) -> Path:
