@@ -41,9 +41,10 @@ def test_resume_is_bitwise_exact(tmp_path):
     ckpts = tmp_path / "b" / "checkpoints"
     report = verify_checkpoint(ckpts / "step-0000010")
     assert report.ok, report.problems
-    # the checkpoint directory alone (a link and its version where directories cannot swap)
+    # the checkpoint directory alone (a link and its version where directories cannot swap),
+    # and the owner records (the released generation stays: generations only grow)
     assert sorted(p.name for p in ckpts.iterdir()) == sorted(
-        ["run.json", "step-0000010", *filter(None, [report.version])]
+        [".owner", "run.json", "step-0000010", *filter(None, [report.version])]
     )
     assert sorted(report.bytes_per_rank) == [0, 1]
     tail = run_distributed(_train, 2, replace(first, stop_after=0, resume=True))[0]
