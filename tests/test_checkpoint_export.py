@@ -181,3 +181,66 @@ def test_export_runs_as_a_module(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "exported" in done.stdout and (out / "config.json").is_file()
+
+
+# ------------------------------------------------ trained sharded, through the accelerate adapter
+
+WORLD = 2
+
+
+def _adapter_run(root: str, config_dir: str, name: str) -> dict:
+    """2 ranks: the model sharded by fsdp_ext.integrations.accelerate.prepare (FSDP2), a few
+    AdamW steps, saved by the Checkpointer; the logits of the sharded model on the batch."""
+    import torch.distributed as dist
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState
+
+    from fsdp_ext.integrations.accelerate import keep_fsdp_on_cpu, prepare
+    from tests.hf_models import set_launch_env
+
+    set_launch_env(WORLD)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    keep_fsdp_on_cpu(accelerator, plugin)
+    model = MODELS[name]()
+    if dist.get_rank() == 0:
+        model.config.save_pretrained(config_dir)
+    model, optimizer, _ = prepare(
+        accelerator, model, lambda params: torch.optim.AdamW(params, lr=1e-2)
+    )
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(10 * step + dist.get_rank())
+        tokens = torch.randint(0, 64, (2, 12), generator=g)
+        accelerator.backward(model(input_ids=tokens, labels=tokens).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    ckpt = fsdp_ext.Checkpointer(root, model=model, optimizer=optimizer)
+    ckpt.save(STEPS)
+    ckpt.close()
+    model.eval()
+    logits = _logits(model)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return {"logits": logits}
+
+
+@pytest.mark.parametrize(  # ~50 s and ~35 s on the loaded 2-core box
+    "name", ["llama_tied", pytest.param("mixtral", marks=pytest.mark.slow)]
+)
+def test_trained_through_the_accelerate_adapter_exports_the_same_logits(
+    tmp_path, monkeypatch, name
+):
+    pytest.importorskip("accelerate")
+    # the plugin has no mesh, so the units shard over a default one: CPU's here (see
+    # test_integrations_accelerate.py's edges test)
+    monkeypatch.setenv("FSDP_EXT_DEFAULT_MESH_ON_CUDA", "0")
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_ext.testing import run_distributed
+
+    root, config_dir = str(tmp_path / "checkpoints"), str(tmp_path / "hf-config")
+    runs = run_distributed(_adapter_run, WORLD, root, config_dir, name, timeout=300)
+    out = tmp_path / "hf"
+    argv = ["export", root, "--to", "safetensors", str(out), "--config", config_dir]
+    assert checkpoint_cli(argv) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(_logits(loaded), runs[0]["logits"], rtol=1e-5, atol=1e-5)
