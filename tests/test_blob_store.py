@@ -343,3 +343,18 @@ def test_s3_store_pickles_without_its_client(s3_env):
     store.put("k", b"v")
     again = pickle.loads(pickle.dumps(store))
     assert again.get("k") == b"v"
+
+
+def test_only_location_py_constructs_a_store():
+    """One function resolves locations: no other library module builds a store by name."""
+    import ast
+    from pathlib import Path
+
+    found = []
+    for path in sorted((Path(REPO) / "fsdp_ext").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+                name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                if name in ("PosixBlobStore", "S3BlobStore"):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert found and all(f.startswith("fsdp_ext/checkpoint/location.py:") for f in found), found
