@@ -151,8 +151,8 @@ def test_export_without_config_writes_every_model_tensor_and_no_optimizer_state(
     assert any(".exp_avg" in k for k in report.left_out)
 
 
-def test_export_bad_input_names_the_argument(tmp_path, capsys):
-    _, root, _ = _trained_checkpoint(tmp_path, lambda: _llama(False))
+def test_export_bad_input_names_the_argument(tmp_path, capsys, monkeypatch):
+    _, root, config_dir = _trained_checkpoint(tmp_path, lambda: _llama(False))
     out = str(tmp_path / "o")
     base = ["export", str(root), "--to", "safetensors", out]
     with pytest.raises(SystemExit):
@@ -161,6 +161,8 @@ def test_export_bad_input_names_the_argument(tmp_path, capsys):
         checkpoint_cli([*base, "--dtype", "int4"])
     assert checkpoint_cli([*base, "--prefix", "nothing."]) == 2
     assert "no model weights under the prefix 'nothing.'" in capsys.readouterr().err
+    monkeypatch.chdir(config_dir)  # a relative path to the file itself is fine
+    assert checkpoint_cli([*base, "--config", "config.json", "--max-shard-size", "1MB"]) == 0
     assert checkpoint_cli([*base, "--config", str(tmp_path)]) == 2
     assert "no config.json there" in capsys.readouterr().err
     assert checkpoint_cli(["export", str(tmp_path / "none"), "--to", "safetensors", out]) == 2
@@ -244,3 +246,23 @@ def test_trained_through_the_accelerate_adapter_exports_the_same_logits(
     assert checkpoint_cli(argv) == 0
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     torch.testing.assert_close(_logits(loaded), runs[0]["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_export_to_an_s3_location(tmp_path, s3_env):
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_ext.checkpoint import blob_store_for
+
+    model, root, config_dir = _trained_checkpoint(tmp_path, lambda: _llama(True))
+    out = f"s3://{s3_env.bucket}/export-{tmp_path.name}"
+    argv = ["export", str(root), "--to", "safetensors", out, "--config", str(config_dir)]
+    assert checkpoint_cli([*argv, "--max-shard-size", "20kB"]) == 0
+    store = blob_store_for(out)
+    index = json.loads(store.get("model.safetensors.index.json"))
+    local = tmp_path / "downloaded"
+    for key in store.list():
+        (local / key).parent.mkdir(parents=True, exist_ok=True)
+        (local / key).write_bytes(store.get(key))
+    assert set(index["weight_map"].values()) < set(store.list())
+    loaded = AutoModelForCausalLM.from_pretrained(local).eval()
+    torch.testing.assert_close(_logits(loaded), _logits(model), rtol=0, atol=0)

@@ -187,7 +187,9 @@ class S3BlobStore(BlobStore):
     # -- the primitives -----------------------------------------------------------------------
 
     def _put(self, key: str, data: Any, **condition: str) -> str:
-        client, name, body = self._s3(), self._object(key), bytes(check_data(data))
+        view = check_data(data)
+        body = data if isinstance(data, (bytes, bytearray)) else view.tobytes()  # no copy
+        client, name = self._s3(), self._object(key)
         for attempt in range(_CONFLICT_RETRIES):
             try:
                 reply = self._call(

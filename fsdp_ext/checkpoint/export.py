@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from collections.abc import Iterable
@@ -166,8 +167,11 @@ def _read_config(location: str) -> tuple[BlobStore, dict, list[str]]:
     store = blob_store_for(location)
     key = "config.json"
     if store.head(key) is None:  # a path to the file itself
-        parent, _, name = location.rstrip("/").rpartition("/")
-        store, key = blob_store_for(parent or "/"), name
+        if "://" in location:
+            parent, _, key = location.rstrip("/").rpartition("/")
+        else:
+            parent, key = os.path.split(os.path.abspath(location))
+        store = blob_store_for(parent)
         if store.head(key) is None:
             raise ValueError(f"config {location!r}: no config.json there (give the file or "
                              "the directory that holds it)")  # fmt: skip
