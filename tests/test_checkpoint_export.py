@@ -151,6 +151,23 @@ def test_export_without_config_writes_every_model_tensor_and_no_optimizer_state(
     assert any(".exp_avg" in k for k in report.left_out)
 
 
+def test_export_reads_through_the_verified_reader(tmp_path, capsys):
+    """A flipped byte in a data file stops the export, naming the file; nothing is written."""
+    _, root, config_dir = _trained_checkpoint(tmp_path, lambda: _llama(False))
+    step = (root / "step-0000003").resolve()
+    data = sorted(p for p in step.iterdir() if p.suffix == ".distcp")
+    victim = max(data, key=lambda p: p.stat().st_size)
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    victim.write_bytes(raw)
+    out = tmp_path / "hf"
+    argv = ["export", str(step), "--to", "safetensors", str(out), "--config", str(config_dir)]
+    assert checkpoint_cli(argv) == 1
+    err = capsys.readouterr().err
+    assert victim.name in err and "the manifest expects" in err, err
+    assert not (out / "model.safetensors.index.json").exists()
+
+
 def test_export_bad_input_names_the_argument(tmp_path, capsys, monkeypatch):
     _, root, config_dir = _trained_checkpoint(tmp_path, lambda: _llama(False))
     out = str(tmp_path / "o")

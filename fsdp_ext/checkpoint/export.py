@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp_ext.checkpoint.blob import BlobStore
@@ -302,12 +303,19 @@ def _fill_shard(checkpoint: str, shard: list[_Weight]) -> bytearray:
             if target is not None:
                 converted.append((w, temporary, target))
     if state:
-        dcp.load(
-            state,
-            storage_reader=VerifiedFileSystemReader(checkpoint),
-            planner=SafeLoadPlanner(),
-            no_dist=True,
-        )
+        try:
+            dcp.load(
+                state,
+                storage_reader=VerifiedFileSystemReader(checkpoint),
+                planner=SafeLoadPlanner(),
+                no_dist=True,
+            )
+        except CheckpointException as exc:  # a BaseException: unwrap what the read raised
+            causes = [cause for cause, _tb in exc.failures.values()]
+            found = next((c for c in causes if isinstance(c, Exception)), None)
+            if found is None:
+                raise
+            raise found from None
     for w, temporary, target in converted:
         target.copy_(temporary.to(w.dtype).contiguous().view(-1).view(torch.uint8))
     return buffer
