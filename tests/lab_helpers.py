@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import signal
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -62,3 +68,45 @@ def leftovers(run_id: str, *, pids: list[int] = (), shared_dir: str | None = Non
     left += [f"mount {m}" for m in sshfs_mounts_of(run_id, extra)]
     left += [f"process {p}" for p in alive(list(pids)) if p != os.getpid()]
     return left
+
+
+def kill_from_outside(namespace: str, deadline_s: float = 10.0) -> list[int]:
+    """A power loss the lab is not told of: every pid ``ip netns pids`` lists for
+    ``namespace`` gets SIGKILL, again until none is left; the pids killed."""
+    killed: list[int] = []
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+        pids = [int(p) for p in out.stdout.split()]
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed += pids
+        time.sleep(0.02)
+    return sorted(set(killed))
+
+
+class KillOnLine(io.TextIOBase):
+    """An ``echo`` for ``Cluster.run`` that kills node ``namespace`` from outside
+    (``kill_from_outside``) when rank 0 first prints a line containing ``text``, and
+    records when (seconds since the epoch) and what it killed; ``action`` replaces the kill
+    (e.g. killing only the agent)."""
+
+    def __init__(self, namespace: str, text: str, action=None):
+        self.namespace, self.text = namespace, text
+        self.action = action or (lambda: kill_from_outside(namespace))
+        self.at: float | None = None
+        self.killed: list[int] = []
+        self.thread: threading.Thread | None = None
+
+    def write(self, line: str) -> int:
+        if self.at is None and self.text in line:
+            self.at = time.time()
+            self.thread = threading.Thread(target=self._strike, daemon=True)
+            self.thread.start()
+        return len(line)
+
+    def _strike(self) -> None:
+        self.killed = self.action()
