@@ -70,22 +70,33 @@ def leftovers(run_id: str, *, pids: list[int] = (), shared_dir: str | None = Non
     return left
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
 def kill_from_outside(namespace: str, deadline_s: float = 10.0) -> list[int]:
     """A power loss the lab is not told of: every pid ``ip netns pids`` lists for
-    ``namespace`` gets SIGKILL, again until none is left; the pids killed."""
-    killed: list[int] = []
+    ``namespace`` gets SIGKILL, once, and again only what those forked meanwhile (not a
+    fresh node the lab starts there afterwards); the pids killed."""
+    killed: set[int] = set()
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
         pids = [int(p) for p in out.stdout.split()]
+        if killed:
+            pids = [p for p in pids if p in killed or _parent(p) in killed]
         if not pids:
             break
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        killed += pids
+        killed.update(pids)
         time.sleep(0.02)
-    return sorted(set(killed))
+    return sorted(killed)
 
 
 class KillOnLine(io.TextIOBase):

@@ -382,6 +382,7 @@ class Cluster:
                 python=self.python,
                 log_dir=logdir / f"node{node}",
                 elastic=elastic,
+                job_id=f"{self.run_id}-{logdir.name}",
             )
             for node in range(self.nodes)
         ]

@@ -84,8 +84,13 @@ def torchrun_argv(
     python: str,
     log_dir: Path,
     elastic: Elastic = Elastic(),
+    job_id: str | None = None,
 ) -> list[str]:
     """The torchrun command line node ``node`` runs (``program`` is SCRIPT ARGS...).
+
+    ``job_id`` names the rendezvous (default: the lab's run id). Give each job of a lab its
+    own: etcd keeps a finished job's rendezvous, closed, and a second job under the same id
+    fails at once with RendezvousClosedError.
 
     Every rank's stdout and stderr go to files under ``log_dir``; every node also copies
     its local rank 0's lines to its console, prefixed with the global rank (``[rank0]:``).
@@ -98,11 +103,12 @@ def torchrun_argv(
     master = topology.node_address(0)
     # a fixed-size job keeps torchrun's defaults (fewer keep-alives on the measured link)
     conf = RDZV_CONF if elastic.on else ""
+    rdzv_id = job_id or topology.names.run_id
     if rdzv == "etcd":
         # the rendezvous lives in etcd on the lab's infrastructure namespace, which runs no
         # training: any node may be lost, node 0 included
         argv += ["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", topology.rendezvous_endpoint]
-        argv += ["--rdzv-id", topology.names.run_id] + (["--rdzv-conf", conf] if conf else [])
+        argv += ["--rdzv-id", rdzv_id] + (["--rdzv-conf", conf] if conf else [])
         argv += ["--local-addr", topology.node_address(node)]
     elif topology.nodes == 1:
         argv += ["--standalone"]
@@ -111,7 +117,7 @@ def torchrun_argv(
         # --local-addr orders the nodes, so node k gets GROUP_RANK k
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{RDZV_PORT}"]
         conf = f"is_host={int(node == 0)}" + (f",{conf}" if conf else "")
-        argv += ["--rdzv-id", topology.names.run_id, "--rdzv-conf", conf]
+        argv += ["--rdzv-id", rdzv_id, "--rdzv-conf", conf]
         argv += ["--local-addr", topology.node_address(node)]
     else:
         argv += ["--node-rank", str(node), "--master-addr", master]
