@@ -522,6 +522,14 @@ class Cluster:
         at = round(time.monotonic() - start, 3)
         killed = self._clear_node(node)
         why = policy.verdict(node, cause, job.lost)
+        if why is None and not namespace_exists(self.topology.node_namespaces[node]):
+            # its links died with it, and in a two-node lab the cable took the survivor's
+            # eth0 along (a real survivor keeps its NIC): the empty node is built again at
+            # once, which gives the survivor its link back
+            try:
+                self._rebuild(node)
+            except Exception as exc:
+                why = f"node {node} was lost ({cause}) and its links could not be rebuilt: {exc}"
         if why is not None:
             job.doomed = why
             return NodeLoss(node, cause, at, why)
