@@ -197,7 +197,9 @@ class Job:
                 failed = LOST
                 break
             codes = {i: p.poll() for i, p in enumerate(self.procs) if i not in self.lost}
-            bad = next(((i, c) for i, c in codes.items() if c not in (None, 0)), None)
+            # a status below 0 (killed by a signal) is a loss, seen by the next watch: the
+            # node may have died between the watch above and this poll
+            bad = next(((i, c) for i, c in codes.items() if c is not None and c > 0), None)
             if bad is not None:
                 node, failed = bad
                 self.failure = f"node {node}'s torchrun failed with exit status {failed}"
