@@ -121,3 +121,22 @@ class KillOnLine(io.TextIOBase):
 
     def _strike(self) -> None:
         self.killed = self.action()
+
+
+def recovery_figures(result, killer: KillOnLine) -> dict:
+    """Seconds from the kill to the lab finding the node lost, to the resume line, and to
+    the first step after it."""
+    at = killer.at - result.started_at
+    found = {"found_s": round(result.losses[0].at_s - at, 2)} if result.losses else {}
+    lines = result.output.splitlines(keepends=True)
+    times = result.line_times
+    resumed = next((i for i, ln in enumerate(lines) if ln.startswith("resumed from")), None)
+    if resumed is None:
+        return found
+    step = next(i for i in range(resumed, len(lines)) if lines[i].startswith("step "))
+    return {
+        **found,
+        "resume_s": round(times[resumed] - at, 1),
+        "first_step_s": round(times[step] - at, 1),
+        "resumed": lines[resumed].split(" at step")[0],
+    }

@@ -18,7 +18,7 @@ import pytest
 from fsdp_ext.lab import Cluster
 from fsdp_ext.lab.launcher import torchrun_argv
 from fsdp_ext.lab.rendezvous import etcd_missing
-from tests.lab_helpers import PROGRAMS, KillOnLine, leftovers, require_lab
+from tests.lab_helpers import PROGRAMS, KillOnLine, leftovers, recovery_figures, require_lab
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "examples" / "train.py")
@@ -129,6 +129,7 @@ def test_node_0_lost_unannounced_the_job_finishes():
                 timeout=400,
             )
             assert killer.killed, name
+            print(name, recovery_figures(results[name], killer), results[name].losses)
     for name, world in (("fewer", 2), ("replaced", 4)):
         result = results[name]
         assert result.returncode == 0, result.output[-4000:] + "\n".join(result.problems)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_ext.lab import Cluster, Fault
-from tests.lab_helpers import KillOnLine, leftovers, require_lab
+from tests.lab_helpers import KillOnLine, leftovers, recovery_figures, require_lab
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "examples" / "train.py")
@@ -38,18 +38,6 @@ def _kill_node_1_at(step: int) -> Fault:
 
 def _step_line(step: int) -> str:
     return f"step {step:5d} |"
-
-
-def _recovery_figures(result, killer: KillOnLine) -> dict:
-    """Seconds from the kill to the resume line, and to the first step after it."""
-    at = killer.at - result.started_at
-    lines = result.output.splitlines(keepends=True)
-    times = result.line_times
-    resumed = next((i for i, ln in enumerate(lines) if ln.startswith("resumed from")), None)
-    if resumed is None:
-        return {}
-    step = next(i for i in range(resumed, len(lines)) if lines[i].startswith("step "))
-    return {"resume_s": round(times[resumed] - at, 1), "first_step_s": round(times[step] - at, 1)}
 
 
 def _summary(result) -> dict:
@@ -91,7 +79,7 @@ def _run_both(steps: int, kill_at: int, ckpt_every: int, timeout: float):
             )
             assert killer.killed, f"{name}: nothing was killed: {result.output[-2000:]}"
             jobs[name] = result
-            print(name, _recovery_figures(result, killer), result.losses)
+            print(name, recovery_figures(result, killer), result.losses)
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return jobs["fewer"], jobs["replaced"], run_id, netns
 
