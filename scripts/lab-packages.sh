@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Installs the Debian packages of the cluster lab (fsdp_ext.lab) when they are missing.
+# Installs the Debian packages of the cluster lab (fsdp_ext.lab) when they are missing
+# (etcd-server for `--rdzv etcd`; its Python client, python-etcd, is in the dev extra).
 #   scripts/lab-packages.sh               # `make lab`: fails loudly if it cannot install
 #   scripts/lab-packages.sh --best-effort # `make test`: one line and exit 0 if it cannot
 #                                         # (the lab tests then skip, saying why)
 # Quiet and idempotent: prints nothing when everything is installed.
 set -uo pipefail
-PACKAGES=(iproute2 sshfs openssh-server faketime)
+# etcd-server: the rendezvous of `--rdzv etcd` (Debian 12 ships etcd 3.4, v2 API)
+# faketime: the clock-skew tests of one writer per directory
+PACKAGES=(iproute2 sshfs openssh-server etcd-server faketime)
 best_effort=false
 [[ ${1:-} == --best-effort ]] && best_effort=true
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import signal
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -62,3 +68,75 @@ def leftovers(run_id: str, *, pids: list[int] = (), shared_dir: str | None = Non
     left += [f"mount {m}" for m in sshfs_mounts_of(run_id, extra)]
     left += [f"process {p}" for p in alive(list(pids)) if p != os.getpid()]
     return left
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def kill_from_outside(namespace: str, deadline_s: float = 10.0) -> list[int]:
+    """A power loss the lab is not told of: every pid ``ip netns pids`` lists for
+    ``namespace`` gets SIGKILL, once, and again only what those forked meanwhile (not a
+    fresh node the lab starts there afterwards); the pids killed."""
+    killed: set[int] = set()
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+        pids = [int(p) for p in out.stdout.split()]
+        if killed:
+            pids = [p for p in pids if p in killed or _parent(p) in killed]
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed.update(pids)
+        time.sleep(0.02)
+    return sorted(killed)
+
+
+class KillOnLine(io.TextIOBase):
+    """An ``echo`` for ``Cluster.run`` that kills node ``namespace`` from outside
+    (``kill_from_outside``) when rank 0 first prints a line containing ``text``, and
+    records when (seconds since the epoch) and what it killed; ``action`` replaces the kill
+    (e.g. killing only the agent)."""
+
+    def __init__(self, namespace: str, text: str, action=None):
+        self.namespace, self.text = namespace, text
+        self.action = action or (lambda: kill_from_outside(namespace))
+        self.at: float | None = None
+        self.killed: list[int] = []
+        self.thread: threading.Thread | None = None
+
+    def write(self, line: str) -> int:
+        if self.at is None and self.text in line:
+            self.at = time.time()
+            self.thread = threading.Thread(target=self._strike, daemon=True)
+            self.thread.start()
+        return len(line)
+
+    def _strike(self) -> None:
+        self.killed = self.action()
+
+
+def recovery_figures(result, killer: KillOnLine) -> dict:
+    """Seconds from the kill to the lab finding the node lost, to the resume line, and to
+    the first step after it."""
+    at = killer.at - result.started_at
+    found = {"found_s": round(result.losses[0].at_s - at, 2)} if result.losses else {}
+    lines = result.output.splitlines(keepends=True)
+    times = result.line_times
+    resumed = next((i for i, ln in enumerate(lines) if ln.startswith("resumed from")), None)
+    if resumed is None:
+        return found
+    step = next(i for i in range(resumed, len(lines)) if lines[i].startswith("step "))
+    return {
+        **found,
+        "resume_s": round(times[resumed] - at, 1),
+        "first_step_s": round(times[step] - at, 1),
+        "resumed": lines[resumed].split(" at step")[0],
+    }

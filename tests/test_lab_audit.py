@@ -150,7 +150,7 @@ def test_storage_link_has_its_own_rate_and_counts_writes_as_sent():
 def test_an_exit_status_from_a_signal_names_it(code, name):
     """torchrun exits with its worker's -9, which reads 247: the lab names SIGKILL."""
     assert f"killed by {name}" in _status_cause(code)
-    assert _status_cause(1) == "" and "took down a node" in _status_cause(LOST)
+    assert _status_cause(1) == "" and "was lost" in _status_cause(LOST)
 
 
 RUN = ["run", "--nodes", "2", "--link", "1gbit"]

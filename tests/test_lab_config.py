@@ -48,7 +48,7 @@ def test_bad_rates_are_refused_naming_the_argument(bad):
         ({"ranks_per_node": 0}, "ranks_per_node must be an int >= 1"),
         ({"link": "1gbps"}, "link must be a rate like 200mbit"),
         ({"storage_link": "x"}, "storage_link must be a rate"),
-        ({"rdzv": "etcd"}, "rdzv must be one of c10d, static"),
+        ({"rdzv": "zookeeper"}, "rdzv must be one of c10d, etcd, static"),
         ({"timeout": 0}, "timeout must be a positive number"),
         ({"shared_dir": "/tmp/x", "storage": False}, "shared_dir needs storage=True"),
     ],

@@ -19,7 +19,16 @@ from pathlib import Path
 from fsdp_ext.lab.names import ETC_NETNS, PREFIX, RunNames
 from fsdp_ext.lab.system import run_tool
 
-__all__ = ["JOB_MARK", "clean_stale", "kill_marked", "lab_runs", "namespace_pids", "remove_run"]
+__all__ = [
+    "JOB_MARK",
+    "clean_stale",
+    "kill_marked",
+    "lab_runs",
+    "namespace_inode",
+    "namespace_pids",
+    "netns_pids",
+    "remove_run",
+]
 
 JOB_MARK = "FSDP_EXT_LAB_JOB"  # in the environment of every process of one lab job
 
@@ -39,6 +48,28 @@ def namespace_pids(ns: str) -> list[int]:
     """Live processes in network namespace ``ns`` (zombies hold no namespace)."""
     out = run_tool(["ip", "netns", "pids", ns], check=False).stdout
     return [int(p) for p in out.split() if p.isdigit()]
+
+
+def namespace_inode(ns: str) -> int | None:
+    """The inode that identifies network namespace ``ns`` (None once its name is gone);
+    it still finds the namespace's processes after ``ip netns del`` took the name away."""
+    try:
+        return os.stat(Path("/run/netns") / ns).st_ino
+    except OSError:
+        return None
+
+
+def netns_pids(inode: int) -> list[int]:
+    """Live processes in the network namespace of ``inode``, named or not (what ``ip netns
+    pids`` does for a named one)."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.stat(entry / "ns" / "net").st_ino == inode:
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
 
 
 def lab_runs() -> dict[str, set[str]]:

@@ -117,7 +117,7 @@ def _status_cause(code: int) -> str:
     """What an exit status means when a signal caused it: torchrun exits with its failed
     worker's status, -9 for SIGKILL, which the shell sees as 256 - 9 = 247."""
     if code == LOST:
-        return " (the lab took down a node the job could not do without)"
+        return " (a node was lost that the job could not do without)"
     number = -code if code < 0 else 256 - code if code > 128 else None
     try:
         name = signal.Signals(number).name if number else None
@@ -221,8 +221,12 @@ def main(argv: list[str] | None = None) -> int:
             print(_report(cluster, result.link_bytes), file=sys.stderr)
             for event in result.faults:
                 print(f"lab: at {event.at_s:.1f} s: {event.note}", file=sys.stderr)
+            for loss in result.losses:
+                print(f"lab: at {loss.at_s:.1f} s: {loss.note}", file=sys.stderr)
+            told = {loss.note for loss in result.losses}
             for problem in result.problems:
-                print(f"lab: {problem}", file=sys.stderr)
+                if problem not in told:
+                    print(f"lab: {problem}", file=sys.stderr)
             if result.timed_out:
                 print(
                     f"lab: the job was stopped after {args.timeout:g} s (--timeout)",

@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from fsdp_ext.lab.cleanup import JOB_MARK, KILL_WAIT_S, clean_stale, kill_marked, remove_run
+from fsdp_ext.lab.cleanup import (
+    JOB_MARK,
+    KILL_WAIT_S,
+    clean_stale,
+    kill_marked,
+    namespace_inode,
+    netns_pids,
+    remove_run,
+)
 from fsdp_ext.lab.counters import NodeBytes, read_node_bytes
 from fsdp_ext.lab.faults import (
     Fault,
@@ -36,10 +44,12 @@ from fsdp_ext.lab.launcher import (
     torchrun_argv,
 )
 from fsdp_ext.lab.names import RunNames
-from fsdp_ext.lab.network import MAX_NODES, Topology, build_network, set_rate
+from fsdp_ext.lab.network import MAX_NODES, Topology, build_network, rebuild_node, set_rate
 from fsdp_ext.lab.rates import format_rate, parse_rate
+from fsdp_ext.lab.rendezvous import start_etcd
 from fsdp_ext.lab.requirements import check_requirements
 from fsdp_ext.lab.storage import StorageServer, mount_node_ram, mount_shared, start_sshd
+from fsdp_ext.lab.supervisor import LossPolicy, NodeLoss, namespace_exists
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Cluster", "LabResult"]
 
@@ -63,6 +73,7 @@ class LabResult:
     line_times: list[float] = field(default_factory=list)  # per line of output: seconds in
     problems: list[str] = field(default_factory=list)  # what went wrong around the job
     started_at: float = 0.0  # the job's start, seconds since the epoch (for torchrun's logs)
+    losses: list[NodeLoss] = field(default_factory=list)  # nodes found lost, and what followed
 
     def last_json(self) -> dict | None:
         """The last line of the output that parses as a JSON object (benchmarks end so)."""
@@ -124,7 +135,7 @@ class Cluster:
         self.timeout = float(timeout)
         self.python = python
         self.names = RunNames.new()
-        self.topology = Topology(self.names, nodes, storage)
+        self.topology = Topology(self.names, nodes, storage, infra=rdzv == "etcd")
         self.shared_dir = (
             self.names.workdir / "shared" if shared_dir is None else Path(shared_dir).resolve()
         )
@@ -133,12 +144,13 @@ class Cluster:
         self._services: list[subprocess.Popen] = []
         self._extra: list[subprocess.Popen] = []
         self._retired: list[subprocess.Popen] = []  # dead sshfs replaced by a fresh mount
+        self._inodes: list[int | None] = []  # each node's namespace, found even once unnamed
         self._built = False
         self._closed = False
 
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> Cluster:
-        check_requirements(storage=self.storage, names=self.names)
+        check_requirements(storage=self.storage, names=self.names, rdzv=self.rdzv)
         clean_stale()
         self.names.write_owner()
         self._built = True
@@ -154,12 +166,15 @@ class Cluster:
 
     def _build(self) -> None:
         build_network(self.topology, self.link_bits, self.storage_bits)
+        self._inodes = [namespace_inode(ns) for ns in self.topology.node_namespaces]
+        logs = self.names.workdir / "logs"
+        logs.mkdir(exist_ok=True)
+        if self.topology.infra:
+            self._services.append(start_etcd(self.topology, self.names.workdir, logs / "etcd.log"))
         if not self.storage:
             return
         self.shared_dir.mkdir(parents=True, exist_ok=True)
         self._server = StorageServer(self.names.workdir, self.shared_dir)
-        logs = self.names.workdir / "logs"
-        logs.mkdir(exist_ok=True)
         self._services.append(start_sshd(self._server, self.topology, logs / "sshd.log"))
         for node in range(self.nodes):
             self._mounts.append(self._mount(node))
@@ -172,9 +187,14 @@ class Cluster:
         return proc
 
     def _remount_lost_storage(self) -> list[str]:
-        """A node whose sshfs died (the mount answers ENOTCONN) gets a fresh mount; the
-        lines say which, so a job is never started on a node without its shared dir."""
+        """A node whose namespace is gone is built again, and a node whose sshfs died (the
+        mount answers ENOTCONN) gets a fresh mount; the lines say which, so a job is never
+        started on a node that is not whole."""
         notes = []
+        for node, ns in enumerate(self.topology.node_namespaces):
+            if not namespace_exists(ns):
+                self._rebuild(node)
+                notes.append(f"node {node}'s namespace {ns} was gone; built it again")
         for node, proc in enumerate(self._mounts):
             if proc.poll() is not None:
                 self._retired.append(proc)
@@ -184,6 +204,37 @@ class Cluster:
                     f"{self.shared_dir} there"
                 )
         return notes
+
+    def _rebuild(self, node: int) -> None:
+        """Node ``node``'s namespace and links afresh (after every process of it is gone)."""
+        rebuild_node(self.topology, node, self.link_bits, self.storage_bits)
+        self._inodes[node] = namespace_inode(self.topology.node_namespaces[node])
+
+    def _clear_node(self, node: int) -> int:
+        """SIGKILL whatever is left of node ``node`` (its namespace found by inode, named or
+        not), as a scheduler drains a lost machine; how many processes were killed."""
+        inode = self._inodes[node]
+        killed: set[int] = set()
+        deadline = time.monotonic() + KILL_WAIT_S
+        while inode is not None and time.monotonic() < deadline:
+            pids = netns_pids(inode)
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            killed.update(pids)
+            time.sleep(0.02)
+        return len(killed)
+
+    def _fresh_node(self, node: int) -> None:
+        """What a replacement needs: its namespace (built again if it was torn down) and,
+        with storage, a new mount of the shared directory and its own RAM."""
+        if not namespace_exists(self.topology.node_namespaces[node]):
+            self._rebuild(node)
+        if self._mounts:
+            self._retired.append(self._mounts[node])
+            self._mounts[node] = self._mount(node)
 
     def close(self) -> None:
         """Stop every process, delete the namespaces, links, mounts and the run's files."""
@@ -331,6 +382,7 @@ class Cluster:
                 python=self.python,
                 log_dir=logdir / f"node{node}",
                 elastic=elastic,
+                job_id=f"{self.run_id}-{logdir.name}",
             )
             for node in range(self.nodes)
         ]
@@ -338,10 +390,18 @@ class Cluster:
         before = self.quiet_link_bytes()
         start, started_at = time.monotonic(), time.time()
         job = start_job(commands, job_env, logdir, echo=echo, elastic=elastic.on)
-        survivors = elastic.min_nodes or self.nodes
+        policy = LossPolicy(self.nodes, max_restarts, min_nodes, replace_failed, self.rdzv)
+        losses: list[NodeLoss] = []
+        namespaces = self.topology.node_namespaces
+        job.node_up = lambda node: namespace_exists(namespaces[node])
+
+        def on_lost(node: int, cause: str) -> None:
+            losses.append(self._node_lost(job, node, cause, policy, argvs[node], job_env, start))
+
+        job.on_lost = on_lost
 
         def strike(fault: Fault) -> str:
-            return self._strike(fault, job, argvs, job_env, survivors, replace_failed)
+            return self._strike(fault)
 
         injector = FaultInjector(faults, job.output, start, strike)
         injector.begin()
@@ -360,7 +420,7 @@ class Cluster:
             for node in range(self.nodes)
             for local in range(self.ranks_per_node)
         ]
-        problems += injector.errors + ([job.doomed] if job.doomed else [])
+        problems += injector.errors + [why for why in (job.doomed, job.failure) if why]
         if left:
             problems.append(f"processes of the job outlived its torchruns, killed: {left}")
         return LabResult(
@@ -376,6 +436,7 @@ class Cluster:
             faults=injector.events,
             line_times=[t - start for t in job.times],
             problems=problems,
+            losses=losses,
         )
 
     def check_run(
@@ -399,8 +460,10 @@ class Cluster:
         if (min_nodes is not None or replace_failed) and max_restarts == 0:
             what = "min_nodes" if min_nodes is not None else "replace_failed"
             raise ValueError(f"{what} needs max_restarts >= 1 (a lost node restarts the workers)")
-        if min_nodes is not None and self.rdzv != "c10d" and self.nodes > 1:
-            raise ValueError("min_nodes needs rdzv='c10d' (the static rendezvous is fixed-size)")
+        if min_nodes is not None and self.rdzv == "static" and self.nodes > 1:
+            raise ValueError(
+                "min_nodes needs rdzv='c10d' or 'etcd' (the static rendezvous is fixed-size)"
+            )
         return Elastic(max_restarts, min_nodes)
 
     def _check_fault(self, fault: Fault) -> None:
@@ -422,16 +485,9 @@ class Cluster:
         if fault.kind == "link-down" and self.nodes < 2:
             raise ValueError("link-down needs 2 nodes or more (a single node has no link)")
 
-    def _strike(
-        self,
-        fault: Fault,
-        job: Job,
-        argvs: list[list[str]],
-        env: dict[str, str],
-        min_nodes: int,
-        replace_failed: bool,
-    ) -> str:
-        """Do ``fault`` now; the note says what was done."""
+    def _strike(self, fault: Fault) -> str:
+        """Do ``fault`` now; the note says what was done. A node killed here is found lost
+        by the supervision of the job (``_node_lost``), as one killed by anything else."""
         namespaces = self.topology.node_namespaces
         if fault.kind == "kill-rank":
             node = fault.target // self.ranks_per_node
@@ -447,38 +503,55 @@ class Cluster:
         if fault.kind == "storage-down":
             kill_process(self._mounts[node])
             return f"node {node}'s sshfs killed: its {self.shared_dir} answers ENOTCONN"
-        # kill-node: the lab marks it lost first, so its torchrun's death is not a failure
-        left = self.nodes - len(job.lost) - 1
-        if node == 0:
-            job.lose(
-                0,
-                "node 0 was lost: it hosts the c10d rendezvous store, which the other "
-                "nodes cannot go on without (no torchrun job survives its rendezvous host)",
-            )
-        elif not job.elastic:
-            job.lose(
-                node,
-                f"node {node} was lost and the job is not elastic (max_restarts 0); pass "
-                f"--max-restarts 1 or more with --min-nodes {max(1, left)} or --replace-failed",
-            )
-        elif replace_failed or left >= min_nodes:
-            job.lose(node)
-        else:
-            job.lose(
-                node,
-                f"node {node} was lost and {left} node(s) remain, fewer than the job's minimum "
-                f"of {min_nodes}; pass --min-nodes {max(1, left)} (elastic) or --replace-failed",
-            )
         killed = kill_namespace(namespaces[node])
-        note = f"SIGKILL to all {killed} processes of node {node}"
-        if replace_failed and node != 0 and job.doomed is None:
-            if self._mounts:
-                self._retired.append(self._mounts[node])
-                self._mounts[node] = self._mount(node)
-            command = self.node_command(node, argvs[node])
-            job.replace(node, start_node(command, env, job.logs[node]))
-            note += "; a fresh node took its place"
-        return note
+        return f"SIGKILL to all {killed} processes of node {node}"
+
+    def _node_lost(
+        self,
+        job: Job,
+        node: int,
+        cause: str,
+        policy: LossPolicy,
+        argv: list[str],
+        env: dict[str, str],
+        start: float,
+    ) -> NodeLoss:
+        """Node ``node`` died on its own (``cause``): drain what is left of it, then end the
+        job with the one line why (``policy``), or let the survivors go on, or start a fresh
+        node in its place (``--replace-failed``), as an elastic scheduler does."""
+        at = round(time.monotonic() - start, 3)
+        killed = self._clear_node(node)
+        why = policy.verdict(node, cause, job.lost)
+        if why is None and not namespace_exists(self.topology.node_namespaces[node]):
+            # its links died with it, and in a two-node lab the cable took the survivor's
+            # eth0 along (a real survivor keeps its NIC): the empty node is built again at
+            # once, which gives the survivor its link back
+            try:
+                self._rebuild(node)
+            except Exception as exc:
+                why = f"node {node} was lost ({cause}) and its links could not be rebuilt: {exc}"
+        if why is not None:
+            job.doomed = why
+            return NodeLoss(node, cause, at, why)
+        drained = f"; {killed} processes left of it killed" if killed else ""
+        if not policy.replace_failed:
+            left = self.nodes - len(job.lost)
+            return NodeLoss(
+                node,
+                cause,
+                at,
+                f"node {node} was lost ({cause}){drained}; the job goes on with {left} node(s)",
+            )
+        try:
+            self._fresh_node(node)
+            fresh = start_node(self.node_command(node, argv), env, job, node)
+        except Exception as exc:  # the job cannot get its node back: say so, end it
+            job.doomed = f"node {node} was lost ({cause}) and no fresh node could be started: {exc}"
+            return NodeLoss(node, cause, at, job.doomed)
+        job.replace(node, fresh)
+        replaced = round(time.monotonic() - start, 3)
+        note = f"node {node} was lost ({cause}){drained}; a fresh node {node} took its place"
+        return NodeLoss(node, cause, at, note, replaced)
 
     def describe(self) -> str:
         """One line: the shape of the lab."""

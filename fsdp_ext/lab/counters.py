@@ -25,16 +25,31 @@ class NodeBytes:
     loopback: int = 0  # traffic between ranks of this node (lo counts it once each way)
 
     def __sub__(self, other: NodeBytes) -> NodeBytes:
-        return NodeBytes(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+        """The change from ``other`` to this reading. A counter that went down belongs to an
+        interface made again in between (a lost node's namespace built afresh, or the cable
+        it shared): it counts from its new start, so its reading is the change."""
+        return NodeBytes(
+            *(_change(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+        )
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def _change(now: int, before: int) -> int:
+    return now - before if now >= before else now
+
+
+# a device that is gone (a lost node's links, until it is built again) reads 0
+_READ = 'for f; do cat "$f" 2>/dev/null || echo 0; done'
+
+
 def _statistics(ns: str, devices: list[str]) -> dict[tuple[str, str], int]:
+    """The counters of ``devices`` in ``ns``; all 0 while the namespace is gone."""
     paths = [f"/sys/class/net/{d}/statistics/{k}_bytes" for d in devices for k in ("tx", "rx")]
-    values = run_tool(["ip", "netns", "exec", ns, "cat", *paths]).stdout.split()
     keys = [(d, k) for d in devices for k in ("tx", "rx")]
+    done = run_tool(["ip", "netns", "exec", ns, "sh", "-c", _READ, "sh", *paths], check=False)
+    values = done.stdout.split() if done.returncode == 0 else ["0"] * len(keys)
     return dict(zip(keys, map(int, values), strict=True))
 
 

@@ -93,18 +93,35 @@ def rank_pids(namespace: str, rank: int) -> list[int]:
     return [p for p in namespace_pids(namespace) if process_environ(p).get("RANK") == str(rank)]
 
 
+def parent_pid(pid: int) -> int | None:
+    """``pid``'s parent (field 4 of /proc/PID/stat), None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
 def kill_namespace(namespace: str) -> int:
-    """SIGKILL every process of ``namespace`` until none is left; how many were killed."""
+    """SIGKILL every process of ``namespace`` now, as a power loss strikes once; how many.
+
+    The kill is repeated only for those processes and for what they forked while it ran,
+    never for a process started afterwards by someone else (a fresh node the lab starts
+    in the same namespace at once)."""
     killed: set[int] = set()
     deadline = time.monotonic() + KILL_DEADLINE_S
     while time.monotonic() < deadline:
-        pids = namespace_pids(namespace)
+        pids = [
+            pid
+            for pid in namespace_pids(namespace)
+            if not killed or pid in killed or parent_pid(pid) in killed
+        ]
         if not pids:
             break
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            killed.add(pid)
+        killed.update(pids)
         time.sleep(POLL_S)
     return len(killed)
 

@@ -1,25 +1,27 @@
-"""torchrun on every node, as a real multi-node launch: one agent per node, c10d rendezvous
-on node 0's link address, gloo bound to the node's link.
+"""torchrun on every node, as a real multi-node launch: one agent per node, the rendezvous
+on node 0's link address (c10d) or in etcd off the training nodes, gloo bound to the link.
 
-Node 0's console is streamed (it carries rank 0's output); the others go to log files.
-The job ends when every node's torchrun has exited, or as soon as one fails (the others are
-stopped, as a cluster scheduler would), or at the deadline.
+Every node's console goes to its log; rank 0's lines are collected from whichever node holds
+rank 0. The job ends when every node that is not lost has exited, or as soon as one fails
+(the others are stopped, as a cluster scheduler would), or at the deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from fsdp_ext.lab.network import FABRIC_DEVICE, Topology
+from fsdp_ext.lab.supervisor import lost_cause
 
 __all__ = [
     "RDZV_BACKENDS",
@@ -34,10 +36,17 @@ __all__ = [
 ]
 
 RDZV_PORT = 29400
-RDZV_BACKENDS = ("c10d", "static")
+RDZV_BACKENDS = ("c10d", "etcd", "static")
 STOP_GRACE_S = 10.0
 TIMED_OUT = 124  # the exit status of timeout(1)
-LOST = 125  # the lab took down a node the job could not do without
+LOST = 125  # a node was lost that the job could not do without
+
+
+# every node tees its local rank 0 to its console, each line prefixed with its global rank
+# (torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE): rank 0 lives on whichever node the
+# rendezvous ranked first, and that is not node 0 once node 0 was lost
+LINE_PREFIX_TEMPLATE = "[rank${rank}]:"
+WORKER_LINE = re.compile(r"^\[rank(\d+)\]:")
 
 
 @dataclass(frozen=True)
@@ -75,28 +84,40 @@ def torchrun_argv(
     python: str,
     log_dir: Path,
     elastic: Elastic = Elastic(),
+    job_id: str | None = None,
 ) -> list[str]:
     """The torchrun command line node ``node`` runs (``program`` is SCRIPT ARGS...).
 
-    Every rank's stdout and stderr go to files under ``log_dir``; node 0 also copies its
-    local rank 0's (global rank 0's) lines to its console, prefixed ``[default0]:``.
+    ``job_id`` names the rendezvous (default: the lab's run id). Give each job of a lab its
+    own: etcd keeps a finished job's rendezvous, closed, and a second job under the same id
+    fails at once with RendezvousClosedError.
+
+    Every rank's stdout and stderr go to files under ``log_dir``; every node also copies
+    its local rank 0's lines to its console, prefixed with the global rank (``[rank0]:``).
     """
     nnodes = elastic.nnodes(topology.nodes)
     argv = [python, "-m", "torch.distributed.run", "--nnodes", nnodes]
     argv += ["--nproc-per-node", str(ranks_per_node), "--max-restarts", str(elastic.max_restarts)]
-    argv += ["--log-dir", str(log_dir), "--redirects", "3"]
-    if node == 0:
-        argv += ["--tee", "3", "--local-ranks-filter", "0"]
+    argv += ["--log-dir", str(log_dir), "--redirects", "3", "--tee", "3"]
+    argv += ["--local-ranks-filter", "0"]
     master = topology.node_address(0)
-    if topology.nodes == 1:
+    # a fixed-size job keeps torchrun's defaults (fewer keep-alives on the measured link)
+    conf = RDZV_CONF if elastic.on else ""
+    rdzv_id = job_id or topology.names.run_id
+    if rdzv == "etcd":
+        # the rendezvous lives in etcd on the lab's infrastructure namespace, which runs no
+        # training: any node may be lost, node 0 included
+        argv += ["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", topology.rendezvous_endpoint]
+        argv += ["--rdzv-id", rdzv_id] + (["--rdzv-conf", conf] if conf else [])
+        argv += ["--local-addr", topology.node_address(node)]
+    elif topology.nodes == 1:
         argv += ["--standalone"]
     elif rdzv == "c10d":
         # is_host: node 0 serves the rendezvous store (torchrun cannot tell by hostname here);
         # --local-addr orders the nodes, so node k gets GROUP_RANK k
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{RDZV_PORT}"]
-        # a fixed-size job keeps torchrun's defaults (fewer keep-alives on the measured link)
-        conf = f"is_host={int(node == 0)}" + (f",{RDZV_CONF}" if elastic.on else "")
-        argv += ["--rdzv-id", topology.names.run_id, "--rdzv-conf", conf]
+        conf = f"is_host={int(node == 0)}" + (f",{conf}" if conf else "")
+        argv += ["--rdzv-id", rdzv_id, "--rdzv-conf", conf]
         argv += ["--local-addr", topology.node_address(node)]
     else:
         argv += ["--node-rank", str(node), "--master-addr", master]
@@ -115,6 +136,7 @@ def node_env(base: dict[str, str], topology: Topology, ranks_per_node: int) -> d
     # closed by peer"), and the agent never publishes its address again, so a node that
     # joins a later round waits for it until the rendezvous times out.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = LINE_PREFIX_TEMPLATE
     env.setdefault("PYTHONUNBUFFERED", "1")
     # the nodes share this machine's cores; each rank gets its share, not all of them
     cores = os.cpu_count() or 1
@@ -124,42 +146,65 @@ def node_env(base: dict[str, str], topology: Topology, ranks_per_node: int) -> d
 
 @dataclass
 class Job:
-    """The torchrun processes of one run (one per node), and rank 0's lines from node 0's
-    console. ``elastic``: a node the lab itself took down (``lose``) is not a failure of
-    the job, whose survivors go on; otherwise the first torchrun to fail ends the job."""
+    """The torchrun processes of one run (one per node), and rank 0's lines from whichever
+    node holds rank 0. Each poll of ``wait`` looks for lost nodes (``supervisor.lost_cause``)
+    and hands each to ``on_lost``, the lab's scheduler, which decides (``doomed``), cleans up
+    and may ``replace`` it; without one, a lost node ends the job. Any other torchrun that
+    fails ends the job."""
 
     procs: list[subprocess.Popen]
     logs: list[Path]
     output: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # when each output line came (monotonic)
-    reader: threading.Thread | None = None
+    readers: list[threading.Thread] = field(default_factory=list)
     elastic: bool = False
-    lost: set[int] = field(default_factory=set)  # nodes the lab took down, not replaced
+    lost: set[int] = field(default_factory=set)  # nodes down now (lost, not yet replaced)
     retired: list[subprocess.Popen] = field(default_factory=list)  # torchruns of lost nodes
     doomed: str | None = None  # why the job cannot go on (set by the lab), or None
-
-    def lose(self, node: int, why: str | None = None) -> None:
-        """Node ``node`` was taken down by the lab; ``why`` says so when that ends the job."""
-        self.lost.add(node)
-        if why is not None or not self.elastic:
-            self.doomed = why or f"node {node} was lost and the job is not elastic"
+    failure: str | None = None  # which torchrun failed on its own, and how
+    on_lost: Callable[[int, str], None] | None = None  # (node, cause): the lab's scheduler
+    node_up: Callable[[int], bool] = lambda node: True  # whether the node's namespace is there
+    echo: TextIO | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def replace(self, node: int, proc: subprocess.Popen) -> None:
-        """A fresh torchrun on node ``node`` in place of the lost one."""
+        """A fresh torchrun on node ``node`` in place of the lost one; from now on its
+        failures are the job's, as any other node's."""
         self.retired.append(self.procs[node])
         self.procs[node] = proc
         self.lost.discard(node)
+
+    def watch(self) -> None:
+        """Hand every node lost since the last look to ``on_lost`` (once each)."""
+        for node, proc in enumerate(self.procs):
+            if node in self.lost:
+                continue
+            cause = lost_cause(proc.poll(), self.node_up(node))
+            if cause is None:
+                continue
+            self.lost.add(node)
+            if self.on_lost is None:
+                self.doomed = f"node {node} was lost ({cause})"
+            else:
+                self.on_lost(node, cause)
 
     def wait(self, deadline: float) -> tuple[int, bool]:
         """(exit status, timed out): the first failing node's status, else 0."""
         failed = None
         while True:
+            self.watch()
             if self.doomed is not None:
                 failed = LOST
                 break
-            codes = [p.poll() for i, p in enumerate(self.procs) if i not in self.lost]
-            failed = next((c for c in codes if c not in (None, 0)), None)
-            if failed is not None or all(c == 0 for c in codes):
+            codes = {i: p.poll() for i, p in enumerate(self.procs) if i not in self.lost}
+            # a status below 0 (killed by a signal) is a loss, seen by the next watch: the
+            # node may have died between the watch above and this poll
+            bad = next(((i, c) for i, c in codes.items() if c is not None and c > 0), None)
+            if bad is not None:
+                node, failed = bad
+                self.failure = f"node {node}'s torchrun failed with exit status {failed}"
+                break
+            if all(c == 0 for c in codes.values()):
                 break
             if time.monotonic() > deadline:
                 self.stop()
@@ -180,8 +225,8 @@ class Job:
             except subprocess.TimeoutExpired:
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()
-        if self.reader is not None:
-            self.reader.join(timeout=STOP_GRACE_S)
+        for reader in self.readers:
+            reader.join(timeout=STOP_GRACE_S)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -190,22 +235,24 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
             os.killpg(proc.pid, sig)
 
 
-RANK0_PREFIX = "[default0]:"  # torchrun's prefix for the lines of local rank 0 it tees
-
-
-def _pump(stream, log: Path, rank0: list[str], times: list[float], echo: TextIO | None) -> None:
-    """Copy node 0's console to its log; keep (and echo) rank 0's lines without the prefix."""
-    with open(log, "w") as out:
+def _pump(stream, log: Path, job: Job, node: int) -> None:
+    """Copy a node's console to its log; keep (and echo) rank 0's lines without the prefix,
+    and echo node 0's own torchrun lines as they come."""
+    with open(log, "a") as out:
         for line in stream:
             out.write(line)
             out.flush()
-            if line.startswith(RANK0_PREFIX):
-                line = line[len(RANK0_PREFIX) :]
-                times.append(time.monotonic())
-                rank0.append(line)
-            if echo is not None:
-                echo.write(line)
-                echo.flush()
+            worker = WORKER_LINE.match(line)
+            if worker is not None and worker.group(1) == "0":
+                line = line[worker.end() :]
+                with job.lock:
+                    job.times.append(time.monotonic())
+                    job.output.append(line)
+            elif worker is not None or node != 0:
+                continue
+            if job.echo is not None:
+                job.echo.write(line)
+                job.echo.flush()
 
 
 def rank_logs(log_dir: Path, local_rank: int) -> tuple[str, str]:
@@ -225,40 +272,30 @@ def start_job(
     echo: TextIO | None = None,
     elastic: bool = False,
 ) -> Job:
-    """Start one command per node (node 0's console piped and pumped, others to files)."""
-    job = Job([], [], elastic=elastic)
+    """Start one command per node, each console pumped into its log (see ``_pump``)."""
+    job = Job([], [], elastic=elastic, echo=echo)
     for node, argv in enumerate(commands):
-        log = logdir / f"node{node}.log"
-        job.logs.append(log)
-        if node == 0:
-            proc = subprocess.Popen(
-                argv,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                errors="replace",
-                start_new_session=True,  # Ctrl-C reaches the lab, which stops the job in order
-            )
-            job.reader = threading.Thread(
-                target=_pump, args=(proc.stdout, log, job.output, job.times, echo), daemon=True
-            )
-            job.reader.start()
-        else:
-            proc = start_node(argv, env, log)
-        job.procs.append(proc)
+        job.logs.append(logdir / f"node{node}.log")
+        job.procs.append(start_node(argv, env, job, node))
     return job
 
 
-def start_node(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    """One node's torchrun, its console appended to ``log``, in a session of its own."""
-    with open(log, "a") as out:
-        return subprocess.Popen(
-            argv,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+def start_node(argv: list[str], env: dict[str, str], job: Job, node: int) -> subprocess.Popen:
+    """One node's torchrun in a session of its own (Ctrl-C reaches the lab, which stops the
+    job in order), its console appended to the node's log by a reader thread."""
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    reader = threading.Thread(
+        target=_pump, args=(proc.stdout, job.logs[node], job, node), daemon=True
+    )
+    reader.start()
+    job.readers.append(reader)
+    return proc

@@ -56,6 +56,10 @@ class RunNames:
         return f"{self.run_id}-storage"
 
     @property
+    def infra(self) -> str:
+        return f"{self.run_id}-infra"
+
+    @property
     def probe(self) -> str:
         return f"{self.run_id}-probe"
 

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from fsdp_ext.lab.names import RunNames
+from fsdp_ext.lab.rendezvous import ETCD_INSTALL, etcd_missing
 from fsdp_ext.lab.system import LabCommandError, run_tool
 
 __all__ = ["APT_INSTALL", "LabUnavailable", "check_requirements", "unavailable_reason"]
@@ -40,7 +41,9 @@ def _netns_refusal(names: RunNames) -> str | None:
     return None
 
 
-def unavailable_reason(*, storage: bool = True, names: RunNames | None = None) -> str | None:
+def unavailable_reason(
+    *, storage: bool = True, names: RunNames | None = None, rdzv: str = "c10d"
+) -> str | None:
     """None when a lab can be built here, else the one-line reason (with the fix)."""
     if os.geteuid() != 0:
         return (
@@ -57,6 +60,11 @@ def unavailable_reason(*, storage: bool = True, names: RunNames | None = None) -
             f"fsdp_ext.lab needs {FUSE_DEVICE} for the shared sshfs directory, and this machine "
             "has none (load the fuse module, or run without storage: --no-storage)"
         )
+    if rdzv == "etcd" and etcd_missing():
+        return (
+            f"fsdp_ext.lab --rdzv etcd needs {', '.join(etcd_missing())}, which is missing; "
+            f"install with: {ETCD_INSTALL} (or use the default --rdzv c10d)"
+        )
     refusal = _netns_refusal(names or RunNames.new())
     if refusal is not None:
         return (
@@ -66,8 +74,10 @@ def unavailable_reason(*, storage: bool = True, names: RunNames | None = None) -
     return None
 
 
-def check_requirements(*, storage: bool = True, names: RunNames | None = None) -> None:
+def check_requirements(
+    *, storage: bool = True, names: RunNames | None = None, rdzv: str = "c10d"
+) -> None:
     """Raise :class:`LabUnavailable` with the one-line reason when the lab cannot run here."""
-    reason = unavailable_reason(storage=storage, names=names)
+    reason = unavailable_reason(storage=storage, names=names, rdzv=rdzv)
     if reason is not None:
         raise LabUnavailable(reason)
