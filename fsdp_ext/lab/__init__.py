@@ -14,6 +14,7 @@ from fsdp_ext.lab.faults import Fault, FaultEvent, process_environ
 from fsdp_ext.lab.network import FABRIC_DEVICE
 from fsdp_ext.lab.rates import parse_rate
 from fsdp_ext.lab.requirements import APT_INSTALL, LabUnavailable, unavailable_reason
+from fsdp_ext.lab.supervisor import NodeLoss
 
 __all__ = [
     "APT_INSTALL",
@@ -25,6 +26,7 @@ __all__ = [
     "LabResult",
     "LabUnavailable",
     "NodeBytes",
+    "NodeLoss",
     "clean_stale",
     "parse_rate",
     "process_environ",
