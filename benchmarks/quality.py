@@ -56,7 +56,7 @@ def comm_choices() -> tuple[str, ...]:
 def modes(base: TrainConfig) -> dict[str, TrainConfig]:
     """Every mode's settings at ``base``'s LR and codec group size."""
     out = {
-        "stock": replace(base, comm="default"),
+        "stock": replace(base, comm="stock"),
         "q4": replace(base, comm="q4"),
         "loco": replace(base, comm="loco"),
         "zeropp": replace(base, comm="loco", zeropp=True, intra_node_size=1),
@@ -69,7 +69,7 @@ def modes(base: TrainConfig) -> dict[str, TrainConfig]:
 def lowlr_modes(base: TrainConfig, lr: float, group: int) -> dict[str, TrainConfig]:
     low = replace(base, lr=lr, comm_group_size=group)
     return {
-        "stock": replace(low, comm="default"),
+        "stock": replace(low, comm="stock"),
         "q4": replace(low, comm="q4"),
         "loco": replace(low, comm="loco"),
     }

@@ -46,7 +46,6 @@ from examples.config import (
     check_world,
     comm_settings,
     decide_comm,
-    node_size,
     parse_args,
     run_record,
 )
@@ -127,13 +126,13 @@ def _mp_policy(cfg: TrainConfig) -> MixedPrecisionPolicy:
 
 def shard_model(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> Transformer:
     """Experts over ep, one FSDP unit per expert group, the --wrap policy's units, the root;
-    under --hpz each unit keeps its post-forward copy inside the node."""
+    under hpZ (the job's CommConfig) each unit keeps its post-forward copy inside the node."""
     apply_expert_parallel(model, dims)
     policy = WRAP_POLICIES[cfg.wrap]
     kwargs = {}
-    if cfg.hpz:
-        nodes = node_size(cfg, dims.world_size)
-        kwargs["reshard_after_forward"] = node_local_reshard(dims.dp_mesh, nodes)
+    comm = comm_settings(cfg, dims.world_size)
+    if comm.hpz:
+        kwargs["reshard_after_forward"] = node_local_reshard(dims.dp_mesh, comm.node_size)
     return shard_moe_model(
         model, dims, auto_wrap_policy=policy, mp_policy=_mp_policy(cfg), **kwargs
     )

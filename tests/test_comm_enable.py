@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_ext
-from fsdp_ext.comm import CommConfig, LoCoConfig, WeightQuantConfig, enable
+from fsdp_ext.comm import CommConfig, LoCoConfig, Q4Config, WeightQuantConfig, enable
 from fsdp_ext.testing import run_distributed
 from tests import pipeline_cases
 
@@ -31,10 +31,11 @@ GROUP = 32  # values per scale, for qwZ and LoCo alike
 
 
 def test_comm_config_takes_short_names_and_configs():
-    cfg = CommConfig(gradients="loco", weights="int8", secondary_shards="node")
+    cfg = CommConfig(gradients="loco", weights="int8", hpz=True)
     assert cfg.gradients == LoCoConfig() and cfg.weights == WeightQuantConfig()
     assert cfg.hpz and cfg.enabled
-    assert CommConfig(gradients="q4").gradients == LoCoConfig(error_feedback=False)
+    assert CommConfig(gradients="q4").gradients == Q4Config()
+    assert CommConfig(gradients="stock", weights="stock") == CommConfig()
     assert CommConfig(weights="int8_forward").weights == WeightQuantConfig(backward=False)
     own = LoCoConfig(bits=8, group_size=64)
     assert CommConfig(gradients=own).gradients is own
@@ -44,12 +45,12 @@ def test_comm_config_takes_short_names_and_configs():
 @pytest.mark.parametrize(
     ("kwargs", "field", "allowed"),
     [
-        ({"gradients": "q8"}, "CommConfig.gradients", "['loco', 'q4'] or a LoCoConfig"),
-        ({"gradients": WeightQuantConfig()}, "CommConfig.gradients", "LoCoConfig"),
-        ({"weights": "int4"}, "CommConfig.weights", "['int8', 'int8_forward']"),
-        ({"weights": LoCoConfig()}, "CommConfig.weights", "WeightQuantConfig"),
-        ({"secondary_shards": "rack"}, "CommConfig.secondary_shards", "(None, 'node')"),
-        ({"secondary_shards": True}, "CommConfig.secondary_shards", "(None, 'node')"),
+        ({"gradients": "q8"}, "CommConfig.gradients", "['stock', 'loco', 'q4']"),
+        ({"gradients": WeightQuantConfig()}, "CommConfig.gradients", "a gradients codec"),
+        ({"weights": "int4"}, "CommConfig.weights", "['stock', 'int8', 'int8_forward']"),
+        ({"weights": LoCoConfig()}, "CommConfig.weights", "a weights codec"),
+        ({"hpz": "node"}, "CommConfig.hpz", "a bool"),
+        ({"hierarchical": 1}, "CommConfig.hierarchical", "a bool"),
         ({"node_size": 0}, "CommConfig.node_size", "'auto' or an int >= 1"),
         ({"node_size": True}, "CommConfig.node_size", "'auto' or an int >= 1"),
     ],
@@ -106,7 +107,9 @@ class Net(nn.Module):
 def _sharded(reshard):
     mesh = init_device_mesh("cpu", (WORLD,))
     net = Net()
-    fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh, reshard_after_forward=reshard)
+    fsdp_ext.shard_by_policy(
+        net, auto_wrap_policy={Block}, mesh=mesh, reshard_after_forward=reshard
+    )
     return net
 
 
@@ -129,13 +132,13 @@ def _train(net) -> list[float]:
 ZEROPP = CommConfig(
     gradients=LoCoConfig(group_size=GROUP),
     weights=WeightQuantConfig(group_size=GROUP),
-    secondary_shards="node",
+    hpz=True,
     node_size=NODE,
 )
 
 
 def _rank_enable() -> dict:
-    hpz = fsdp_ext.node_local_reshard(mesh=None, intra_node_size=NODE, world_size=WORLD)
+    hpz = fsdp_ext.node_local_reshard(mesh=None, node_size=NODE, world_size=WORLD)
     out = {}
     net = _sharded(True)
     out["stock"] = _train(net)
@@ -150,7 +153,7 @@ def _rank_enable() -> dict:
 
     # qwZ and hpZ alone: no gradient state, gradients as stock
     net = _sharded(hpz)
-    handle = enable(net, CommConfig(weights="int8", secondary_shards="node", node_size=NODE))
+    handle = enable(net, CommConfig(weights="int8", hpz=True, node_size=NODE))
     out["no_grad_state"] = handle.state_dict(), handle.gradient_config, handle.stats.bytes_sent
 
     # enable then remove: the stock run, bit for bit

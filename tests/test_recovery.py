@@ -185,7 +185,7 @@ def test_resume_on_fewer_ranks_reshards_and_continues(tmp_path):
     """Saved on 2 ranks at step 8, resumed on 1: parameters, optimizer and schedule are
     resharded by DCP and the data order continues, so the losses follow the 2-rank run's
     to float rounding."""
-    cfg = replace(SMALL, comm="default")
+    cfg = replace(SMALL, comm="stock")
     straight = run_distributed(_train, 2, replace(cfg, out=str(tmp_path / "a")))[0]
     head = replace(cfg, stop_after=8, ckpt_every=8, out=str(tmp_path / "b"))
     run_distributed(_train, 2, head)
