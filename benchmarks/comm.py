@@ -35,7 +35,6 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import statistics
@@ -91,20 +90,18 @@ def codecs(group_size: int = 128) -> dict[str, LoCoConfig]:
     }
 
 
-def _parallelize(config: LoCoConfig | None):
-    """``examples.train.parallelize`` with an explicit codec on every unit (the example's
-    flags know only group 128)."""
-
-    def attach(model, _cfg):
-        return None if config is None else enable(model, CommConfig(gradients=config))
-
-    return functools.partial(parallelize, attach=attach)
+def _with_codec(cfg: TrainConfig, config: LoCoConfig | Q4Config | None) -> TrainConfig:
+    """``cfg`` whose flags put ``config`` on every unit: --comm (the codec's name) and
+    --comm-group-size (None: --comm stock, FSDP's fp32 reduce-scatter)."""
+    if config is None:
+        return replace(cfg, comm="stock")
+    return replace(cfg, comm=config.codec, comm_group_size=config.group_size)
 
 
 def _run_mode(cfg: TrainConfig, config: LoCoConfig | None = None) -> dict:
     """One rank of one training run with ``config`` on every unit (None: stock fp32)."""
     with WireCounter() as wire:
-        summary = train(cfg, parallelize=_parallelize(config))
+        summary = train(_with_codec(cfg, config))
     return {
         "losses": summary["losses"],
         "val_loss": summary["val_loss"],
@@ -154,7 +151,7 @@ def _interleaved_rank(cfg: TrainConfig, configs: dict, backend: str) -> dict:
         torch.manual_seed(cfg.seed)
         dims = ParallelDims(world, ep=cfg.ep, pp=cfg.pp)
         dims.build_mesh("cpu")
-        par = _parallelize(config)(Transformer(cfg.model), cfg, dims)
+        par = parallelize(Transformer(cfg.model), _with_codec(cfg, config), dims)
         params = [p for part in par.parts for p in part.parameters()]
         runs[mode] = (par, params, torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95)))
     local = cfg.batch_size // world
@@ -268,7 +265,8 @@ def _fidelity_rank(
     codec of ``configs``; FSDP receives the ``deliver`` one."""
     tracker = FidelityTracker(tuple(configs), cfg.steps, window)
 
-    def attach(model, _cfg):
+    def parallelize_with_shadows(model, c, dims):
+        par = parallelize(model, replace(c, comm="stock"), dims)  # sharded, stock comms
         comms, units = {}, {}
         for name, config in configs.items():  # each registration replaces the previous one
             handle = enable(model, CommConfig(gradients=config))
@@ -276,9 +274,9 @@ def _fidelity_rank(
         for fqn, m in units.items():
             shadow = {name: comms[name][fqn] for name in configs}
             m.set_custom_reduce_scatter(ShadowReduceScatter(shadow, deliver, tracker, fqn))
-        return None
+        return par
 
-    summary = train(cfg, parallelize=functools.partial(parallelize, attach=attach))
+    summary = train(cfg, parallelize=parallelize_with_shadows)
     tracker.all_reduce()
     return {
         "deliver": deliver,

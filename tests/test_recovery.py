@@ -229,12 +229,12 @@ def test_our_launcher_hands_max_restarts_to_torchrun(monkeypatch, tmp_path, caps
     """--max-restarts goes to torchrun, not to the workers; under torchrun it is refused
     in one line naming torchrun's own flag."""
     from examples.config import parse_args
-    from examples.train import launch
+    from examples.launch import launch
 
     seen = []
     monkeypatch.setattr("torch.distributed.run.main", seen.append)
     argv = ["--nproc-per-node", "2", "--max-restarts", "3", "--out", str(tmp_path)]
-    launch(argv, parse_args(argv))
+    launch(argv, parse_args(argv), TRAIN)
     [args] = seen
     script = args.index(TRAIN)
     assert {"--standalone", "--nproc-per-node=2", "--max-restarts=3"} <= set(args[:script])

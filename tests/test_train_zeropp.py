@@ -58,7 +58,10 @@ def test_zeropp_resume_is_bitwise_exact(tmp_path):
     [
         (["--hpz", "--ep", "2", "--nproc-per-node", "2"], "argument --hpz: torch cannot reshard"),
         (["--zeropp", "--comm", "q4"], "argument --zeropp: it is --comm loco"),
-        (["--qwz", "--qwz-group-size", "48"], "argument --qwz-group-size: must be a power"),
+        (
+            ["--qwz", "--qwz-group-size", "48"],
+            "argument --qwz-group-size: WeightQuantConfig: group_size must be a power of two",
+        ),
     ],
 )
 def test_zeropp_flags_refuse_in_one_line(args, needle, capsys, monkeypatch):
