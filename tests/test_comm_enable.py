@@ -16,11 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import fsdp_ext
 from fsdp_ext.comm import CommConfig, LoCoConfig, Q4Config, WeightQuantConfig, enable
 from fsdp_ext.testing import run_distributed
 from tests import pipeline_cases
+from tests.meshes import cpu_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD, NODE = 4, 2
@@ -282,3 +284,31 @@ def test_zeropp_under_build_pipeline_against_the_reference(ranks):
         # copy over the whole group (True); one split over two nodes would keep all (False)
         on_one_node = len({r // NODE for r in run["dp_ranks"]}) == 1
         assert set(run["secondary"].values()) == {on_one_node}
+
+
+def _codec_builds():
+    """How many times one ``enable`` builds the gradient codec, counted at the registry."""
+    from fsdp_ext.comm import registry
+
+    built, entry = [], registry.CODECS["loco"]
+
+    def counting(config):
+        built.append(config)
+        return entry.factory(config)
+
+    registry.CODECS["loco"] = registry.Registered(counting, entry.options, entry.carries)
+    try:
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        for layer in model:
+            fully_shard(layer, mesh=cpu_mesh())
+        fully_shard(model, mesh=cpu_mesh())
+        handle = enable(model, CommConfig(gradients="loco"))
+        shared = {id(rs.codec) for rs in handle.reduce_scatters.values()}
+        return len(built), len(shared), len(handle.reduce_scatters)
+    finally:
+        registry.CODECS["loco"] = entry
+
+
+def test_enable_builds_the_codec_once_and_every_unit_shares_it():
+    for built, shared, units in run_distributed(_codec_builds, 2):
+        assert (built, shared, units) == (1, 1, 2)  # two blocks; the root holds nothing
