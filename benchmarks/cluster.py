@@ -61,8 +61,8 @@ NODE_SIZE = "{node_size}"  # replaced by "auto" when train.py takes it, else the
 # name -> examples/train.py flags. Adding a configuration is one line; one whose flags
 # train.py does not accept (yet) is left out, and the JSON says so.
 CONFIGS = {
-    "stock_fp32": ["--comm", "default", "--param-dtype", "fp32"],
-    "stock_bf16": ["--comm", "default", "--param-dtype", "bf16"],
+    "stock_fp32": ["--comm", "stock", "--param-dtype", "fp32"],
+    "stock_bf16": ["--comm", "stock", "--param-dtype", "bf16"],
     "q4": ["--comm", "q4"],
     "loco_flat": ["--comm", "loco"],
     "loco_hier": ["--comm", "loco", "--intra-node-size", NODE_SIZE],

@@ -35,7 +35,6 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import statistics
@@ -59,16 +58,18 @@ from examples.data import get_batch, load_corpus  # noqa: E402
 from examples.model import Transformer  # noqa: E402
 from examples.train import TrainConfig, parallelize, train  # noqa: E402
 from fsdp_ext import (  # noqa: E402
+    CommConfig,
     LoCoConfig,
     LoCoReduceScatter,
     ParallelDims,
+    Q4Config,
     clip_grad_norm_,
-    register_comm_hook,
+    enable,
 )
 from fsdp_ext.kernels.backend import use_backend  # noqa: E402
 from fsdp_ext.testing import WireCounter, run_distributed  # noqa: E402
 
-MODES = ("default", "q4", "loco")
+MODES = ("stock", "q4", "loco")
 
 
 def gradient_bytes(wire: WireCounter) -> int:
@@ -84,25 +85,23 @@ MACHINE = "2-core CPU shared with other jobs, gloo"
 def codecs(group_size: int = 128) -> dict[str, LoCoConfig]:
     """The two compressed modes at one group size: plain 4-bit (qgZ) and 4-bit LoCo."""
     return {
-        "q4": LoCoConfig(group_size=group_size, error_feedback=False),
+        "q4": Q4Config(group_size=group_size),
         "loco": LoCoConfig(group_size=group_size),
     }
 
 
-def _parallelize(config: LoCoConfig | None):
-    """``examples.train.parallelize`` with an explicit codec on every unit (the example's
-    flags know only group 128)."""
-
-    def attach(model, _cfg):
-        return None if config is None else register_comm_hook(model, config)
-
-    return functools.partial(parallelize, attach=attach)
+def _with_codec(cfg: TrainConfig, config: LoCoConfig | Q4Config | None) -> TrainConfig:
+    """``cfg`` whose flags put ``config`` on every unit: --comm (the codec's name) and
+    --comm-group-size (None: --comm stock, FSDP's fp32 reduce-scatter)."""
+    if config is None:
+        return replace(cfg, comm="stock")
+    return replace(cfg, comm=config.codec, comm_group_size=config.group_size)
 
 
 def _run_mode(cfg: TrainConfig, config: LoCoConfig | None = None) -> dict:
     """One rank of one training run with ``config`` on every unit (None: stock fp32)."""
     with WireCounter() as wire:
-        summary = train(cfg, parallelize=_parallelize(config))
+        summary = train(_with_codec(cfg, config))
     return {
         "losses": summary["losses"],
         "val_loss": summary["val_loss"],
@@ -123,11 +122,11 @@ def run(
     ``configs`` maps mode names to codecs (None: the stock fp32 reduce-scatter); by default
     the example's three modes at group size 128.
     """
-    configs = configs if configs is not None else {"default": None, **codecs()}
+    configs = configs if configs is not None else {"stock": None, **codecs()}
     runs = {mode: [] for mode in configs}
     for seed, mode in ((seed, mode) for seed in seeds for mode in configs):
         t0 = time.perf_counter()
-        cfg = replace(base, comm="default", seed=seed)
+        cfg = replace(base, comm="stock", seed=seed)
         result = run_distributed(_run_mode, world, cfg, configs[mode], timeout=3600)[0]
         result["wall_s"] = time.perf_counter() - t0
         runs[mode].append(result)
@@ -152,7 +151,7 @@ def _interleaved_rank(cfg: TrainConfig, configs: dict, backend: str) -> dict:
         torch.manual_seed(cfg.seed)
         dims = ParallelDims(world, ep=cfg.ep, pp=cfg.pp)
         dims.build_mesh("cpu")
-        par = _parallelize(config)(Transformer(cfg.model), cfg, dims)
+        par = parallelize(Transformer(cfg.model), _with_codec(cfg, config), dims)
         params = [p for part in par.parts for p in part.parameters()]
         runs[mode] = (par, params, torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95)))
     local = cfg.batch_size // world
@@ -192,7 +191,7 @@ def _interleaved_rank(cfg: TrainConfig, configs: dict, backend: str) -> dict:
 
 def step_times(base: TrainConfig, worlds: list[int], backends: list[str]) -> dict:
     """Step ms of stock / q4 / LoCo per backend and world size, trained side by side."""
-    configs = {"default": None, **codecs()}
+    configs = {"stock": None, **codecs()}
     out = {}
     for backend in backends:
         for world in worlds:
@@ -231,14 +230,14 @@ def _hook_rank(shard: int, reps: int, backend: str) -> dict:
     }
     x = torch.randn(world * shard, generator=torch.Generator().manual_seed(rank))
     out = torch.empty(shard)
-    times = {"default": [], **{name: [] for name in comms}}
+    times = {"stock": [], **{name: [] for name in comms}}
     kwargs = dict(group=dist.group.WORLD, op=dist.ReduceOp.AVG)
     with use_backend(backend):
         for rep in range(reps + 2):
             for name in list(times)[:: 1 if rep % 2 else -1]:
                 dist.barrier()
                 t0 = time.perf_counter()
-                if name == "default":
+                if name == "stock":
                     dist.reduce_scatter_tensor(out, x, **kwargs)
                 else:
                     comms[name](output_tensor=out, input_tensor=x, **kwargs)
@@ -266,17 +265,18 @@ def _fidelity_rank(
     codec of ``configs``; FSDP receives the ``deliver`` one."""
     tracker = FidelityTracker(tuple(configs), cfg.steps, window)
 
-    def attach(model, _cfg):
+    def parallelize_with_shadows(model, c, dims):
+        par = parallelize(model, replace(c, comm="stock"), dims)  # sharded, stock comms
         comms, units = {}, {}
         for name, config in configs.items():  # each registration replaces the previous one
-            handle = register_comm_hook(model, config)
+            handle = enable(model, CommConfig(gradients=config))
             comms[name], units = handle.reduce_scatters, handle.units
         for fqn, m in units.items():
             shadow = {name: comms[name][fqn] for name in configs}
             m.set_custom_reduce_scatter(ShadowReduceScatter(shadow, deliver, tracker, fqn))
-        return None
+        return par
 
-    summary = train(cfg, parallelize=functools.partial(parallelize, attach=attach))
+    summary = train(cfg, parallelize=parallelize_with_shadows)
     tracker.all_reduce()
     return {
         "deliver": deliver,
@@ -317,7 +317,7 @@ def _mean(results: list[dict], key) -> float:
     return statistics.mean(key(r) for r in results)
 
 
-def _gaps(runs: dict, mode: str, baseline: str = "default") -> list[float]:
+def _gaps(runs: dict, mode: str, baseline: str = "stock") -> list[float]:
     """Relative validation-loss gap of ``mode`` to the fp32 run of the same seed."""
     return [
         (r["val_loss"] - b["val_loss"]) / b["val_loss"]
@@ -341,7 +341,7 @@ def summarize(runs: dict) -> dict:
     wire = {mode: out[mode]["wire_bytes_per_step"] for mode in runs}
     return {
         "runs": out,
-        "bytes_ratio_loco_vs_fp32": round(wire["loco"] / wire["default"], 4),
+        "bytes_ratio_loco_vs_fp32": round(wire["loco"] / wire["stock"], 4),
         "val_loss_gap_loco": round(statistics.mean(_gaps(runs, "loco")), 4),
         "val_loss_gap_q4": round(statistics.mean(_gaps(runs, "q4")), 4),
         "val_loss_gap_loco_per_seed": [round(g, 4) for g in _gaps(runs, "loco")],
@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> dict:
             2,
             replace(base, lr=a.regime_lr),
             seeds,
-            {"default": None, q4_r: regime["q4"], loco_r: regime["loco"]},
+            {"stock": None, q4_r: regime["q4"], loco_r: regime["loco"]},
         )
 
     if a.regime_only:
@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 3. training loss in the regime, then the default codec against its own fp32 runs
     regime_runs = train_regime()
-    at_128 = run(2, base, codec_seeds, {"default": None, **codecs()})
+    at_128 = run(2, base, codec_seeds, {"stock": None, **codecs()})
     quality = summarize(at_128)
     if a.quick:  # one seed, a few steps: a smoke check, not a quality figure
         quality = {

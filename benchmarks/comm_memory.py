@@ -35,7 +35,7 @@ def _measure(world: int, node_size: int, small: bool) -> list[dict]:
 
     from examples.model import ModelConfig, Transformer
     from examples.train import TrainConfig, shard_model
-    from fsdp_ext import LoCoConfig, ParallelDims, register_comm_hook
+    from fsdp_ext import CommConfig, LoCoConfig, ParallelDims, enable
 
     cfg = TrainConfig()
     if small:
@@ -51,8 +51,13 @@ def _measure(world: int, node_size: int, small: bool) -> list[dict]:
     rows = []
     for name, dtype in ERROR_DTYPES.items():
         for hierarchical in (None, node_size):
-            handle = register_comm_hook(
-                model, LoCoConfig(error_dtype=dtype, intra_node_size=hierarchical)
+            handle = enable(
+                model,
+                CommConfig(
+                    gradients=LoCoConfig(error_dtype=dtype),
+                    hierarchical=hierarchical is not None,
+                    node_size=hierarchical or "auto",
+                ),
             )
             model(tokens).float().square().mean().backward()
             model.zero_grad(set_to_none=True)

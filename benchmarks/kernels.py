@@ -155,7 +155,7 @@ def unit_decode(device: torch.device, reps: int, scale: int = 1) -> dict:
     world = 8
     segments = [-(-n // scale) // world for n in BLOCK_7B]
     n = sum(segments)
-    codec = make_codec("int8_blockwise", WeightQuantConfig(group_size=QWZ_GROUP))
+    codec = make_codec(WeightQuantConfig(group_size=QWZ_GROUP))
     gen = torch.Generator().manual_seed(2)
     rows = (torch.randn(world, n, generator=gen) * 0.02).to(device, torch.bfloat16)
     out = torch.empty_like(rows)

@@ -94,7 +94,7 @@ class Runner:
             )
             self.parts = [s.submod for s in self.stages]
         else:
-            fsdp_ext.fully_shard(
+            fsdp_ext.shard_by_policy(
                 model, auto_wrap_policy=fsdp_ext.GranularityPolicy(), mesh=self.dims.dp_mesh
             )
             for _, m in fsdp_units(model):

@@ -31,12 +31,13 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from examples.config import build_parser  # noqa: E402
 from examples.model import ModelConfig  # noqa: E402
 from examples.train import TrainConfig, train  # noqa: E402
 from fsdp_ext.testing import run_distributed  # noqa: E402
@@ -49,14 +50,14 @@ TINY = ModelConfig(dim=16, n_layers=1, n_heads=2, hidden_dim=32, num_experts=2, 
 
 
 def comm_choices() -> tuple[str, ...]:
-    """The --comm values examples/train.py offers (``auto`` once it has landed there)."""
-    return next(f.metadata["choices"] for f in fields(TrainConfig) if f.name == "comm")
+    """The --comm values examples/train.py offers, read from its flags."""
+    return next(a.choices for a in build_parser()._actions if a.dest == "comm")
 
 
 def modes(base: TrainConfig) -> dict[str, TrainConfig]:
     """Every mode's settings at ``base``'s LR and codec group size."""
     out = {
-        "stock": replace(base, comm="default"),
+        "stock": replace(base, comm="stock"),
         "q4": replace(base, comm="q4"),
         "loco": replace(base, comm="loco"),
         "zeropp": replace(base, comm="loco", zeropp=True, intra_node_size=1),
@@ -69,7 +70,7 @@ def modes(base: TrainConfig) -> dict[str, TrainConfig]:
 def lowlr_modes(base: TrainConfig, lr: float, group: int) -> dict[str, TrainConfig]:
     low = replace(base, lr=lr, comm_group_size=group)
     return {
-        "stock": replace(low, comm="default"),
+        "stock": replace(low, comm="stock"),
         "q4": replace(low, comm="q4"),
         "loco": replace(low, comm="loco"),
     }

@@ -3,7 +3,7 @@
     python benchmarks/recovery.py [--quick] [--plot docs/recovery_loss.png]
 
 The lab: 2 nodes x 2 ranks, 1 Gbit/s links and storage, examples/train.py (tiny model,
---comm default) with checkpoints on the shared directory, torchrun --max-restarts 3
+--comm stock) with checkpoints on the shared directory, torchrun --max-restarts 3
 --min-nodes 1. Every process of node 1 gets SIGKILL (from outside, ``ip netns pids``) at
 one of three moments:
 
@@ -45,7 +45,7 @@ from fsdp_ext.lab import Cluster, Fault  # noqa: E402
 
 TINY = ["--batch-size", "4", "--seq-len", "32", "--dim", "32", "--n-layers", "2"]
 TINY += ["--n-heads", "2", "--hidden-dim", "32", "--num-experts", "2", "--val-batches", "1"]
-TINY += ["--log-every", "1", "--comm", "default"]
+TINY += ["--log-every", "1", "--comm", "stock"]
 STEP = re.compile(r"^step\s+(\d+) \| loss (\S+) .*\|\s+(\S+) ms/step")
 RESUMED = re.compile(r"resumed from \S+step-(\d+) at step")
 STARTUP = re.compile(r"startup \| (.*) \| process start (\S+)")

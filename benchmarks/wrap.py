@@ -1,6 +1,6 @@
 """Benchmark auto-wrap policies on a fine-grained Qwen2-MoE-like model, 2 gloo ranks.
 
-Policies, all through ``fsdp_ext.fully_shard`` on the same model and data:
+Policies, all through ``fsdp_ext.shard_by_policy`` on the same model and data:
   leaf         every parameterised leaf its own unit (the finest wrap)
   block        one unit per decoder layer (torchtitan style, a set of classes)
   granularity  GranularityPolicy(memory_budget_bytes=budget_layers * one layer's bytes)
@@ -27,7 +27,7 @@ parameters and gradients (``UnshardedBytesTracker``, on an untimed first step).
 
 HF configs (``--hf``; built from a config, nothing downloaded): ``LlamaForCausalLM`` and
 ``MixtralForCausalLM``, tiny and about 100M parameters, on 4 gloo ranks. Each is sharded
-three times from the same initial weights: ``default``, ``fsdp_ext.fully_shard`` with
+three times from the same initial weights: ``default``, ``fsdp_ext.shard_by_policy`` with
 ``GranularityPolicy()``; ``torch_per_layer``, torch's own ``fully_shard`` per decoder layer
 and then the root, as the PyTorch tutorials write it; ``torch_same_plan``, the same with the
 last layer kept gathered after forward (torchtitan's former default, and our plan on these
@@ -127,7 +127,7 @@ def _run_policies(
         torch.manual_seed(0)
         model = FineMoE(cfg)
         plan = fsdp_ext.plan_units(model, policy)
-        fsdp_ext.fully_shard(model, auto_wrap_policy=policy, mesh=mesh)
+        fsdp_ext.shard_by_policy(model, auto_wrap_policy=policy, mesh=mesh)
         runs[name] = {
             "model": model,
             # fused: one optimizer op over all DTensors, not ~15 per parameter, so the
@@ -238,12 +238,12 @@ HF_PATHS = ("default", "torch_per_layer", "torch_same_plan")
 
 
 def _shard_hf(path: str, model: torch.nn.Module, mesh) -> None:
-    """``default``: ``fsdp_ext.fully_shard`` with ``GranularityPolicy()`` (our plan);
+    """``default``: ``fsdp_ext.shard_by_policy`` with ``GranularityPolicy()`` (our plan);
     ``torch_per_layer``: torch's ``fully_shard`` per decoder layer, then the root, as the
     tutorials write it; ``torch_same_plan``: the same with the last layer kept gathered after
     forward (torchtitan's former default), which is our plan on these models."""
     if path == "default":
-        fsdp_ext.fully_shard(model, auto_wrap_policy=fsdp_ext.GranularityPolicy(), mesh=mesh)
+        fsdp_ext.shard_by_policy(model, auto_wrap_policy=fsdp_ext.GranularityPolicy(), mesh=mesh)
     else:
         torch_per_layer(model, mesh, keep_last=path == "torch_same_plan")
 

@@ -127,7 +127,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(
             [Expert(cfg.dim, cfg.expert_hidden) for _ in range(cfg.num_experts)]
         )
-        # Tells fsdp_ext.fully_shard whether per-expert units are safe here.
+        # Tells fsdp_ext.shard_by_policy whether per-expert units are safe here.
         self.experts.experts_always_run = not cfg.skip_idle_experts
         self.shared_expert = Expert(cfg.dim, cfg.shared_hidden)
         self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False)

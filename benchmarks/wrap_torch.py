@@ -1,6 +1,6 @@
 """The baseline of the wrap benchmarks: torch's own ``fully_shard``, as users write it.
 
-A user who does not take ``fsdp_ext.fully_shard`` writes the PyTorch tutorials' loop, one
+A user who does not take ``fsdp_ext.shard_by_policy`` writes the PyTorch tutorials' loop, one
 ``fully_shard`` per decoder layer and then one on the root (torchtitan's ``apply_fsdp`` is
 the same loop). ``keep_last=True`` is torchtitan's former default: the last layer stays
 gathered after forward (its backward comes next), which is the plan

@@ -34,11 +34,11 @@ from fsdp_ext.testing import WireCounter, fsdp_units, run_distributed  # noqa: E
 
 WORLD, NODE = 4, 2
 MODES = {
-    "fp32": {"comm": "default"},
+    "fp32": {"comm": "stock"},
     "zeropp": {"comm": "loco", "intra_node_size": NODE, "qwz": True, "hpz": True, "zeropp": True},
     # one part at a time: hpZ alone moves bytes, not values (bit-identical to fp32)
-    "hpz": {"comm": "default", "intra_node_size": NODE, "hpz": True},
-    "qwz": {"comm": "default", "qwz": True},
+    "hpz": {"comm": "stock", "intra_node_size": NODE, "hpz": True},
+    "qwz": {"comm": "stock", "qwz": True},
     "loco_hierarchical": {"comm": "loco", "intra_node_size": NODE},
 }
 DEFAULT_MODES = ("fp32", "zeropp")

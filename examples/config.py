@@ -24,8 +24,6 @@ from fsdp_ext import (
     AutoDecision,
     CommConfig,
     GranularityPolicy,
-    LoCoConfig,
-    WeightQuantConfig,
     auto_config,
     plan_units,
     unit_sizes,
@@ -37,10 +35,10 @@ from fsdp_ext.checkpoint import (
     checkpoint_steps,
     step_name,
 )
+from fsdp_ext.comm import STOCK, gradient_names, preset, weight_names
 
 __all__ = [
     "AUTO",
-    "COMMS",
     "DTYPES",
     "RESUME_MODES",
     "RUN_RECORD",
@@ -50,19 +48,26 @@ __all__ = [
     "build_parser",
     "check_run_dir",
     "check_world",
-    "comm_config",
+    "comm_choices",
     "comm_settings",
     "decide_comm",
     "parse_args",
     "run_record",
-    "weights_config",
+    "weights_name",
 ]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WRAP_POLICIES = {"granularity": GranularityPolicy(), "block": {Block}}
-# gradient reduce-scatter: stock fp32, 4-bit without error feedback (qgZ), 4-bit LoCo
-COMMS = {"default": None, "q4": LoCoConfig(error_feedback=False), "loco": LoCoConfig()}
 AUTO = "auto"  # --comm auto: measured at startup, see decide_comm
+QWZ = "int8"  # --qwz's weight codec (forward only: --qwz-forward-only)
+
+
+def comm_choices() -> tuple[str, ...]:
+    """--comm's choices: the gradient names of fsdp_ext.comm (stock and every registered
+    codec, read when the flags are built, so a codec registered before is one), and auto."""
+    return (*gradient_names(), AUTO)
+
+
 RUN_RECORD = "run.json"  # what a run's checkpoints are bound to (see run_record)
 RESUME_MODES = ("auto", "always", "never")
 
@@ -129,15 +134,16 @@ class TrainConfig:
     )
     comm: str = _arg(
         "loco",
-        "gradient reduce-scatter: stock fp32, 4-bit (qgZ) or 4-bit LoCo; 'auto' measures the "
-        "links and codecs at startup and picks gradients, --qwz and --hpz (those given win)",
-        choices=(*COMMS, AUTO),
+        "gradient reduce-scatter: stock (fp32), a codec of fsdp_ext.comm (q4: 4-bit absmax, "
+        "loco: 4-bit with LoCo error feedback, or one registered); 'auto' measures the links "
+        "and codecs at startup and picks gradients, --qwz and --hpz (those given win)",
+        choices=comm_choices,
     )
     explain: bool = _arg(
         False, "with --comm auto: print the measurements and each candidate's predicted ms"
     )
     comm_group_size: int = _arg(
-        128, "values per scale of the 4-bit codecs of --comm q4 / loco (a power of two)", low=32
+        128, "values per scale of --comm's codec (the sizes it takes: 32-4096 for q4 / loco)"
     )
     intra_node_size: int | str | None = _arg(
         None,
@@ -150,7 +156,7 @@ class TrainConfig:
         False, "ZeRO++ qwZ: all-gather the weights as block-wise int8 (the shards stay exact)"
     )
     qwz_group_size: int = _arg(
-        256, "values per fp32 scale of --qwz's int8 weights (a power of two, 32-4096)", low=32
+        256, "values per fp32 scale of --qwz's int8 weights (a power of two, 32-4096)"
     )
     qwz_forward_only: bool = _arg(
         False, "--qwz on the forward all-gathers only; backward gathers full precision"
@@ -231,7 +237,7 @@ class TrainConfig:
         for owner, f in _flag_fields():
             value = getattr(self.model if owner is ModelConfig else self, f.name)
             low, above = f.metadata.get("low"), f.metadata.get("above")
-            choices = f.metadata.get("choices")
+            choices = _choices(f)
             if choices is not None and value not in choices:
                 raise ConfigError(_flag(f.name), f"must be one of {list(choices)}, got {value!r}")
             if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -278,10 +284,10 @@ class TrainConfig:
         k = self.intra_node_size
         if k is not None and k != "auto" and (not isinstance(k, int) or k < 1):
             raise ConfigError("--intra-node-size", f"must be an int >= 1 or 'auto', got {k!r}")
-        if k is not None and self.comm != AUTO and COMMS[self.comm] is None and not self.hpz:
+        if k is not None and self.comm == STOCK and not self.hpz:
             raise ConfigError(
                 "--intra-node-size",
-                "only the 4-bit codecs and --hpz work by node; --comm default sends full "
+                "only the gradient codecs and --hpz work by node; --comm stock sends full "
                 "precision everywhere: drop --intra-node-size, or pass --comm q4, --comm loco "
                 "or --hpz",
             )
@@ -290,8 +296,8 @@ class TrainConfig:
         if self.comm == AUTO and self.pp > 1:
             raise ConfigError(
                 "--comm",
-                "auto is not under --pp (the pipeline builds its own units); pick "
-                "--comm default, q4 or loco",
+                "auto is not under --pp (the pipeline builds its own units); pick one of "
+                f"{', '.join(gradient_names())}",
             )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device", "cuda was asked for but no CUDA device is available")
@@ -312,15 +318,22 @@ class TrainConfig:
                 f"torch cannot reshard expert-parallel experts (--ep {self.ep}) to a node; "
                 "use --ep 1 or drop --hpz",
             )
-        if self.comm_group_size & (self.comm_group_size - 1):
-            raise ConfigError(
-                "--comm-group-size", f"must be a power of two >= 32, got {self.comm_group_size}"
-            )
-        gs = self.qwz_group_size
-        if gs & (gs - 1) or gs > 4096:
-            raise ConfigError(
-                "--qwz-group-size", f"must be a power of two from 32 to 4096, got {gs}"
-            )
+        # the codecs own their limits: building their options checks them
+        if self.comm != AUTO:
+            try:
+                preset(self.comm, group_size=self.comm_group_size)
+            except ValueError as exc:
+                raise ConfigError("--comm-group-size", str(exc)) from None
+        try:
+            preset(QWZ, "weights", group_size=self.qwz_group_size)
+        except ValueError as exc:
+            raise ConfigError("--qwz-group-size", str(exc)) from None
+
+
+def _choices(f: Field) -> tuple | None:
+    """A flag's choices (a callable is read now: --comm's come from the codec registry)."""
+    choices = f.metadata.get("choices")
+    return choices() if callable(choices) else choices
 
 
 def _flag_fields() -> list[tuple[type, Field]]:
@@ -364,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             kwargs["type"] = f.metadata.get("type", type(default))
             if "choices" in f.metadata:
-                kwargs["choices"] = f.metadata["choices"]
+                kwargs["choices"] = _choices(f)
             if "nargs" in f.metadata:
                 kwargs["nargs"], kwargs["const"] = f.metadata["nargs"], f.metadata["const"]
             shown = "off" if default is None else default
@@ -453,36 +466,30 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
-def comm_config(cfg: TrainConfig, world_size: int) -> LoCoConfig | None:
-    """--comm's codec at --comm-group-size, by node under --intra-node-size (None: the stock
-    reduce-scatter; under --comm auto, what it chose)."""
-    if cfg.comm == AUTO:
-        return _decided(cfg).gradient_config()
-    config = COMMS[cfg.comm]
-    if config is not None and cfg.comm_group_size != config.group_size:
-        config = replace(config, group_size=cfg.comm_group_size)
-    if config is None or cfg.intra_node_size is None:
-        return config
-    return replace(config, intra_node_size=node_size(cfg, world_size))
-
-
-def weights_config(cfg: TrainConfig) -> WeightQuantConfig | None:
-    """--qwz's int8 parameter all-gather (None: the stock all-gather)."""
-    if cfg.comm == AUTO:
-        return _decided(cfg).weight_config()
+def weights_name(cfg: TrainConfig) -> str:
+    """--qwz and --qwz-forward-only as a weights name of fsdp_ext.comm."""
     if not cfg.qwz:
-        return None
-    return WeightQuantConfig(group_size=cfg.qwz_group_size, backward=not cfg.qwz_forward_only)
+        return STOCK
+    name = QWZ + ("_forward" if cfg.qwz_forward_only else "")
+    assert name in weight_names(), name
+    return name
 
 
 def comm_settings(cfg: TrainConfig, world_size: int) -> CommConfig:
-    """--comm, --qwz and --hpz as the one ``CommConfig`` that ``fsdp_ext.comm.enable``
-    takes (under --comm auto, what it chose; decide_comm sets --hpz to its choice)."""
+    """The one ``CommConfig`` of this job, which everything downstream reads (sharding for
+    hpZ, ``fsdp_ext.comm.enable``, the pipeline): under --comm auto, its decision as it
+    stands; else --comm at --comm-group-size (hierarchical under --intra-node-size), --qwz
+    and --hpz."""
+    if cfg.comm == AUTO:
+        return _decided(cfg).comm_config()
+    k = node_size(cfg, world_size)
+    gradients = preset(cfg.comm, group_size=cfg.comm_group_size)
     return CommConfig(
-        gradients=comm_config(cfg, world_size),
-        weights=weights_config(cfg),
-        secondary_shards="node" if cfg.hpz else None,
-        node_size=node_size(cfg, world_size) if cfg.hpz else "auto",
+        gradients=gradients,
+        weights=preset(weights_name(cfg), "weights", group_size=cfg.qwz_group_size),
+        hpz=cfg.hpz,
+        hierarchical=gradients is not None and cfg.intra_node_size is not None,
+        node_size="auto" if k is None else k,
     )
 
 
@@ -496,7 +503,8 @@ def decide_comm(cfg: TrainConfig, model: torch.nn.Module, world_size: int) -> Tr
     """--comm auto: measure the links and codecs, decide on rank 0, broadcast (collective:
     every rank calls it, before sharding, since hpZ is a sharding choice). --qwz,
     --qwz-forward-only and --hpz fix their part; the rest is chosen. Returns the settings
-    with the decision in them (unchanged for another --comm)."""
+    with the decision in them (unchanged for another --comm); the flags stay as given, and
+    ``comm_settings`` hands the decision's ``CommConfig`` on."""
     if cfg.comm != AUTO:
         return cfg
     k = node_size(cfg, world_size)
@@ -508,7 +516,7 @@ def decide_comm(cfg: TrainConfig, model: torch.nn.Module, world_size: int) -> Tr
         )
     fixed: dict = {}
     if cfg.qwz:
-        fixed["weights"] = "qwz_forward" if cfg.qwz_forward_only else "qwz"
+        fixed["weights"] = weights_name(cfg)
     if cfg.hpz:
         fixed["hpz"] = True
     elif cfg.ep > 1:  # torch cannot reshard expert-parallel experts to a node
@@ -522,7 +530,7 @@ def decide_comm(cfg: TrainConfig, model: torch.nn.Module, world_size: int) -> Tr
         weight_group_size=cfg.qwz_group_size,
         **fixed,
     )
-    return replace(cfg, auto=decision, hpz=decision.choice.hpz)
+    return replace(cfg, auto=decision)
 
 
 def _decided_before(cfg: TrainConfig) -> dict:

@@ -3,7 +3,8 @@
 - ``snapshots``: with ``--snapshot-every K``, every rank's shards are kept in its node's RAM
   and on the next node (``fsdp_ext.checkpoint.snapshot``);
 - ``resume_step``: the freshest of the in-memory snapshots and the disk checkpoints;
-- ``ending``: a worker that fails exits at once, one that is interrupted in one line.
+- ``ending``: a worker that fails exits at once, one that is interrupted in one line;
+- ``RNGState``: each rank's RNG streams, checkpointed with the rest.
 """
 
 from __future__ import annotations
@@ -15,15 +16,36 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from examples.config import TrainConfig
 from fsdp_ext import Checkpointer
 from fsdp_ext.checkpoint import Snapshots, job_name, snapshot_dir
 
-__all__ = ["INTERRUPTED", "ending", "resume_step", "snapshots"]
+__all__ = ["INTERRUPTED", "RNGState", "ending", "resume_step", "snapshots"]
 
 INTERRUPTED = 130  # 128 + SIGINT
+
+
+class RNGState(Stateful):
+    """This rank's RNG streams, under a per-rank key (DCP keeps one copy of a shared key)."""
+
+    def __init__(self, device: torch.device):
+        self.key = f"rank{dist.get_rank()}"
+        self.cuda = device.type == "cuda"
+
+    def state_dict(self) -> dict:
+        state = {"cpu": torch.get_rng_state()}
+        if self.cuda:
+            state["cuda"] = torch.cuda.get_rng_state()
+        return {self.key: state}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state[self.key]["cpu"])
+        if self.cuda:
+            torch.cuda.set_rng_state(state[self.key]["cuda"])
 
 
 def snapshots(cfg: TrainConfig, ckpt: Checkpointer | None, fresh: bool) -> Snapshots | None:

@@ -1,6 +1,6 @@
 """Ranks per node, as the user gave it or as the launcher set it.
 
-Hierarchical LoCo (``comm``) and hpZ (``wrap``) both need it, so it lives outside both.
+Hierarchical gradients (``comm``) and hpZ (``wrap``) both need it, so it lives outside both.
 """
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ def launcher_node_size() -> int:
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is None or not local.isdigit() or int(local) < 1:
         raise ValueError(
-            "intra_node_size='auto' needs the launcher's LOCAL_WORLD_SIZE (torchrun sets it), "
-            f"got {local!r}; pass intra_node_size=<ranks per node> instead"
+            "node_size='auto' needs the launcher's LOCAL_WORLD_SIZE (torchrun sets it), "
+            f"got {local!r}; pass node_size=<ranks per node> instead"
         )
     return int(local)
 
 
-def resolve_node_size(intra_node_size: int | str) -> int:
+def resolve_node_size(node_size: int | str) -> int:
     """An int node size, or ``"auto"`` resolved from the launcher."""
-    if intra_node_size == "auto":
+    if node_size == "auto":
         return launcher_node_size()
-    k = intra_node_size
+    k = node_size
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"intra_node_size must be 'auto' or an int >= 1, got {k!r}")
+        raise ValueError(f"node_size must be 'auto' or an int >= 1, got {k!r}")
     return k

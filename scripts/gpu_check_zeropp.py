@@ -50,7 +50,7 @@ def main() -> dict:
         mesh = init_device_mesh("cuda", (dist.get_world_size(),))
         torch.manual_seed(0)
         net = nn.Sequential(*(Block(256) for _ in range(4)), nn.Linear(256, 16)).to(device)
-        fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh)
+        fsdp_ext.shard_by_policy(net, auto_wrap_policy={Block}, mesh=mesh)
         handle = fsdp_ext.comm.enable(net, fsdp_ext.CommConfig(gradients="loco", weights="int8"))
         optim = torch.optim.AdamW(net.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(1)

@@ -138,7 +138,7 @@ def run_pipeline(
     dims = fsdp_ext.ParallelDims(world, pp=pp, ep=ep)
     dims.build_mesh("cpu")
     rs = CountingReduceScatter()
-    comm = fsdp_ext.LoCoConfig(bits=4, group_size=32) if loco else rs
+    comm = fsdp_ext.CommConfig(gradients=fsdp_ext.LoCoConfig(group_size=32)) if loco else rs
     schedule_obj, stages = fsdp_ext.build_pipeline(
         make_model(moe, n_layers),
         dims,

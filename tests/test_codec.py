@@ -285,8 +285,7 @@ def test_beta_point_eight_matches_fp64_derivation_and_running_mean_bound():
 def test_error_resets_exactly_every_reset_interval_reductions():
     """The library's error buffer, driven reduction by reduction, is zeroed before reductions
     reset_interval, 2 * reset_interval, ... and only then (checked against the fp64 model)."""
-    from fsdp_ext.comm.absmax_codec import AbsmaxCodec
-    from fsdp_ext.comm.config import LoCoConfig
+    from fsdp_ext.comm.absmax_codec import AbsmaxCodec, LoCoConfig
     from fsdp_ext.comm.error_feedback import ErrorFeedback
     from fsdp_ext.comm.quantized_exchange import encode_rows
 

@@ -5,6 +5,8 @@ before codecs had names still resume bit for bit, and another codec's state is r
 
 import io
 import itertools
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -15,8 +17,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_ext import LoCoConfig, register_comm_hook
-from fsdp_ext.comm import Codec, register_codec
+from fsdp_ext import CommConfig, LoCoConfig, enable
+from fsdp_ext.comm import Codec, register_codec, unregister_codec
 from fsdp_ext.testing import WireCounter, run_distributed
 from tests.meshes import cpu_mesh
 
@@ -42,7 +44,25 @@ class BFloat16Codec(Codec):
         return {"wire_dtype": "bfloat16"}
 
 
-register_codec("bf16_test", lambda config: BFloat16Codec())  # the one registry line
+@dataclass(frozen=True)
+class BFloat16Options:
+    """The codec's options: it has none but its name."""
+
+    codec: ClassVar[str] = "bf16_test"
+
+
+def _register():
+    """The one registry line; each rank runs it in its own process, and the parent's is
+    removed after (the codec stays out of the other tests' vocabulary)."""
+    register_codec("bf16_test", lambda config: BFloat16Codec(), options=BFloat16Options)
+
+
+@pytest.fixture(autouse=True)
+def _bf16_registered():
+    _register()
+    yield
+    unregister_codec("bf16_test")
+
 
 WIDTHS = [48, 80, 48]
 
@@ -80,9 +100,10 @@ def _bf16_mean(grads):
 
 
 def _train_flat(steps):
+    _register()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model()
-    handle = register_comm_hook(model, LoCoConfig(codec="bf16_test"))
+    handle = enable(model, CommConfig(gradients="bf16_test"))
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     wire = WireCounter().open()  # counted outside the library
     try:
@@ -125,11 +146,12 @@ def test_a_codec_defined_in_a_test_module_trains_through_fsdp():
 
 
 def _hsdp_grads():
+    _register()
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     model = _model(mesh=mesh["dp_shard"])
-    register_comm_hook(
-        model, LoCoConfig(codec="bf16_test"), replicate_group=mesh["dp_replicate"].get_group()
+    enable(
+        model, CommConfig(gradients="bf16_test"), replicate_group=mesh["dp_replicate"].get_group()
     )
     x, y = _batch(rank, 0)
     nn.functional.mse_loss(model(x), y).backward()
@@ -165,6 +187,7 @@ class _LegacyFormat(Stateful):
             state = torch.load(io.BytesIO(blob), weights_only=True)
             del state["header"]["codec"]
             del state["header"]["parameters"]  # names and lengths came later still
+            state["header"]["intra_node_size"] = state["header"].pop("node_size")
             assert set(state["header"]) == {
                 "world_size",
                 "bits",
@@ -186,7 +209,7 @@ class _LegacyFormat(Stateful):
 def _fresh(config):
     model = _model()
     optim = torch.optim.SGD(model.parameters(), lr=0.05)
-    return model, optim, register_comm_hook(model, config)
+    return model, optim, enable(model, CommConfig(gradients=config))
 
 
 def _train(model, optim, steps, start):
@@ -198,6 +221,7 @@ def _train(model, optim, steps, start):
 
 
 def _legacy_resume(path):
+    _register()
     config = LoCoConfig(group_size=32)
     model, optim, _ = _fresh(config)
     _train(model, optim, 8, 0)
@@ -213,7 +237,7 @@ def _legacy_resume(path):
     _train(model, optim, 4, 4)
     resumed = [p.to_local() for p in model.parameters()]
     # another codec cannot read LoCo's buffers: refused, naming the codec
-    _, _, other = _fresh(LoCoConfig(codec="bf16_test"))
+    _, _, other = _fresh(BFloat16Options())
     try:
         dcp.load({"comm": other}, checkpoint_id=path)
         refused = ""
@@ -225,13 +249,17 @@ def _legacy_resume(path):
 def test_a_checkpoint_from_before_codec_names_resumes_bit_for_bit(tmp_path):
     for straight, resumed, refused in run_distributed(_legacy_resume, 2, str(tmp_path / "c")):
         assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
-        assert "codec=absmax" in refused and "codec=bf16_test" in refused
+        assert "codec=loco" in refused and "codec=bf16_test" in refused
 
 
 def test_register_codec_refuses_bad_names_and_duplicates():
     with pytest.raises(ValueError, match="already registered"):
-        register_codec("absmax", lambda config: BFloat16Codec())
-    with pytest.raises(ValueError, match="name must be a non-empty str"):
-        register_codec("", lambda config: BFloat16Codec())
-    with pytest.raises(ValueError, match=r"codec must be one of \[.*'absmax'.*\], got 'nope'"):
-        LoCoConfig(codec="nope")
+        register_codec("loco", lambda config: BFloat16Codec(), options=BFloat16Options)
+    with pytest.raises(ValueError, match="name must be an identifier other than 'stock'"):
+        register_codec("", lambda config: BFloat16Codec(), options=BFloat16Options)
+    with pytest.raises(ValueError, match="name must be an identifier other than 'stock'"):
+        register_codec("stock", lambda config: BFloat16Codec(), options=BFloat16Options)
+    with pytest.raises(ValueError, match="one of the library's codecs"):
+        unregister_codec("loco")
+    with pytest.raises(ValueError, match=r"CommConfig.gradients must be one of \['stock', "):
+        CommConfig(gradients="nope")

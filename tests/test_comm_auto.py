@@ -21,6 +21,7 @@ from fsdp_ext.comm.auto import (
     auto_config,
     candidates,
     choose,
+    codec_keys,
     codec_speed,
     measure,
     pick,
@@ -31,7 +32,6 @@ from fsdp_ext.comm.auto import (
 from fsdp_ext.testing import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
-KEYS = ("loco_encode", "q4_encode", "grad_decode", "weight_encode", "weight_decode")
 MBIT = 1e6 / 8  # bytes/s per Mbit/s
 
 
@@ -40,7 +40,7 @@ def _measurements(link_mbit: float, ns_per_element: float = 2.0, per_call_us: fl
     return Measurements(
         intra=Hop(2e9, 30e-6),
         inter=Hop(link_mbit * MBIT, 200e-6),
-        codecs=dict.fromkeys(KEYS, codec),
+        codecs=dict.fromkeys(codec_keys(), codec),
     )
 
 
@@ -59,9 +59,8 @@ def _hand_formula(c: Candidate, m: Measurements) -> float:
     x, i = m.inter, m.intra
     q4 = math.ceil(s / 128) * (64 + 4)  # 4-bit codes + one fp32 scale per 128
     q8 = math.ceil(s / 256) * (256 + 4)  # int8 codes + one fp32 scale per 256
-    enc_w, dec_w = m.codecs["weight_encode"], m.codecs["weight_decode"]
-    enc_g = m.codecs["loco_encode" if c.gradients == "loco" else "q4_encode"]
-    dec_g = m.codecs["grad_decode"]
+    enc_w, dec_w = m.codecs["int8_encode"], m.codecs["int8_decode"]
+    enc_g, dec_g = m.codecs.get(f"{c.gradients}_encode"), m.codecs.get(f"{c.gradients}_decode")
 
     def ring_step(nbytes):
         return max(nbytes / x.bandwidth, nbytes / i.bandwidth) + x.latency
@@ -71,7 +70,7 @@ def _hand_formula(c: Candidate, m: Measurements) -> float:
         if backward and c.hpz:
             # inside the node: k - 1 ring steps of the node-local shard p / k, fp32
             total += (k - 1) * (p / k * 4 / i.bandwidth + i.latency)
-        elif c.weights == "qwz" or (c.weights == "qwz_forward" and not backward):
+        elif c.weights == "int8" or (c.weights == "int8_forward" and not backward):
             total += (w - 1) * ring_step(q8)
             total += enc_w.per_call + s * enc_w.per_element + dec_w.per_call + p * dec_w.per_element
         else:
@@ -105,22 +104,25 @@ def test_cost_model_bytes_are_the_collectives_choices(param_bytes):
     they equal what the collectives themselves choose to send (``wire_for`` of a real
     ``LoCoReduceScatter``; ``choose_wire`` of the weight codec on FSDP's padded shards), for
     units that compress, units too small to, and several parameters per unit."""
-    from types import SimpleNamespace
-
     import torch
 
-    from fsdp_ext.comm import LoCoConfig, LoCoReduceScatter, choose_wire, make_codec
+    from fsdp_ext.comm import (
+        LoCoConfig,
+        LoCoReduceScatter,
+        WeightQuantConfig,
+        choose_wire,
+        make_codec,
+    )
 
     w = 2
     layout = Layout(world=w, node_size=w, param_bytes=param_bytes)
     free = CodecSpeed(0.0, 0.0)
-    m = Measurements(intra=Hop(1.0, 0.0), inter=None, codecs=dict.fromkeys(KEYS, free))
+    m = Measurements(intra=Hop(1.0, 0.0), inter=None, codecs=dict.fromkeys(codec_keys(), free))
     grads = LoCoReduceScatter(LoCoConfig(group_size=layout.grad_group_size))
-    # the qwZ codec as a WeightQuantConfig of this group size builds it (reads group_size)
-    weights = make_codec("int8_blockwise", SimpleNamespace(group_size=layout.weight_group_size))
+    weights = make_codec(WeightQuantConfig(group_size=layout.weight_group_size))
     for params in ([100], [64], [1000, 3], [1 << 16, 7, 7, 300], [513] * 5):
         shards = [-(-p // w) for p in params]  # FSDP pads each parameter to whole shards
-        pred = predict(Candidate("qwz", False, "q4"), layout, m, [[], params]).seconds
+        pred = predict(Candidate("int8", False, "q4"), layout, m, [[], params]).seconds
         weight_wire = choose_wire(weights, shards, param_bytes)
         assert pred["weights"] == 2 * (w - 1) * weight_wire.wire_bytes, params
         grad_wire = grads.wire_for(sum(shards), torch.float32)
@@ -138,24 +140,19 @@ def test_candidates_cover_each_collective_and_hop():
 
 def test_slow_link_chooses_zeropp():
     d = choose(LAYOUT, _measurements(50), UNITS)
-    assert d.choice == Candidate("qwz", True, "loco", True)
-    assert d.hpz_node_size == 2
-    assert d.weight_config().backward and d.gradient_config().intra_node_size == 2
-    assert d.gradient_config().error_feedback
-    # the whole choice as the one config fsdp_ext.comm.enable takes
+    assert d.choice == Candidate("int8", True, "loco", True)
+    # the whole choice as the one config everything downstream takes, in the same names
     assert d.comm_config() == fsdp_ext.CommConfig(
-        gradients=d.gradient_config(),
-        weights=d.weight_config(),
-        secondary_shards="node",
-        node_size=2,
+        gradients="loco", weights="int8", hpz=True, hierarchical=True, node_size=2
     )
+    assert d.comm_config().gradients == fsdp_ext.LoCoConfig()
 
 
 def test_fast_link_with_slow_codec_chooses_stock():
     # 100 Gbit/s and a codec at 50 ns per element: nothing is worth encoding
     d = choose(LAYOUT, _measurements(100_000, ns_per_element=50), UNITS)
     assert d.choice.weights == "stock" and d.choice.gradients == "stock"
-    assert d.gradient_config() is None and d.weight_config() is None
+    assert d.comm_config().gradients is None and d.comm_config().weights is None
     # hpZ quantises nothing: it stays where its node-local backward gather is the faster
     assert d.choice.hpz == (
         d.predicted_ms(Candidate(hpz=True)) < d.predicted_ms(Candidate(hpz=False))
@@ -165,7 +162,7 @@ def test_fast_link_with_slow_codec_chooses_stock():
 def test_ties_go_to_the_least_quantised():
     # q4 and LoCo cost the same here: LoCo (error feedback) wins the tie
     d = choose(LAYOUT, _measurements(50), UNITS)
-    q4 = Candidate("qwz", True, "q4", True)
+    q4 = Candidate("int8", True, "q4", True)
     assert d.predicted_ms(q4) == pytest.approx(d.predicted_ms())
     # a tolerance of 0 still takes the exact minimum
     assert choose(LAYOUT, _measurements(50), UNITS, tolerance=0.0).choice.gradients == "loco"
@@ -177,7 +174,7 @@ def test_a_unit_whose_payload_exceeds_fp32_goes_raw():
     tiny = [[0], [64]]
     m = _measurements(50)
     raw = predict(Candidate(), LAYOUT, m, tiny)
-    qwz = predict(Candidate("qwz"), LAYOUT, m, tiny)
+    qwz = predict(Candidate("int8"), LAYOUT, m, tiny)
     assert qwz.seconds["weights"] == raw.seconds["weights"]
     assert "weights_codec" not in qwz.seconds
     loco = predict(Candidate(gradients="loco"), LAYOUT, m, tiny)
@@ -211,7 +208,7 @@ def test_explain_shows_every_candidate_and_the_choice():
 
 # ------------------------------------------------ decision edges (each fails a known mutant)
 
-ZEROPP = Candidate("qwz", True, "loco", True)  # the most quantised of the three below
+ZEROPP = Candidate("int8", True, "loco", True)  # the most quantised of the three below
 LOCO_FLAT = Candidate(gradients="loco")
 STOCK = Candidate()
 
@@ -238,7 +235,7 @@ def test_near_ties_just_inside_and_just_outside_the_tolerance():
     assert outside == LOCO_FLAT  # the least quantised of what is left
     assert pick(_predictions({ZEROPP: 1.0, LOCO_FLAT: 1.0501, STOCK: 1.06}), 0.05) == ZEROPP
     # equally quantised (2 parts each): the faster one
-    fwd = Candidate("qwz_forward")
+    fwd = Candidate("int8_forward")
     assert fwd.lossy_parts == LOCO_FLAT.lossy_parts
     assert pick(_predictions({fwd: 1.01, LOCO_FLAT: 1.02}), 0.05) == fwd
     assert pick(_predictions({fwd: 1.02, LOCO_FLAT: 1.01}), 0.05) == LOCO_FLAT
@@ -286,11 +283,11 @@ def test_the_decision_follows_the_slowest_ranks_codec():
     slow = _measurements(1000, ns_per_element=50)
     quantised = choose(LAYOUT, fast, UNITS).choice
     stock = choose(LAYOUT, slow, UNITS).choice
-    assert quantised.weights == "qwz" and stock.weights == "stock"
+    assert quantised.weights == "int8" and stock.weights == "stock"
     assert stock.gradients == "stock"
     for views in ([fast, slow, fast, fast], [slow, fast, fast, fast], [fast, fast, fast, slow]):
         combined = slowest(views)
-        for key in KEYS:
+        for key in codec_keys():
             assert combined.codecs[key].per_element == pytest.approx(50e-9)
         assert choose(LAYOUT, combined, UNITS).choice == stock
     # per call and per element are each the worst of any rank, even from different ranks
@@ -326,7 +323,7 @@ def test_a_faked_probe_where_the_large_call_is_no_slower_than_the_tiny_one():
     Every codec comes out at 1 ms per call plus a floor per element; on a 100 Gbit/s link
     the weights then stay in fp32, where codecs measured as free would quantise them."""
     sample = 1 << 18
-    calls = dict.fromkeys(KEYS, lambda: None)
+    calls = dict.fromkeys(codec_keys(), lambda: None)
     timed = []
 
     def fake(fn, reps):
@@ -334,7 +331,7 @@ def test_a_faked_probe_where_the_large_call_is_no_slower_than_the_tiny_one():
         return 1e-3
 
     codecs = time_codecs(calls, calls, sample, time_call=fake)
-    assert sorted(codecs) == sorted(KEYS) and len(timed) == 2 * len(KEYS)
+    assert sorted(codecs) == sorted(codec_keys()) and len(timed) == 2 * len(codec_keys())
     for speed in codecs.values():
         assert speed.per_call == 1e-3
         assert speed.per_element == pytest.approx(1e-4 / sample)
@@ -345,7 +342,7 @@ def test_a_faked_probe_where_the_large_call_is_no_slower_than_the_tiny_one():
         return choose(LAYOUT, m, units).choice
 
     assert choice(codecs).weights == "stock"
-    assert choice(dict.fromkeys(KEYS, CodecSpeed(1e-3, 0.0))).weights == "qwz"
+    assert choice(dict.fromkeys(codec_keys(), CodecSpeed(1e-3, 0.0))).weights == "int8"
 
 
 # ------------------------------------------------------------------ on real gloo ranks
@@ -369,14 +366,14 @@ def test_every_rank_gets_rank_0s_decision_from_the_slowest_view():
     views[2] = _measurements(100_000, ns_per_element=60, per_call_us=40)
     alone = [choose(LAYOUT, v, UNITS).choice for v in views]
     assert alone[0].weights == alone[0].gradients == "stock"
-    assert alone[1].weights == "qwz" and alone[1].gradients == "loco"
+    assert alone[1].weights == "int8" and alone[1].gradients == "loco"
     results = run_distributed(_decide, 4, views)
     expected = choose(LAYOUT, slowest(views), UNITS)
     for d, fixed in results:
         assert d.choice == expected.choice == alone[1]
         assert [p.total for p in d.predictions] == [p.total for p in expected.predictions]
         assert d.measurements.inter.bandwidth == 50 * MBIT
-        assert d.measurements.codecs["weight_encode"].per_call == pytest.approx(40e-6)
+        assert d.measurements.codecs["int8_encode"].per_call == pytest.approx(40e-6)
         assert fixed.choice.weights == "stock" and not fixed.choice.hpz
 
 
@@ -389,7 +386,7 @@ def test_the_probe_measures_the_hops_and_codecs():
     """Two ranks, one per node: an inter-node hop (loopback here) and the codecs."""
     for m in run_distributed(_probe, 2):
         assert m.intra is None and m.inter.bandwidth > 1e6 and m.inter.latency > 0
-        assert all(m.codecs[k].per_element > 0 for k in KEYS)
+        assert all(m.codecs[k].per_element > 0 for k in codec_keys())
         assert 0 < m.probe_s < 30
 
 
@@ -428,7 +425,7 @@ def test_train_comm_auto_explains_and_keeps_the_users_flags(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "comm auto: 2 ranks, 1 per node, 2 nodes" in out
-    assert "fixed by the user: weights=qwz" in out
+    assert "fixed by the user: weights=int8" in out
     chosen = [line for line in out.splitlines() if line.startswith("->")]
     assert len(chosen) == 1 and "weights=int8 " in chosen[0]
     result = json.loads(out.strip().splitlines()[-1])
@@ -489,7 +486,7 @@ def test_a_resume_keeps_the_choice_the_run_started_with(tmp_path):
     decided = replace(cfg, auto=choose(LAYOUT, _measurements(50), UNITS))
     record = run_record(decided, 4)
     assert record["comm_auto"] == {
-        "weights": "qwz",
+        "weights": "int8",
         "hpz": True,
         "gradients": "loco",
         "hierarchical": True,

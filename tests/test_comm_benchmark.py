@@ -41,17 +41,17 @@ def test_benchmark_measures_every_mode_and_fidelity():
     assert set(summary["runs"]) == set(MODES)
     wire = {m: runs[m][0]["wire_bytes_per_step"] for m in MODES}
     assert all(w > 0 for w in wire.values())
-    assert wire["q4"] == wire["loco"] < wire["default"] / 3
+    assert wire["q4"] == wire["loco"] < wire["stock"] / 3
     # the counted bytes agree with what LoCo itself recorded at its call site, but for
     # shard_moe_model's one-off divide-factor probe (a reduce-scatter of a few elements)
     probe_bytes = wire["loco"] * TINY.steps - runs["loco"][0]["comm_stats"]["bytes_sent"]
     assert 0 <= probe_bytes <= 64
-    assert runs["default"][0]["comm_stats"] is None
+    assert runs["stock"][0]["comm_stats"] is None
     assert 0 < summary["bytes_ratio_loco_vs_fp32"] < 0.3
 
     # On the exact trajectory the shadow comm hands FSDP what the stock reduce-scatter does.
     out = fidelity(2, replace(TINY, steps=3), 128, deliver="exact", window=2)
-    assert out["losses"][:2] == runs["default"][0]["losses"]
+    assert out["losses"][:2] == runs["stock"][0]["losses"]
     for method in ("q4", "loco"):
         s = out["summary"][method]
         # 4-bit absmax loses a few percent of each step's gradient, never all of it
@@ -133,7 +133,7 @@ def test_mean_and_stderr_and_regime_verdict():
     def runs(q4, loco):
         base = [{"val_loss": 2.0}] * len(q4)
         return {
-            "default": base,
+            "stock": base,
             "q4": [{"val_loss": 2.0 * (1 + g)} for g in q4],
             "loco": [{"val_loss": 2.0 * (1 + g)} for g in loco],
         }

@@ -1,4 +1,5 @@
-"""LoCoConfig validation and register_comm_hook's refusals: every error names its argument."""
+"""The codecs' options (LoCoConfig, Q4Config) and CommConfig: every error names its argument,
+and the limits are the codec's own. Then enable's refusals."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
-from fsdp_ext import LoCoConfig, register_comm_hook
+from fsdp_ext import CommConfig, LoCoConfig, Q4Config, enable
 from fsdp_ext.comm.absmax_codec import AbsmaxCodec
 from fsdp_ext.testing import run_distributed
 from tests.meshes import cpu_mesh
@@ -26,8 +27,6 @@ from tests.meshes import cpu_mesh
         ("err_beta", -0.1),
         ("reset_interval", 0),
         ("error_dtype", torch.float16),
-        ("intra_node_size", 0),
-        ("error_feedback", 1),
     ],
 )
 def test_config_names_the_bad_field(field, value):
@@ -35,18 +34,32 @@ def test_config_names_the_bad_field(field, value):
         LoCoConfig(**{field: value})
 
 
-def test_config_defaults_and_node_size(monkeypatch):
+def test_limits_are_the_codecs_own():
+    """The codec takes group sizes down to 8 on CPU; its CUDA kernels from 32, checked for
+    every config so it runs alike everywhere. The config adds no limit of its own."""
+    assert AbsmaxCodec(4, 8).group_size == 8
+    for config in (LoCoConfig, Q4Config):
+        with pytest.raises(ValueError, match=r"Triton kernels take group_size in \(32,"):
+            config(group_size=16)
+        assert config(group_size=32).group_size == 32
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        Q4Config(bits=2)
+
+
+def test_config_defaults():
     cfg = LoCoConfig()
     assert (cfg.bits, cfg.group_size, cfg.err_beta, cfg.reset_interval) == (4, 128, 0.8, 1024)
-    assert cfg.error_dtype == torch.int8 and cfg.intra_node_size is None
-    assert LoCoConfig(intra_node_size=2).node_size() == 2
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert LoCoConfig(intra_node_size="auto").node_size() == 8
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    with pytest.raises(ValueError, match=r"intra_node_size='auto'.*LOCAL_WORLD_SIZE"):
-        LoCoConfig(intra_node_size="auto").node_size()
-    with pytest.raises(ValueError, match="intra_node_size"):
-        LoCoConfig(intra_node_size="nodes")
+    assert cfg.error_dtype == torch.int8 and cfg.codec == "loco" and Q4Config().codec == "q4"
+    assert not hasattr(cfg, "error_feedback") and not hasattr(cfg, "intra_node_size")
+
+
+def test_one_node_size_on_comm_config():
+    cfg = CommConfig(gradients="loco", hierarchical=True, hpz=True, node_size=2)
+    assert cfg.gradients == LoCoConfig() and cfg.node_size == 2
+    with pytest.raises(ValueError, match=r"CommConfig\.node_size"):
+        CommConfig(gradients="loco", hierarchical=True, node_size="nodes")
+    with pytest.raises(ValueError, match=r"CommConfig\.hierarchical sends a gradient codec"):
+        CommConfig(hierarchical=True)
 
 
 def test_plan_nodes_cuts_any_group_by_physical_node():
@@ -58,24 +71,25 @@ def test_plan_nodes_cuts_any_group_by_physical_node():
     assert plan_nodes([1, 3, 5, 7], 4) == ([[1, 3], [5, 7]], [[1, 5], [3, 7]])
     # HSDP's shard group inside one node: a single node, nothing to quantise across
     assert plan_nodes([2, 3], 4) == ([[2, 3]], [[2], [3]])
-    with pytest.raises(ValueError, match="intra_node_size=2"):
+    with pytest.raises(ValueError, match="node_size=2"):
         plan_nodes([0, 1, 2], 2)
 
 
 def _refusals():
     errors = {}
     with pytest.raises(ValueError, match="no FSDP unit") as e:
-        register_comm_hook(nn.Linear(4, 4))
+        enable(nn.Linear(4, 4), CommConfig(gradients="loco"))
     errors["unsharded"] = str(e.value)
-    with pytest.raises(TypeError, match="config"):
-        register_comm_hook(fully_shard(nn.Linear(4, 4), mesh=cpu_mesh()), {"bits": 4})
+    with pytest.raises(ValueError, match=r"CommConfig\.gradients must be"):
+        CommConfig(gradients={"bits": 4})
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     hsdp = fully_shard(nn.Linear(4, 4), mesh=mesh)
     with pytest.raises(ValueError, match="dp_shard mesh only"):
-        register_comm_hook(hsdp, replicate_group=mesh["dp_replicate"].get_group())
-    with pytest.raises(ValueError, match="intra_node_size"):
-        register_comm_hook(
-            fully_shard(nn.Linear(4, 4), mesh=cpu_mesh()), LoCoConfig(intra_node_size=3)
+        enable(hsdp, CommConfig(gradients="loco"), replicate_group=mesh["dp_replicate"].get_group())
+    with pytest.raises(ValueError, match="node_size must divide"):
+        enable(
+            fully_shard(nn.Linear(4, 4), mesh=cpu_mesh()),
+            CommConfig(gradients=LoCoConfig(), hierarchical=True, node_size=3),
         )
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_common import (
@@ -96,7 +110,7 @@ def _refusals():
         mesh=cpu_mesh(),
     )
     with pytest.raises(ValueError, match="several param groups"):
-        register_comm_hook(model)
+        enable(model, CommConfig(gradients="loco"))
     errors["groups"] = True
     dist.barrier()
     return errors

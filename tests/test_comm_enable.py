@@ -16,11 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import fsdp_ext
-from fsdp_ext.comm import CommConfig, LoCoConfig, WeightQuantConfig, enable
+from fsdp_ext.comm import CommConfig, LoCoConfig, Q4Config, WeightQuantConfig, enable
 from fsdp_ext.testing import run_distributed
 from tests import pipeline_cases
+from tests.meshes import cpu_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD, NODE = 4, 2
@@ -31,10 +33,11 @@ GROUP = 32  # values per scale, for qwZ and LoCo alike
 
 
 def test_comm_config_takes_short_names_and_configs():
-    cfg = CommConfig(gradients="loco", weights="int8", secondary_shards="node")
+    cfg = CommConfig(gradients="loco", weights="int8", hpz=True)
     assert cfg.gradients == LoCoConfig() and cfg.weights == WeightQuantConfig()
     assert cfg.hpz and cfg.enabled
-    assert CommConfig(gradients="q4").gradients == LoCoConfig(error_feedback=False)
+    assert CommConfig(gradients="q4").gradients == Q4Config()
+    assert CommConfig(gradients="stock", weights="stock") == CommConfig()
     assert CommConfig(weights="int8_forward").weights == WeightQuantConfig(backward=False)
     own = LoCoConfig(bits=8, group_size=64)
     assert CommConfig(gradients=own).gradients is own
@@ -44,12 +47,12 @@ def test_comm_config_takes_short_names_and_configs():
 @pytest.mark.parametrize(
     ("kwargs", "field", "allowed"),
     [
-        ({"gradients": "q8"}, "CommConfig.gradients", "['loco', 'q4'] or a LoCoConfig"),
-        ({"gradients": WeightQuantConfig()}, "CommConfig.gradients", "LoCoConfig"),
-        ({"weights": "int4"}, "CommConfig.weights", "['int8', 'int8_forward']"),
-        ({"weights": LoCoConfig()}, "CommConfig.weights", "WeightQuantConfig"),
-        ({"secondary_shards": "rack"}, "CommConfig.secondary_shards", "(None, 'node')"),
-        ({"secondary_shards": True}, "CommConfig.secondary_shards", "(None, 'node')"),
+        ({"gradients": "q8"}, "CommConfig.gradients", "['stock', 'loco', 'q4']"),
+        ({"gradients": WeightQuantConfig()}, "CommConfig.gradients", "a gradients codec"),
+        ({"weights": "int4"}, "CommConfig.weights", "['stock', 'int8', 'int8_forward']"),
+        ({"weights": LoCoConfig()}, "CommConfig.weights", "a weights codec"),
+        ({"hpz": "node"}, "CommConfig.hpz", "a bool"),
+        ({"hierarchical": 1}, "CommConfig.hierarchical", "a bool"),
         ({"node_size": 0}, "CommConfig.node_size", "'auto' or an int >= 1"),
         ({"node_size": True}, "CommConfig.node_size", "'auto' or an int >= 1"),
     ],
@@ -106,7 +109,9 @@ class Net(nn.Module):
 def _sharded(reshard):
     mesh = init_device_mesh("cpu", (WORLD,))
     net = Net()
-    fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh, reshard_after_forward=reshard)
+    fsdp_ext.shard_by_policy(
+        net, auto_wrap_policy={Block}, mesh=mesh, reshard_after_forward=reshard
+    )
     return net
 
 
@@ -129,13 +134,13 @@ def _train(net) -> list[float]:
 ZEROPP = CommConfig(
     gradients=LoCoConfig(group_size=GROUP),
     weights=WeightQuantConfig(group_size=GROUP),
-    secondary_shards="node",
+    hpz=True,
     node_size=NODE,
 )
 
 
 def _rank_enable() -> dict:
-    hpz = fsdp_ext.node_local_reshard(mesh=None, intra_node_size=NODE, world_size=WORLD)
+    hpz = fsdp_ext.node_local_reshard(mesh=None, node_size=NODE, world_size=WORLD)
     out = {}
     net = _sharded(True)
     out["stock"] = _train(net)
@@ -150,7 +155,7 @@ def _rank_enable() -> dict:
 
     # qwZ and hpZ alone: no gradient state, gradients as stock
     net = _sharded(hpz)
-    handle = enable(net, CommConfig(weights="int8", secondary_shards="node", node_size=NODE))
+    handle = enable(net, CommConfig(weights="int8", hpz=True, node_size=NODE))
     out["no_grad_state"] = handle.state_dict(), handle.gradient_config, handle.stats.bytes_sent
 
     # enable then remove: the stock run, bit for bit
@@ -279,3 +284,31 @@ def test_zeropp_under_build_pipeline_against_the_reference(ranks):
         # copy over the whole group (True); one split over two nodes would keep all (False)
         on_one_node = len({r // NODE for r in run["dp_ranks"]}) == 1
         assert set(run["secondary"].values()) == {on_one_node}
+
+
+def _codec_builds():
+    """How many times one ``enable`` builds the gradient codec, counted at the registry."""
+    from fsdp_ext.comm import registry
+
+    built, entry = [], registry.CODECS["loco"]
+
+    def counting(config):
+        built.append(config)
+        return entry.factory(config)
+
+    registry.CODECS["loco"] = registry.Registered(counting, entry.options, entry.carries)
+    try:
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        for layer in model:
+            fully_shard(layer, mesh=cpu_mesh())
+        fully_shard(model, mesh=cpu_mesh())
+        handle = enable(model, CommConfig(gradients="loco"))
+        shared = {id(rs.codec) for rs in handle.reduce_scatters.values()}
+        return len(built), len(shared), len(handle.reduce_scatters)
+    finally:
+        registry.CODECS["loco"] = entry
+
+
+def test_enable_builds_the_codec_once_and_every_unit_shares_it():
+    for built, shared, units in run_distributed(_codec_builds, 2):
+        assert (built, shared, units) == (1, 1, 2)  # two blocks; the root holds nothing

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_ext import LoCoConfig, LoCoReduceScatter, register_comm_hook
+from fsdp_ext import CommConfig, LoCoConfig, LoCoReduceScatter, enable
 from fsdp_ext.comm.absmax_codec import AbsmaxCodec
 from fsdp_ext.comm.error_feedback import ErrorFeedback
 from fsdp_ext.comm.layout import ParamLayout
@@ -99,8 +99,11 @@ def _unused_branch():
     torch.manual_seed(0)
     model = TwoBranches()
     fully_shard(model, mesh=cpu_mesh())
-    handle = register_comm_hook(
-        model, LoCoConfig(group_size=GROUP, err_beta=BETA, error_dtype=torch.float32)
+    handle = enable(
+        model,
+        CommConfig(
+            gradients=LoCoConfig(group_size=GROUP, err_beta=BETA, error_dtype=torch.float32)
+        ),
     )
     grads = []
     for step, use_a in enumerate(USES_A):
@@ -164,7 +167,7 @@ def _units_and_checkpoints(path):
     model.body.bias.requires_grad_(False)
     fully_shard([model.norm, model.head], mesh=cpu_mesh())
     fully_shard(model, mesh=cpu_mesh())
-    handle = register_comm_hook(model, LoCoConfig(group_size=GROUP))
+    handle = enable(model, CommConfig(gradients=LoCoConfig(group_size=GROUP)))
     x, y = _batch(0, rank)
     nn.functional.mse_loss(model(x), y).backward()
     dcp.save({"comm": handle}, checkpoint_id=path)  # frozen and grouped units both save

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_ext import LoCoConfig, LoCoReduceScatter
+from fsdp_ext import LoCoConfig, LoCoReduceScatter, Q4Config
 from fsdp_ext.kernels.dequantize_reduce import dequantize_reduce_reference
 from fsdp_ext.kernels.quantize_ef import quantize_ef_reference
 from fsdp_ext.testing import run_distributed
@@ -112,7 +112,7 @@ def _constant_gradient(steps, error_feedback):
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(7)
     grads = torch.randn(2, 2 * 256, generator=gen)
-    cfg = LoCoConfig(err_beta=0.0, error_dtype=torch.float32, error_feedback=error_feedback)
+    cfg = LoCoConfig(err_beta=0.0, error_dtype=torch.float32) if error_feedback else Q4Config()
     comm = LoCoReduceScatter(cfg)
     total = torch.zeros(256, dtype=torch.float64)
     errors = {}
@@ -190,7 +190,7 @@ def _hierarchical(bits):
     rank = dist.get_rank()
     world, k, shard = 4, 2, 100
     inputs = _inputs(world, shard, torch.float32, seed=11)
-    comm = LoCoReduceScatter(LoCoConfig(bits=bits, intra_node_size=k, error_dtype=torch.float32))
+    comm = LoCoReduceScatter(LoCoConfig(bits=bits, error_dtype=torch.float32), node_size=k)
     outs = []
     for _ in range(2):  # the second call also checks the error feedback across nodes
         out = torch.empty(shard)

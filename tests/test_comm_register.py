@@ -1,4 +1,5 @@
-"""register_comm_hook: stats, remove, HSDP all-reduce hook, checkpointed error buffers."""
+"""fsdp_ext.enable with a gradient codec: stats, remove, HSDP all-reduce hook,
+checkpointed error buffers."""
 
 import itertools
 
@@ -12,7 +13,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_ext import CommHandle, LoCoConfig, register_comm_hook
+from fsdp_ext import CommConfig, CommHandle, LoCoConfig, enable
 from fsdp_ext.testing import run_distributed
 from tests.meshes import cpu_mesh
 
@@ -38,7 +39,7 @@ def _step(model, rank, step, width):
 def _stats_and_remove():
     rank = dist.get_rank()
     model = _sharded([256, 256, 256])
-    handle = register_comm_hook(model, LoCoConfig())
+    handle = enable(model, CommConfig(gradients=LoCoConfig()))
     _step(model, rank, 0, 256)
     stats = handle.stats
     model.zero_grad()
@@ -68,9 +69,9 @@ def _hsdp(bits):
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     model = _sharded([64, 96, 64], mesh=mesh["dp_shard"])
-    handle = register_comm_hook(
+    handle = enable(
         model,
-        LoCoConfig(bits=bits, group_size=32),
+        CommConfig(gradients=LoCoConfig(bits=bits, group_size=32)),
         replicate_group=mesh["dp_replicate"].get_group(),
     )
     _step(model, rank, 0, 64)
@@ -122,7 +123,7 @@ class _App(Stateful):
 def _fresh():
     model = _sharded([48, 80, 48])
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    handle = register_comm_hook(model, LoCoConfig(group_size=32, reset_interval=7))
+    handle = enable(model, CommConfig(gradients=LoCoConfig(group_size=32, reset_interval=7)))
     return model, optim, handle
 
 

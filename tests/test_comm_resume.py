@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_ext import LoCoConfig, register_comm_hook
+from fsdp_ext import CommConfig, LoCoConfig, enable
 from fsdp_ext.testing import run_distributed
 from tests.meshes import cpu_mesh
 
@@ -22,7 +22,7 @@ def _model_and_handle(config, strict=False):
     fully_shard(model[0], mesh=cpu_mesh())
     fully_shard(model[2], mesh=cpu_mesh())
     fully_shard(model, mesh=cpu_mesh())
-    return model, register_comm_hook(model, config, strict=strict)
+    return model, enable(model, CommConfig(gradients=config), strict=strict)
 
 
 def _steps(model, start, count):

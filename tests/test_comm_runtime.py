@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fsdp_ext.comm.all_reduce_hook as all_reduce_hook
-from fsdp_ext import LoCoConfig, register_comm_hook
+from fsdp_ext import CommConfig, LoCoConfig, enable
 from fsdp_ext.testing import run_distributed
 from tests.meshes import cpu_mesh
 
@@ -45,9 +45,9 @@ def _hsdp_divide_factor():
     model = _net()
     for layer in (model[0], model[2], model):
         fully_shard(layer, mesh=mesh["dp_shard"])
-    register_comm_hook(
+    enable(
         model,
-        LoCoConfig(group_size=32, bits=8),
+        CommConfig(gradients=LoCoConfig(group_size=32, bits=8)),
         replicate_group=mesh["dp_replicate"].get_group(),
     )
     for m in model.modules():
@@ -80,7 +80,7 @@ def _meta_init_and_fp16():
         model = _net()
     for layer in (model[0], model[2], model):
         fully_shard(layer, mesh=cpu_mesh())
-    handle = register_comm_hook(model, LoCoConfig(group_size=32))
+    handle = enable(model, CommConfig(gradients=LoCoConfig(group_size=32)))
     handle.state_dict()  # a load before to_empty allocates the buffers (where the reduction runs)
     out["devices"] = sorted(
         {str(f.error.device) for u in handle._units.values() for f in u.feedbacks()}
@@ -97,20 +97,22 @@ def _meta_init_and_fp16():
     mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
     for layer in (model[0], model[2], model):
         fully_shard(layer, mp_policy=mp, mesh=cpu_mesh())
-    register_comm_hook(model, LoCoConfig(group_size=32))
+    enable(model, CommConfig(gradients=LoCoConfig(group_size=32)))
     _loss(model, rank, torch.float16).backward()
     out["fp16_grads"] = [p.grad.full_tensor() for p in model.parameters()]
     # a reduce dtype the codec cannot take is refused at registration, not mid-backward
     model = _net().double()
     fully_shard(model, mesh=cpu_mesh())
     with pytest.raises(ValueError, match="reduce_dtype") as exc:
-        register_comm_hook(model, LoCoConfig(group_size=32))
+        enable(model, CommConfig(gradients=LoCoConfig(group_size=32)))
     out["float64"] = str(exc.value)
     # "auto" on one node (the harness sets LOCAL_WORLD_SIZE to the world): full precision
     model = _net()
     for layer in (model[0], model[2], model):
         fully_shard(layer, mesh=cpu_mesh())
-    handle = register_comm_hook(model, LoCoConfig(group_size=32, intra_node_size="auto"))
+    handle = enable(
+        model, CommConfig(gradients=LoCoConfig(group_size=32), hierarchical=True, node_size="auto")
+    )
     _loss(model, rank).backward()
     out["auto_grads"] = [p.grad.full_tensor() for p in model.parameters()]
     out["auto_bytes"] = (handle.stats.bytes_sent, handle.stats.intra_node_bytes)
@@ -135,13 +137,17 @@ def _hierarchical_sub_meshes(node_size):
     from fsdp_ext import ParallelDims
 
     rank = dist.get_rank()
-    cfg = LoCoConfig(group_size=32, intra_node_size=node_size)
+    cfg = CommConfig(
+        gradients=LoCoConfig(group_size=32),
+        hierarchical=node_size is not None,
+        node_size=node_size or "auto",
+    )
     out = {}
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     model = _net()
     for layer in (model[0], model[2], model):
         fully_shard(layer, mesh=mesh["dp_shard"])
-    handle = register_comm_hook(model, cfg, replicate_group=mesh["dp_replicate"].get_group())
+    handle = enable(model, cfg, replicate_group=mesh["dp_replicate"].get_group())
     _loss(model, rank).backward()
     out["hsdp"] = [p.grad.full_tensor() for p in model.parameters()]
     out["hsdp_rs_bytes"] = sum(u.reduce_scatter.stats.bytes_sent for u in handle._units.values())
@@ -150,7 +156,7 @@ def _hierarchical_sub_meshes(node_size):
     model = _net()
     fully_shard(model[2], mesh=dims.efsdp_mesh)  # an "expert" on its own sub-mesh
     fully_shard(model, mesh=dims.dp_mesh)
-    handle = register_comm_hook(model, cfg)
+    handle = enable(model, cfg)
     _loss(model, rank).backward()
     out["ep"] = [p.grad.full_tensor() for p in model.parameters()]
     out["efsdp_ranks"] = dist.get_process_group_ranks(dims.efsdp_mesh.get_group())
@@ -197,7 +203,9 @@ def _pipeline_stage_dp_meshes():
     for layer in model:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    handle = register_comm_hook(model, LoCoConfig(group_size=32, intra_node_size=2))
+    handle = enable(
+        model, CommConfig(gradients=LoCoConfig(group_size=32), hierarchical=True, node_size=2)
+    )
     gen = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 32, generator=gen)
     nn.functional.mse_loss(model(x), y).backward()

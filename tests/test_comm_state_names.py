@@ -66,8 +66,8 @@ def _job(wrapped: bool, hidden: int = 64):
     if wrapped:
         apply_activation_checkpointing(net, check_fn=lambda m: isinstance(m, Block))
     mesh = init_device_mesh("cpu", (WORLD,))
-    fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh)
-    handle = fsdp_ext.register_comm_hook(net, CONFIG)
+    fsdp_ext.shard_by_policy(net, auto_wrap_policy={Block}, mesh=mesh)
+    handle = fsdp_ext.enable(net, fsdp_ext.CommConfig(gradients=CONFIG))
     return net, torch.optim.AdamW(net.parameters(), lr=1e-2), handle
 
 

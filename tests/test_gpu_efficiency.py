@@ -50,7 +50,7 @@ def _counted_step() -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     net = Net()
-    fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh)
+    fsdp_ext.shard_by_policy(net, auto_wrap_policy={Block}, mesh=mesh)
     config = fsdp_ext.CommConfig(
         gradients=fsdp_ext.LoCoConfig(group_size=32),
         weights=fsdp_ext.WeightQuantConfig(group_size=64),
@@ -115,7 +115,7 @@ def test_hierarchical_index_tensors_are_built_once():
     """A shard group whose ranks are not in node order (node 1's rank first) reorders its
     chunks by index every reduction; the index tensor is built on the first and reused, so
     later reductions copy nothing from the host."""
-    groups = NodeGroups(None, None, intra_node_size=1, num_nodes=2, order=(1, 0))
+    groups = NodeGroups(None, None, node_size=1, num_nodes=2, order=(1, 0))
     x = torch.arange(8.0)
     counts = []
     for _ in range(3):

@@ -159,10 +159,11 @@ def _zeropp_rank() -> dict:
         _unit_chunks(net, [n for n, _ in net.named_parameters() if "blocks" not in n], WORLD),
         *(_unit_chunks(b, [n for n, _ in b.named_parameters()], WORLD) for b in net.blocks),
     ]
-    fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh, reshard_after_forward="node")
+    fsdp_ext.shard_by_policy(net, auto_wrap_policy={Block}, mesh=mesh, reshard_after_forward="node")
     config = fsdp_ext.CommConfig(
-        gradients=fsdp_ext.LoCoConfig(intra_node_size="auto", group_size=32),
+        gradients=fsdp_ext.LoCoConfig(group_size=32),
         weights=fsdp_ext.WeightQuantConfig(group_size=32),
+        hierarchical=True,
     )
     handle = fsdp_ext.comm.enable(net, config)
     forward, backward = [], []
@@ -216,7 +217,7 @@ def _peak_rank() -> dict:
         torch.manual_seed(0)
         model = FineMoE(cfg)
         plan = fsdp_ext.plan_units(model, {DecoderLayer}, reshard_after_forward=raf)
-        fsdp_ext.fully_shard(
+        fsdp_ext.shard_by_policy(
             model, auto_wrap_policy={DecoderLayer}, mesh=mesh, reshard_after_forward=raf
         )
         g = torch.Generator().manual_seed(dist.get_rank())

@@ -95,7 +95,9 @@ def _hsdp_rank() -> dict:
     for raf in ("node", True):
         torch.manual_seed(0)
         net = Net()
-        fsdp_ext.fully_shard(net, auto_wrap_policy={Block}, mesh=mesh, reshard_after_forward=raf)
+        fsdp_ext.shard_by_policy(
+            net, auto_wrap_policy={Block}, mesh=mesh, reshard_after_forward=raf
+        )
         weights = fsdp_ext.register_weight_all_gather(
             net, fsdp_ext.WeightQuantConfig(group_size=32)
         )

@@ -586,7 +586,7 @@ def test_a_checkpoint_without_loco_state_loads_with_exclude_from_loading(tmp_pat
         ),
         (
             {
-                "comm": fsdp_ext.CommConfig(secondary_shards="node"),
+                "comm": fsdp_ext.CommConfig(hpz=True),
                 "reshard_after_forward_policy": "never",
             },
             ValueError,

@@ -3,7 +3,7 @@
 On 4 gloo ranks emulating 2 nodes of 2, each adapter trains the same steps twice with a
 real HF model built from its config (tiny Llama; torchtitan: its llama3 debug model):
 once without ZeRO++ and once with ``comm=CommConfig(gradients=..., weights=...,
-secondary_shards="node", node_size=2)``. The losses stay close, the weights go over the
+hpz=True, node_size=2)``. The losses stay close, the weights go over the
 wire as int8 (payload over param bytes is the int8 codec's ratio), the gradients as 4-bit,
 and every unit keeps its post-forward copy on its node's 2 ranks. accelerate and the HF
 Trainer are forced onto their FSDP2 path on CPU as in tests/test_integrations_accelerate.py
@@ -27,7 +27,7 @@ WORLD, NODE, STEPS, BATCH, GROUP, LR = 4, 2, 4, 2, 32, 1e-2
 ZEROPP = fsdp_ext.CommConfig(
     gradients=fsdp_ext.LoCoConfig(group_size=GROUP),
     weights=fsdp_ext.WeightQuantConfig(group_size=GROUP),
-    secondary_shards="node",
+    hpz=True,
     node_size=NODE,
 )
 INT8_RATIO = (GROUP + 4) / (GROUP * 4)  # int8 codes + one fp32 scale per group, over fp32

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fsdp_ext import LoCoConfig, LoCoReduceScatter, register_comm_hook
+from fsdp_ext import CommConfig, LoCoConfig, LoCoReduceScatter, enable
 from fsdp_ext.kernels.backend import use_backend
 from fsdp_ext.testing import run_distributed
 
@@ -76,9 +76,9 @@ class GradientSizedOps(TorchDispatchMode):
         return out
 
 
-def _reduce_scatter_steps(config, inputs, steps=3, device="cpu"):
+def _reduce_scatter_steps(config, inputs, steps=3, device="cpu", node_size=None):
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm = LoCoReduceScatter(config)
+    comm = LoCoReduceScatter(config, node_size=node_size)
     shard = inputs.shape[1] // world
     outs = []
     for step in range(steps):
@@ -101,11 +101,11 @@ def _inputs(world, shard, dtype, seed):
     return x.to(dtype)
 
 
-def _count_passes(config, inputs):
+def _count_passes(config, inputs, node_size=None):
     """Ops touching gradient-sized memory in one steady-state call (after a warm-up call)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     shard = inputs.shape[1] // world
-    comm = LoCoReduceScatter(config)
+    comm = LoCoReduceScatter(config, node_size=node_size)
     out = torch.empty(shard)
     kwargs = dict(group=dist.group.WORLD, op=dist.ReduceOp.AVG)
     comm(output_tensor=out, input_tensor=inputs[rank].clone(), **kwargs)  # allocates e
@@ -163,17 +163,17 @@ def _sharded(mesh):
 def _four_ranks():
     rank = dist.get_rank()
     results = {"hier": {}, "hsdp": {}}
-    config = LoCoConfig(bits=4, intra_node_size=2, error_dtype=torch.int8)
+    config = LoCoConfig(bits=4, error_dtype=torch.int8)
     inputs = _inputs(4, 100, torch.float32, seed=11)
     for name in BACKENDS:
         with use_backend(name):
-            results["hier"][name] = _reduce_scatter_steps(config, inputs)
+            results["hier"][name] = _reduce_scatter_steps(config, inputs, node_size=2)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     for name in BACKENDS:
         model = _sharded(mesh["dp_shard"])
-        register_comm_hook(
+        enable(
             model,
-            LoCoConfig(bits=4, group_size=32),
+            CommConfig(gradients=LoCoConfig(bits=4, group_size=32)),
             replicate_group=mesh["dp_replicate"].get_group(),
         )
         with use_backend(name):
@@ -184,7 +184,7 @@ def _four_ranks():
                 nn.functional.mse_loss(model(x), y).backward()
         results["hsdp"][name] = [p.grad.to_local().clone() for p in model.parameters()]
     with use_backend("triton"):
-        results["passes"] = _count_passes(config, _inputs(4, 1000, torch.float32, 12))
+        results["passes"] = _count_passes(config, _inputs(4, 1000, torch.float32, 12), node_size=2)
     return results
 
 

@@ -19,7 +19,7 @@ TINY = TrainConfig(
     lr=3e-3,
     warmup_steps=5,
     val_batches=2,
-    comm="default",  # exact reductions: 4-bit compression depends on the layout by design
+    comm="stock",  # exact reductions: 4-bit compression depends on the layout by design
     verbose=False,
 )
 

@@ -15,9 +15,7 @@ WORLD, NODE, MICROBATCHES = 8, 2, 2  # 8 rows per step: 2 per dp rank, 1 per mic
 
 
 def _both() -> dict:
-    zeropp_weights = CommConfig(
-        weights=WeightQuantConfig(group_size=32), secondary_shards="node", node_size=NODE
-    )
+    zeropp_weights = CommConfig(weights=WeightQuantConfig(group_size=32), hpz=True, node_size=NODE)
     return {
         "stock": _rank_pipeline(None, MICROBATCHES),
         "hpz": _rank_pipeline(zeropp_weights, MICROBATCHES),

@@ -78,7 +78,7 @@ def _fsdp_rank() -> dict:
         return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
 
     # counting comms: two units of one Linear each, the root holds nothing
-    a = fsdp_ext.fully_shard(model(), auto_wrap_policy={nn.Linear}, mesh=mesh)
+    a = fsdp_ext.shard_by_policy(model(), auto_wrap_policy={nn.Linear}, mesh=mesh)
     rs, ag = CountingReduceScatter(), CountingAllGather()
     units = fsdp_units(a)
     out["units"] = [fqn for fqn, _ in units]
@@ -95,7 +95,7 @@ def _fsdp_rank() -> dict:
     out["grouped_units"] = [fqn for fqn, _ in fsdp_units(grouped)]
 
     # the tracker of one model ignores another
-    b = fsdp_ext.fully_shard(model(), auto_wrap_policy={nn.Linear}, mesh=mesh)
+    b = fsdp_ext.shard_by_policy(model(), auto_wrap_policy={nn.Linear}, mesh=mesh)
     tracker = fsdp_ext.UnshardedBytesTracker([a])
     with tracker:
         b(torch.randn(4, 8)).sum().backward()
@@ -105,7 +105,7 @@ def _fsdp_rank() -> dict:
     out["own_model"] = (tracker.peak_param_bytes, tracker.peak_grad_bytes, tracker.peak_bytes)
 
     # LoCo's handle names the units and the comm FSDP calls on each
-    handle = fsdp_ext.register_comm_hook(b, fsdp_ext.LoCoConfig(group_size=32))
+    handle = fsdp_ext.enable(b, fsdp_ext.CommConfig(gradients=fsdp_ext.LoCoConfig(group_size=32)))
     b(torch.randn(4, 8)).sum().backward()
     out["handle_units"] = sorted(handle.units)
     out["same_modules"] = {id(m) for m in handle.units.values()} == {

@@ -113,7 +113,7 @@ def test_a_non_float_parameter_leaves_its_units_float_weights_quantized(runs):
     torch.manual_seed(0)
     net = Net()
     want = quantized_copy(net, WORLD, GROUP)["blocks.0.up.weight"]
-    codec = make_codec("int8_blockwise", fsdp_ext.WeightQuantConfig(group_size=GROUP))
+    codec = make_codec(fsdp_ext.WeightQuantConfig(group_size=GROUP))
     segments = _block0_segments(net)
     raw = -(-len(STEPS) // WORLD) * STEPS.element_size()  # the int rows travel as bytes
     payload = codec.unit_payload_bytes(segments) + raw

@@ -185,7 +185,7 @@ def test_resume_on_fewer_ranks_reshards_and_continues(tmp_path):
     """Saved on 2 ranks at step 8, resumed on 1: parameters, optimizer and schedule are
     resharded by DCP and the data order continues, so the losses follow the 2-rank run's
     to float rounding."""
-    cfg = replace(SMALL, comm="default")
+    cfg = replace(SMALL, comm="stock")
     straight = run_distributed(_train, 2, replace(cfg, out=str(tmp_path / "a")))[0]
     head = replace(cfg, stop_after=8, ckpt_every=8, out=str(tmp_path / "b"))
     run_distributed(_train, 2, head)
@@ -229,12 +229,12 @@ def test_our_launcher_hands_max_restarts_to_torchrun(monkeypatch, tmp_path, caps
     """--max-restarts goes to torchrun, not to the workers; under torchrun it is refused
     in one line naming torchrun's own flag."""
     from examples.config import parse_args
-    from examples.train import launch
+    from examples.launch import launch
 
     seen = []
     monkeypatch.setattr("torch.distributed.run.main", seen.append)
     argv = ["--nproc-per-node", "2", "--max-restarts", "3", "--out", str(tmp_path)]
-    launch(argv, parse_args(argv))
+    launch(argv, parse_args(argv), TRAIN)
     [args] = seen
     script = args.index(TRAIN)
     assert {"--standalone", "--nproc-per-node=2", "--max-restarts=3"} <= set(args[:script])

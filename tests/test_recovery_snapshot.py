@@ -29,7 +29,7 @@ def _model() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    fsdp_ext.fully_shard(model, auto_wrap_policy={nn.Linear}, mesh=mesh)
+    fsdp_ext.shard_by_policy(model, auto_wrap_policy={nn.Linear}, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     return model, opt, sched

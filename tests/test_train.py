@@ -10,10 +10,10 @@ from unittest import mock
 
 import pytest
 
-from examples.config import COMMS, ConfigError, build_parser, check_world, comm_config
+from examples.config import ConfigError, build_parser, check_world, comm_settings
 from examples.model import ModelConfig
 from examples.train import TrainConfig, parse_args, train
-from fsdp_ext import verify_checkpoint
+from fsdp_ext import CommConfig, verify_checkpoint
 from fsdp_ext.testing import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,7 +111,7 @@ def test_resume_refuses_a_checkpoint_that_cannot_load(tmp_path, capsys):
     for extra, needle in [  # train.py's own parse_args, in process (the CLI's one line: above)
         (["--dim", "32"], "argument --dim: the run in"),
         (["--seq-len", "8"], "started with --seq-len 16, got 8"),
-        (["--comm", "default"], "started with --comm loco, got default"),
+        (["--comm", "stock"], "started with --comm loco, got stock"),
         (["--steps", "2"], "is finished: its latest checkpoint is step 2 of --steps 2"),
     ]:
         with pytest.raises(SystemExit) as exc:
@@ -139,7 +139,7 @@ def test_resume_refuses_a_checkpoint_that_cannot_load(tmp_path, capsys):
         (["--ckpt-every", "-5"], 1, "--ckpt-every: must be >= 0, got -5"),
         (["--stop-after", "-1"], 1, "--stop-after: must be >= 0, got -1"),
         (["--warmup-steps", "-1"], 1, "--warmup-steps: must be >= 0, got -1"),
-        (["--comm", "default", "--intra-node-size", "2"], 4, "--intra-node-size: only the 4-bit"),
+        (["--comm", "stock", "--intra-node-size", "2"], 4, "--intra-node-size: only the gradient"),
         (["--pp", "2", "--intra-node-size", "4", "--batch-size", "24"], 12, "cut the 6-rank"),
         (["--pp", "3"], 4, "--pp: 3 does not divide the world size 4"),
         (["--batch-size", "16"], 3, "not divisible by the world size 3"),
@@ -163,9 +163,9 @@ def test_bad_settings_name_their_flag(argv, world, needle, capsys):
         ({"ckpt_every": -5}, "--ckpt-every: must be >= 0"),
         ({"stop_after": -1}, "--stop-after: must be >= 0"),
         ({"model": replace(TINY.model, num_experts=1)}, "--num-experts: 1 is fewer than"),
-        ({"comm": "default", "intra_node_size": 2}, "--intra-node-size: only the 4-bit"),
+        ({"comm": "stock", "intra_node_size": 2}, "--intra-node-size: only the gradient codecs"),
         ({"pp": 2, "microbatches": 1}, "--microbatches: 1F1B over --pp 2 stages"),
-        ({"comm": "q8"}, r"--comm: must be one of \['default', 'q4', 'loco', 'auto'\], got 'q8'"),
+        ({"comm": "q8"}, r"--comm: must be one of \['stock', 'loco', 'q4', 'auto'\], got 'q8'"),
     ],
 )
 def test_train_config_checks_itself(change, needle):
@@ -188,18 +188,18 @@ def test_intra_node_size_auto_reads_the_launcher(monkeypatch):
     """'auto' takes the node size from torchrun's LOCAL_WORLD_SIZE (2 nodes x 2 ranks)."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     cfg = parse_args(["--intra-node-size", "auto"], world_size=4)
-    assert comm_config(cfg, 4).intra_node_size == 2
-    assert comm_config(replace(cfg, intra_node_size=None), 4).intra_node_size is None
-    assert comm_config(replace(cfg, comm="default", intra_node_size=None), 4) is None
+    comm = comm_settings(cfg, 4)
+    assert comm.hierarchical and comm.node_size == 2
+    assert not comm_settings(replace(cfg, intra_node_size=None), 4).hierarchical
+    assert comm_settings(replace(cfg, comm="stock", intra_node_size=None), 4).gradients is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="--intra-node-size: 3 does not divide the world size 4"):
         check_world(cfg, 4)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert comm_config(cfg, 1).intra_node_size == 1  # a single process is a node of one
+    assert comm_settings(cfg, 1).node_size == 1  # a single process is a node of one
     # our own launch is one node of --nproc-per-node ranks
-    assert comm_config(parse_args(["--intra-node-size", "auto", "--nproc-per-node", "2"]), 2) == (
-        replace(COMMS["loco"], intra_node_size=2)
-    )
+    ours = comm_settings(parse_args(["--intra-node-size", "auto", "--nproc-per-node", "2"]), 2)
+    assert ours == CommConfig(gradients="loco", hierarchical=True, node_size=2)
 
 
 def test_help_lists_every_flag_with_its_default():

@@ -57,7 +57,7 @@ def _defects_rank() -> dict:
         torch.manual_seed(0)
         model = factory()
         units = [u.fqn for u in fsdp_ext.plan_units(model, policy).units]
-        fsdp_ext.fully_shard(model, auto_wrap_policy=policy, mesh=mesh)
+        fsdp_ext.shard_by_policy(model, auto_wrap_policy=policy, mesh=mesh)
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
         losses = []
         for step in range(STEPS):
@@ -74,7 +74,7 @@ def _defects_rank() -> dict:
     policy = CustomPolicy(
         lambda m: {"reshard_after_forward": True} if m is model else isinstance(m, MLPBlock)
     )
-    fsdp_ext.fully_shard(model, auto_wrap_policy=policy, mesh=mesh)
+    fsdp_ext.shard_by_policy(model, auto_wrap_policy=policy, mesh=mesh)
     model(torch.randn(2, 128)).sum().backward()
     before = counter.calls.get("all_gather", 0)
     model(torch.randn(2, 128)).sum().backward()

@@ -1,4 +1,4 @@
-"""fsdp_ext.fully_shard on 2 gloo ranks: loss parity, idle experts, HF MoE models."""
+"""fsdp_ext.shard_by_policy on 2 gloo ranks: loss parity, idle experts, HF MoE models."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _train_deepspeed_model(steps: int) -> tuple[dict[str, list[float]], dict[str
     gathers: dict[str, int] = {}
     for name, policy in policies.items():
         torch.manual_seed(0)
-        model = fsdp_ext.fully_shard(
+        model = fsdp_ext.shard_by_policy(
             ModelWithFineGrainedBlock(), auto_wrap_policy=policy, mesh=mesh
         )
         optim = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -136,7 +136,7 @@ def _idle_experts_rank(native: bool, threshold: int | None) -> dict:
         expert.register_forward_pre_hook(lambda m, a, i=index: hits.__setitem__(i, hits[i] + 1))
     policy = fsdp_ext.GranularityPolicy(threshold)
     units = [u.fqn for u in fsdp_ext.plan_units(model, policy).units]
-    fsdp_ext.fully_shard(model, auto_wrap_policy=policy, mesh=mesh)
+    fsdp_ext.shard_by_policy(model, auto_wrap_policy=policy, mesh=mesh)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     tokens = _idle_tokens(dist.get_rank())
     grads, losses, first_step_hits = None, [], None
@@ -227,7 +227,7 @@ def _train_hf_rank(steps: int) -> dict:
         reference = copy.deepcopy(model)
         policy = fsdp_ext.GranularityPolicy()
         plan = fsdp_ext.plan_units(model, policy)
-        fsdp_ext.fully_shard(model, auto_wrap_policy=policy, mesh=mesh)
+        fsdp_ext.shard_by_policy(model, auto_wrap_policy=policy, mesh=mesh)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-3)
         losses, ref_losses = [], []
@@ -317,7 +317,7 @@ def _leaf_and_block_rank(fused_norm: bool, group_norm_inputs: bool, steps: int) 
             for layer in model.layers:
                 layer.input_layernorm = _GroupedInputRMSNorm(cfg.dim)
                 layer.post_attention_layernorm = _GroupedInputRMSNorm(cfg.dim)
-        fsdp_ext.fully_shard(model, auto_wrap_policy=policy, mesh=mesh)
+        fsdp_ext.shard_by_policy(model, auto_wrap_policy=policy, mesh=mesh)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses, grads = [], {}
         for step in range(steps):

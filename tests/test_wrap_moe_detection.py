@@ -101,7 +101,7 @@ def _rank_grads() -> dict[str, torch.Tensor]:
     rank = dist.get_rank()
     model = _model(banned_rank0=rank == 0)
     policy = fsdp_ext.GranularityPolicy()  # one unit per layer
-    fsdp_ext.fully_shard(model, auto_wrap_policy=policy, mesh=init_device_mesh("cpu", (WORLD,)))
+    fsdp_ext.shard_by_policy(model, auto_wrap_policy=policy, mesh=init_device_mesh("cpu", (WORLD,)))
     _loss(model, _tokens(rank)).backward()
     return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -129,7 +129,7 @@ def test_structure_finds_moe_blocks_and_nothing_else():
 
 def test_per_expert_units_refused_for_renamed_experts():
     with pytest.raises(ValueError, match=r"routed experts 'layers.0.moe.mlps'.*hangs"):
-        fsdp_ext.fully_shard(RenamedMoELM(), auto_wrap_policy={TinyExpert})
+        fsdp_ext.shard_by_policy(RenamedMoELM(), auto_wrap_policy={TinyExpert})
 
 
 def test_renamed_idle_experts_get_zero_grads_without_hang():

@@ -87,7 +87,7 @@ def _benchmark_model_rank(rafs: tuple, names: tuple) -> dict:
             except ValueError as err:
                 out[(raf, name)] = {"refused": str(err)}
                 continue
-            fsdp_ext.fully_shard(model, auto_wrap_policy=policy, mesh=mesh, **kwargs)
+            fsdp_ext.shard_by_policy(model, auto_wrap_policy=policy, mesh=mesh, **kwargs)
             with UnshardedBytesTracker() as tracker:
                 losses = _train(model, _batches(5 if raf is None else 2), tracker)
             out[(raf, name)] = {
@@ -215,7 +215,7 @@ def _qwen_rank() -> dict:
             except ValueError as err:  # every unit kept after forward: too much
                 out[(raf, name)] = {"refused": str(err)}
                 continue
-            fsdp_ext.fully_shard(model, auto_wrap_policy=policy, mesh=mesh, **kwargs)
+            fsdp_ext.shard_by_policy(model, auto_wrap_policy=policy, mesh=mesh, **kwargs)
             optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
             losses = []
             g = torch.Generator().manual_seed(dist.get_rank())

@@ -467,7 +467,7 @@ def test_parameter_list_and_dict_are_never_units():
         "1",
     ]
     with pytest.raises(ValueError, match="no forward"):
-        fsdp_ext.fully_shard(model, auto_wrap_policy={nn.ParameterList})
+        fsdp_ext.shard_by_policy(model, auto_wrap_policy={nn.ParameterList})
 
 
 # ---------------------------------------------------------------- FSDP1 parity
@@ -565,7 +565,7 @@ def test_unknown_policy_type_rejected(bad):
     with pytest.raises(ValueError, match="auto_wrap_policy"):
         fsdp_ext.plan_units(ModelWithFineGrainedBlock(num_block=1), bad)
     with pytest.raises(ValueError, match="auto_wrap_policy"):
-        fsdp_ext.fully_shard(ModelWithFineGrainedBlock(num_block=1), auto_wrap_policy=bad)
+        fsdp_ext.shard_by_policy(ModelWithFineGrainedBlock(num_block=1), auto_wrap_policy=bad)
 
 
 def test_budget_below_largest_leaf_rejected():
@@ -587,12 +587,12 @@ def test_fully_shard_refuses_units_it_cannot_run():
     """Checked before any collective: a clear ValueError instead of a DTensor error or hang."""
     cfg = FineMoEConfig(n_layers=1, num_experts=4, skip_idle_experts=True)
     with pytest.raises(ValueError, match=r"routed experts.*hangs"):
-        fsdp_ext.fully_shard(FineMoE(cfg), auto_wrap_policy={Expert})
+        fsdp_ext.shard_by_policy(FineMoE(cfg), auto_wrap_policy={Expert})
     mha = nn.Sequential(nn.MultiheadAttention(16, 2))
     with pytest.raises(ValueError, match="MultiheadAttention"):
-        fsdp_ext.fully_shard(mha, auto_wrap_policy={nn.Linear})
+        fsdp_ext.shard_by_policy(mha, auto_wrap_policy={nn.Linear})
     with pytest.raises(ValueError, match="no forward"):
-        fsdp_ext.fully_shard(FineMoE(cfg), auto_wrap_policy={nn.ModuleList})
+        fsdp_ext.shard_by_policy(FineMoE(cfg), auto_wrap_policy={nn.ModuleList})
 
 
 def test_repeated_blocks_look_into_nested_containers():

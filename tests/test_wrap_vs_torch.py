@@ -59,7 +59,7 @@ def _shard(path: str, model: torch.nn.Module, mesh) -> None:
     from benchmarks.wrap_torch import torch_per_layer
 
     if path == "ours":
-        fsdp_ext.fully_shard(model, auto_wrap_policy=fsdp_ext.GranularityPolicy(), mesh=mesh)
+        fsdp_ext.shard_by_policy(model, auto_wrap_policy=fsdp_ext.GranularityPolicy(), mesh=mesh)
     else:
         torch_per_layer(model, mesh, keep_last=path == "torch_same_plan")
 

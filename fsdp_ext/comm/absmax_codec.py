@@ -1,4 +1,7 @@
-"""The LoCo / qgZ codec: symmetric absmax per group, 4 or 8 bits, optional LoCo feedback.
+"""The absmax codecs: symmetric absmax per group, 4 or 8 bits; ``loco`` keeps LoCo error
+feedback, ``q4`` (ZeRO++'s qgZ) does not. Each has its own options dataclass here
+(:class:`LoCoConfig`, :class:`Q4Config`), and the codec, not the config, says which values
+are valid: a config builds its codec when it is made and reports the codec's refusal.
 
 Format and rounding are specified in :mod:`fsdp_ext.kernels.codec_common`; the work runs in
 the ``quantize_ef`` and ``dequantize_reduce`` kernels (Triton on CUDA, the fast torch path on
@@ -7,7 +10,8 @@ CPU, the reference when forced; see :mod:`fsdp_ext.kernels.backend`).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -16,7 +20,9 @@ from fsdp_ext.kernels.codec_common import ERROR_QMAX, TRITON_GROUP_SIZES, payloa
 from fsdp_ext.kernels.dequantize_reduce import dequantize_reduce_from_payload
 from fsdp_ext.kernels.quantize_ef import quantize_ef_to_payload
 
-__all__ = ["AbsmaxCodec"]
+__all__ = ["AbsmaxCodec", "LoCoConfig", "Q4Config"]
+
+ERROR_DTYPES = (torch.int8, torch.bfloat16, torch.float32)
 
 
 class AbsmaxCodec(Codec):
@@ -38,31 +44,43 @@ class AbsmaxCodec(Codec):
         err_beta: float = 0.0,
         error_dtype: torch.dtype = torch.int8,
         error_feedback: bool = False,
+        reset_interval: int | None = None,
     ):
-        if bits not in (4, 8):
+        if isinstance(bits, bool) or bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits!r}")
-        if not isinstance(group_size, int) or group_size < 8 or group_size & (group_size - 1):
-            raise ValueError(f"group_size must be a power of two >= 8, got {group_size!r}")
-        if error_dtype not in (torch.int8, torch.bfloat16, torch.float32):
+        gs = group_size
+        if not isinstance(gs, int) or isinstance(gs, bool) or gs < 8 or gs & (gs - 1):
+            raise ValueError(f"group_size must be a power of two >= 8, got {gs!r}")
+        if error_dtype not in ERROR_DTYPES:
             raise ValueError(
                 f"error_dtype must be torch.int8, torch.bfloat16 or torch.float32, got "
                 f"{error_dtype!r}"
             )
+        beta = err_beta
+        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not 0 <= beta < 1:
+            raise ValueError(f"err_beta must be a number with 0 <= err_beta < 1, got {beta!r}")
+        ri = reset_interval
+        if ri is not None and (not isinstance(ri, int) or isinstance(ri, bool) or ri < 1):
+            raise ValueError(f"reset_interval must be an int >= 1, got {ri!r}")
         self.bits = bits
         self.group_size = group_size
         self.err_beta = float(err_beta)
         self.error_dtype = error_dtype
         self.error_feedback = bool(error_feedback)
+        self.reset_interval = reset_interval
 
     @classmethod
-    def from_config(cls, config: Any) -> AbsmaxCodec:
-        """From a :class:`~fsdp_ext.comm.config.LoCoConfig` (or anything with its fields)."""
+    def from_config(cls, config: LoCoConfig | Q4Config) -> AbsmaxCodec:
+        """From a :class:`LoCoConfig` (error feedback) or a :class:`Q4Config` (none)."""
+        if isinstance(config, Q4Config):
+            return cls(config.bits, config.group_size)
         return cls(
             config.bits,
             config.group_size,
             err_beta=config.err_beta,
             error_dtype=config.error_dtype,
-            error_feedback=config.error_feedback,
+            error_feedback=True,
+            reset_interval=config.reset_interval,
         )
 
     @property
@@ -152,3 +170,47 @@ class AbsmaxCodec(Codec):
         q = torch.floor(groups / safe + 0.5).clamp_(-ERROR_QMAX, ERROR_QMAX)
         error.copy_(q.view(-1))
         feedback.error_scales.copy_(scale.view(-1))
+
+
+def _checked(config: Any) -> None:
+    """Build the codec a config describes, so the codec's own limits (and its CUDA kernels',
+    checked on every device so a config runs alike on CPU and GPU) refuse bad values when the
+    config is made, before any worker starts."""
+    name = type(config).__name__
+    try:
+        codec = AbsmaxCodec.from_config(config)
+        codec.check_device(torch.device("cuda"))
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class LoCoConfig:
+    """Options of the ``loco`` codec: 4-/8-bit absmax with LoCo error feedback (ZeRO++ qgZ
+    plus LoCo). ``err_beta`` and ``reset_interval`` are ZeRO++'s ``zeropp_loco_param =
+    {err_beta, reset_T}``; ``error_dtype`` stores the error (int8 with one fp32 scale per
+    group, bf16 or fp32). Which values are valid is the codec's to say."""
+
+    codec: ClassVar[str] = "loco"
+
+    bits: int = 4
+    group_size: int = 128
+    err_beta: float = 0.8
+    reset_interval: int = 1024
+    error_dtype: torch.dtype = torch.int8
+
+    def __post_init__(self) -> None:
+        _checked(self)
+
+
+@dataclass(frozen=True)
+class Q4Config:
+    """Options of the ``q4`` codec: 4-/8-bit absmax without error feedback (ZeRO++'s qgZ)."""
+
+    codec: ClassVar[str] = "q4"
+
+    bits: int = 4
+    group_size: int = 128
+
+    def __post_init__(self) -> None:
+        _checked(self)

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from fsdp_ext._torch import all_gather_into
 from fsdp_ext.comm.codec import Codec, choose_wire
-from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.error_feedback import ErrorFeedback, ErrorSubset
 from fsdp_ext.comm.layout import ParamLayout
 from fsdp_ext.comm.quantized_exchange import encode_rows, pad_columns, quantized_reduce_scatter
@@ -51,9 +50,10 @@ class LoCoAllReduceHook:
 
     def __init__(
         self,
-        config: LoCoConfig,
+        config: object | None,
         replicate_group: dist.ProcessGroup,
         *,
+        codec: Codec | None = None,
         stats: CommStats | None = None,
         unit: UnitBinding | None = None,
     ):
@@ -61,11 +61,11 @@ class LoCoAllReduceHook:
         self.replicate_group = replicate_group
         self.stats = stats if stats is not None else CommStats()
         self.unit = unit
-        self.codec: Codec = make_codec(config.codec, config)
+        self.codec: Codec = codec if codec is not None else make_codec(config)
         self.scatter_feedback = self.gather_feedback = None
         if self.codec.keeps_feedback:
-            self.scatter_feedback = ErrorFeedback(self.codec, config.reset_interval)
-            self.gather_feedback = ErrorFeedback(self.codec, config.reset_interval)
+            self.scatter_feedback = ErrorFeedback(self.codec)
+            self.gather_feedback = ErrorFeedback(self.codec)
         self._anonymous: ParamLayout | None = None
 
     def layout(self, numel: int) -> ParamLayout:

@@ -32,7 +32,8 @@ class BlockwiseInt8Codec(Codec):
     format_keys = ("bits",)
 
     def __init__(self, group_size: int = 256):
-        if not isinstance(group_size, int) or group_size < 4 or group_size & (group_size - 1):
+        gs = group_size
+        if not isinstance(gs, int) or isinstance(gs, bool) or gs < 4 or gs & (gs - 1):
             raise ValueError(f"group_size must be a power of two >= 4, got {group_size!r}")
         self.group_size = group_size
 

@@ -3,7 +3,9 @@
 Every compressed collective of ``fsdp_ext.comm`` (the LoCo reduce-scatter, the exchange
 between nodes in hierarchical mode, the HSDP all-reduce hook) moves **payloads** built by a
 :class:`Codec` and knows nothing of their format. A new codec is one file holding a
-``Codec`` subclass, plus one line in :data:`fsdp_ext.comm.registry.CODECS`.
+``Codec`` subclass and the dataclass of its options, plus one line in
+:data:`fsdp_ext.comm.registry.CODECS`; a codec's options and their limits are its own (the
+options dataclass builds the codec to check them).
 
 The contract, for ``W`` rows of ``n`` elements each:
 
@@ -26,7 +28,8 @@ wants added next time (LoCo: ``e <- beta e + (1 - beta)(h - deQ(Q(h)))``). The f
 covers ``W * padded(n)`` elements, row ``w`` at ``[w * padded(n), (w + 1) * padded(n))``.
 It arrives either in the codec's storage (as :meth:`Codec.new_feedback` made it) or as a
 float32 ``error`` without scales (the path that leaves unused parameters out builds one);
-a codec keeping feedback must accept both.
+a codec keeping feedback must accept both. The feedback is zeroed every
+:attr:`Codec.reset_interval` reductions (None: never).
 
 **decode_reduce(payload, out, *, out_scale=1.0).** ``out`` is a contiguous 1-D ``[n]``
 float32 or bfloat16 tensor. Writes ``out = out_scale * sum_w decode(payload[w])``: the sum
@@ -96,6 +99,9 @@ class Codec(ABC):
 
     #: header keys whose mismatch makes saved feedback unreadable (the load is refused)
     format_keys: ClassVar[tuple[str, ...]] = ()
+
+    #: reductions between resets of the error feedback (None: never reset)
+    reset_interval: int | None = None
 
     @property
     def keeps_feedback(self) -> bool:

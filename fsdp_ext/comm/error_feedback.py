@@ -17,11 +17,11 @@ class ErrorFeedback:
     a change in the gradient statistics. The codec decides how ``e`` is stored.
     """
 
-    def __init__(self, codec: Codec, reset_interval: int):
+    def __init__(self, codec: Codec, reset_interval: int | None = None):
         if not codec.keeps_feedback:
             raise ValueError(f"{type(codec).__name__} keeps no error feedback")
         self.codec = codec
-        self.reset_interval = reset_interval
+        self.reset_interval = codec.reset_interval if reset_interval is None else reset_interval
         self.error: torch.Tensor | None = None
         self.error_scales: torch.Tensor | None = None
         self.reductions = 0
@@ -39,7 +39,7 @@ class ErrorFeedback:
                 raise RuntimeError(
                     f"error buffer holds {self.error.numel()} elements but this reduction "
                     f"needs {numel}: one LoCo comm object must serve one FSDP param group "
-                    "(install it with register_comm_hook or LoCoReduceScatter.install)"
+                    "(install it with fsdp_ext.comm.enable or LoCoReduceScatter.install)"
                 )
             if self.error.device != device:
                 self._move(device)
@@ -56,7 +56,7 @@ class ErrorFeedback:
 
     def tick(self) -> None:
         """Count one reduction; reset first when one is due."""
-        if self.reductions and self.reductions % self.reset_interval == 0:
+        if self.reset_interval and self.reductions and self.reductions % self.reset_interval == 0:
             self.reset()
         self.reductions += 1
 

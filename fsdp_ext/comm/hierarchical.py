@@ -22,7 +22,7 @@ from fsdp_ext._torch import reduce_scatter_into
 class NodeGroups:
     intra_node: dist.ProcessGroup
     inter_node: dist.ProcessGroup | None
-    intra_node_size: int
+    node_size: int
     num_nodes: int
     order: tuple[int, ...]  # group indices of the destinations, by (local index, node)
     _indices: dict = field(default_factory=dict, compare=False, repr=False)
@@ -39,7 +39,7 @@ class NodeGroups:
     def node_members(self, node: int) -> tuple[int, ...]:
         """Group indices of the ranks whose chunks node ``node``'s rank of this local index
         receives, in local-index order."""
-        k, n = self.intra_node_size, self.num_nodes
+        k, n = self.node_size, self.num_nodes
         return tuple(self.order[local * n + node] for local in range(k))
 
 
@@ -52,7 +52,7 @@ def plan_nodes(ranks: list[int], node_size: int) -> tuple[list[list[int]], list[
     if len(counts) != 1:
         per_node = {n: len(v) for n, v in sorted(nodes.items())}
         raise ValueError(
-            f"intra_node_size={node_size} puts {per_node} ranks of the shard group {ranks} on "
+            f"node_size={node_size} puts {per_node} ranks of the shard group {ranks} on "
             "each node; every node must hold the same number of them"
         )
     k = counts.pop()
@@ -104,7 +104,7 @@ def node_local_reduce_scatter(
     sum of the chunk bound for node ``n``'s rank with this local index, still to be reduced
     across nodes) and the bytes sent.
     """
-    k, n = groups.intra_node_size, groups.num_nodes
+    k, n = groups.node_size, groups.num_nodes
     rows = input_tensor.view(n * k, -1)
     if k == 1:
         if groups.order == tuple(range(n)):

@@ -1,4 +1,5 @@
-"""``LoCoReduceScatter``: an FSDP2 ``ReduceScatter`` that sends 4-/8-bit LoCo-compensated chunks."""
+"""``LoCoReduceScatter``: an FSDP2 ``ReduceScatter`` that sends a gradient codec's payloads
+(LoCo-compensated 4-/8-bit chunks by default)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_ext._torch import ReduceScatter
+from fsdp_ext.comm.absmax_codec import LoCoConfig
 from fsdp_ext.comm.codec import Codec, WireChoice, choose_wire
-from fsdp_ext.comm.config import LoCoConfig
 from fsdp_ext.comm.error_feedback import ErrorFeedback, ErrorSubset
 from fsdp_ext.comm.hierarchical import (
     NodeGroups,
@@ -26,6 +27,7 @@ from fsdp_ext.comm.quantized_exchange import (
 from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.stats import CommStats
 from fsdp_ext.comm.unit import UnitBinding, reduce_dtype_of
+from fsdp_ext.node_size import resolve_node_size
 
 ReduceOp = dist.ReduceOp
 WIRE_DTYPES = {torch.float16: torch.float32}  # reduce dtype -> what the rows travel in
@@ -47,29 +49,33 @@ def reduce_op_scale(op: object, world_size: int) -> float:
 class LoCoReduceScatter(ReduceScatter):
     """Quantise each rank's compensated chunks, ``all_to_all`` them, dequantise-reduce.
 
-    One instance serves one FSDP unit (:meth:`install`, or :func:`register_comm_hook`): it
-    keeps the error of each of the unit's trainable parameters, and maps every reduction's
-    columns to them, so a parameter left out of a reduction (no gradient) neither receives
-    nor corrupts anyone's error. Each rank's chunk is padded to whole codec groups, so a
-    quantisation group never straddles two ranks. The wire format is ``config.codec``'s,
-    except for a unit whose payload would not be smaller than its values (:attr:`wire`):
-    those go as they are. FSDP calls it only when the shard group has more than one rank.
-    fp16 gradients are computed in fp32.
+    One instance serves one FSDP unit (:meth:`install`, or :func:`fsdp_ext.comm.enable`): it keeps
+    the error of each of the unit's trainable parameters, and maps every reduction's columns to
+    them, so a parameter left out of a reduction (no gradient) neither receives nor corrupts
+    anyone's error. Each rank's chunk is padded to whole codec groups, so a quantisation group
+    never straddles two ranks. The wire format is ``codec``'s (built from ``config``, a codec's
+    options, when not given), except for a unit whose payload would not be smaller than its
+    values (:attr:`wire`): those go as they are. FSDP calls it only when the shard group has
+    more than one rank. fp16 gradients are computed in fp32. ``node_size`` (ranks per node, or
+    ``"auto"``): hierarchical mode, full precision inside each node and the codec across nodes.
     """
 
     def __init__(
         self,
-        config: LoCoConfig | None = None,
+        config: object | None = None,
         *,
+        codec: Codec | None = None,
+        node_size: int | str | None = None,
         node_groups: NodeGroups | None = None,
         stats: CommStats | None = None,
     ):
-        self.config = config if config is not None else LoCoConfig()
+        self.config = config if config is not None or codec is not None else LoCoConfig()
         self.stats = stats if stats is not None else CommStats()
-        self.codec: Codec = make_codec(self.config.codec, self.config)
+        self.codec: Codec = codec if codec is not None else make_codec(self.config)
         self.feedback = None
         if self.codec.keeps_feedback:
-            self.feedback = ErrorFeedback(self.codec, self.config.reset_interval)
+            self.feedback = ErrorFeedback(self.codec)
+        self.node_size = node_size
         self._node_groups = node_groups
         self.unit: UnitBinding | None = None
         self._anonymous: ParamLayout | None = None
@@ -99,7 +105,7 @@ class LoCoReduceScatter(ReduceScatter):
             raise ValueError(
                 f"this LoCoReduceScatter already serves unit {self.unit.fqn or '<root>'}; "
                 f"it cannot also serve {unit.fqn or '<root>'}: its error buffer belongs to one "
-                "unit's parameters, so give every unit its own comm (register_comm_hook does)"
+                "unit's parameters, so give every unit its own comm (fsdp_ext.comm.enable does)"
             )
         self.unit = unit
 
@@ -140,7 +146,7 @@ class LoCoReduceScatter(ReduceScatter):
                 raise RuntimeError(
                     f"error buffer holds rows of {layout.width} elements but this reduction "
                     f"has {shard}: one LoCo comm object must serve one FSDP param group "
-                    "(install it with register_comm_hook or LoCoReduceScatter.install)"
+                    "(install it with fsdp_ext.comm.enable or LoCoReduceScatter.install)"
                 )
             self.feedback.materialize(rows * full_width, device)
             return self.feedback
@@ -169,7 +175,7 @@ class LoCoReduceScatter(ReduceScatter):
         out_scale = reduce_op_scale(op, world_size)
         wire_input = input_tensor.float() if input_tensor.dtype == torch.float16 else input_tensor
         intra_bytes = 0
-        if self.config.intra_node_size is not None:
+        if self.node_size is not None or self._node_groups is not None:
             groups = self._groups(group)
             chunks, intra_bytes = node_local_reduce_scatter(wire_input, groups)
             exchange_group = groups.inter_node
@@ -213,7 +219,7 @@ class LoCoReduceScatter(ReduceScatter):
     def _groups(self, group: dist.ProcessGroup) -> NodeGroups:
         if self._node_groups is None:
             ranks = dist.get_process_group_ranks(group)
-            built = build_node_groups(all_shard_groups([ranks]), self.config.node_size())
+            built = build_node_groups(all_shard_groups([ranks]), resolve_node_size(self.node_size))
             self._node_groups = built[tuple(ranks)]
         return self._node_groups
 

@@ -1,4 +1,5 @@
-"""One call to put LoCo on every FSDP unit of a model, and the handle that undoes it."""
+"""Putting a gradient codec on every FSDP unit of a model (``fsdp_ext.comm.enable`` does),
+and the handle that undoes everything ``enable`` turned on."""
 
 from __future__ import annotations
 
@@ -19,10 +20,8 @@ from fsdp_ext._torch import (
 )
 from fsdp_ext.comm.all_reduce_hook import LoCoAllReduceHook
 from fsdp_ext.comm.codec import Codec, WireChoice
-from fsdp_ext.comm.config import DEFAULT_CODEC, LoCoConfig
 from fsdp_ext.comm.hierarchical import NodeGroups, all_shard_groups, build_node_groups
 from fsdp_ext.comm.reduce_scatter import LoCoReduceScatter
-from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.stats import CommStats
 from fsdp_ext.comm.unit import (
     SUPPORTED_REDUCE_DTYPES,
@@ -32,6 +31,10 @@ from fsdp_ext.comm.unit import (
 )
 from fsdp_ext.comm.weight_all_gather import WeightGatherStats
 from fsdp_ext.comm.weight_register import WeightGatherHandle
+from fsdp_ext.node_size import resolve_node_size
+
+#: the codec of checkpoints written before codecs had names
+UNNAMED_CODEC = "loco"
 
 logger = logging.getLogger("fsdp_ext.comm")
 
@@ -75,11 +78,11 @@ class _Unit:
 
 
 class CommHandle:
-    """Returned by :func:`fsdp_ext.comm.enable` (and :func:`register_comm_hook`): one handle
-    for everything that is on. ``stats`` counts the gradients' bytes, ``weight_stats`` qwZ's;
-    ``weights`` is qwZ's handle and ``secondary_shards`` hpZ's secondary group per unit;
-    ``remove()`` gives every unit back FSDP's stock collectives. It is a DCP ``Stateful``
-    holding every error buffer (an empty state when the gradients are left to FSDP).
+    """Returned by :func:`fsdp_ext.comm.enable`: one handle for everything that is on.
+    ``stats`` counts the gradients' bytes, ``weight_stats`` qwZ's; ``weights`` is qwZ's handle and
+    ``secondary_shards`` hpZ's secondary group per unit; ``remove()`` gives every unit back
+    FSDP's stock collectives. It is a DCP ``Stateful`` holding every error buffer (an empty
+    state when the gradients are left to FSDP).
 
     Each rank saves its own buffers with a header: world size, config, and every unit's
     parameter layout (names and lengths, and a signature of them). Units and parameters are
@@ -93,10 +96,19 @@ class CommHandle:
     raises, naming what differs. The same layout resumes bit for bit.
     """
 
-    def __init__(self, units: dict[str, _Unit], config: LoCoConfig | None, *, strict: bool = False):
+    def __init__(
+        self,
+        units: dict[str, _Unit],
+        config: object | None = None,
+        codec: Codec | None = None,
+        *,
+        node_size: int | None = None,
+        strict: bool = False,
+    ):
         self._units = units
         self._config = config  # None: gradients left to FSDP (qwZ / hpZ alone)
-        self._codec = None if config is None else make_codec(config.codec, config)
+        self._codec = codec
+        self._node_size = node_size  # hierarchical mode's ranks per node (None: flat)
         self.strict = strict
         self._removed = False
         self.weights: WeightGatherHandle | None = None  # qwZ's part, when it is on
@@ -104,8 +116,8 @@ class CommHandle:
         self.secondary_shards: dict[str, bool | int] = {}
 
     @property
-    def gradient_config(self) -> LoCoConfig | None:
-        """The gradient codec's settings (None: FSDP's own reduce-scatter)."""
+    def gradient_config(self) -> object | None:
+        """The gradient codec's options (None: FSDP's own reduce-scatter)."""
         return self._config
 
     @property
@@ -154,10 +166,10 @@ class CommHandle:
         cfg = self._config
         return {
             "world_size": dist.get_world_size(),
-            "intra_node_size": cfg.node_size() if cfg.intra_node_size is not None else None,
+            "node_size": self._node_size,
             "layout": {fqn: u.binding.layout.signature() for fqn, u in self._units.items()},
             "parameters": {fqn: _named_lengths(u.binding.layout) for fqn, u in self._units.items()},
-            "codec": cfg.codec,
+            "codec": cfg.codec,  # the registry name
             **self._codec.header(),
         }
 
@@ -188,7 +200,7 @@ class CommHandle:
             differences = [f"the checkpoint holds no LoCo state for rank {dist.get_rank()}"]
         else:
             # checkpoints from before codecs had names hold the default codec's header
-            saved = {"codec": DEFAULT_CODEC, **mine["header"]}
+            saved = {"codec": UNNAMED_CODEC, **mine["header"]}
             for key in ("codec", *self._codec.format_keys):
                 if saved.get(key) != now[key]:
                     raise ValueError(
@@ -280,33 +292,30 @@ def check_codec_device(codec: Codec, device: torch.device, fqn: str) -> None:
         raise ValueError(f"unit {fqn} reduces on {device}: {exc}") from exc
 
 
-def register_comm_hook(
+def install_gradient_codec(
     model: torch.nn.Module,
-    config: LoCoConfig | None = None,
+    config: object,
+    codec: Codec,
     *,
+    node_size: int | str | None = None,
     replicate_group: dist.ProcessGroup | None = None,
     strict: bool = False,
 ) -> CommHandle:
-    """Install a :class:`LoCoReduceScatter` on every FSDP unit of ``model``.
-
-    (Quantised parameter all-gathers too: :func:`fsdp_ext.comm.enable` with
-    ``CommConfig(gradients=..., weights=...)``.)
+    """Install a :class:`LoCoReduceScatter` sending ``codec`` (built from ``config``, its
+    options) on every FSDP unit of ``model``; :func:`fsdp_ext.comm.enable` calls it.
 
     Every unit gets its own comm, sized over all of its trainable parameters (a unit of
-    several modules, ``fully_shard([a, b])``, included). With ``replicate_group`` (HSDP),
-    ``model`` must be sharded on the ``dp_shard`` mesh only; each unit also gets a
-    :class:`LoCoAllReduceHook`. ``strict`` governs checkpoint loads (see :class:`CommHandle`).
-    Call it on every rank, after ``fully_shard``; unsupported reduce dtypes are refused here.
+    several modules, ``fully_shard([a, b])``, included), and all share the one codec.
+    ``node_size``: hierarchical mode (full precision inside nodes of that many ranks, the
+    codec across them). With ``replicate_group`` (HSDP), ``model`` must be sharded on the
+    ``dp_shard`` mesh only; each unit also gets a :class:`LoCoAllReduceHook`. ``strict``
+    governs checkpoint loads (see :class:`CommHandle`). Unsupported reduce dtypes are refused.
     """
-    config = config if config is not None else LoCoConfig()
-    if not isinstance(config, LoCoConfig):
-        raise TypeError(f"config must be a LoCoConfig, got {type(config).__name__}")
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {strict!r}")
-    codec = make_codec(config.codec, config)
-    units_found = comm_units(model, "LoCo")
+    units_found = comm_units(model, "a gradient codec")
     if not units_found:
-        raise ValueError("model has no FSDP unit: call fully_shard before register_comm_hook")
+        raise ValueError("model has no FSDP unit: call fully_shard before fsdp_ext.comm.enable")
     names = {
         id(p): canonical_fqn(model, n) for n, p in model.named_parameters(remove_duplicate=False)
     }
@@ -326,32 +335,35 @@ def register_comm_hook(
         dtype = reduce_dtype_of(group)
         if dtype not in SUPPORTED_REDUCE_DTYPES:
             raise ValueError(
-                f"unit {fqn} reduces gradients in {dtype}; LoCo supports reduce dtypes "
-                "torch.float32, torch.bfloat16 and torch.float16 (set MixedPrecisionPolicy."
-                "reduce_dtype)"
+                f"unit {fqn} reduces gradients in {dtype}; the gradient codecs support reduce "
+                "dtypes torch.float32, torch.bfloat16 and torch.float16 (set "
+                "MixedPrecisionPolicy.reduce_dtype)"
             )
         check_codec_device(codec, group_device(group), fqn)
         plans.append((fqn, module, group, shard_group))
     node_groups: dict[tuple[int, ...], NodeGroups] = {}
-    if config.intra_node_size is not None:
-        node_size = config.node_size()
-        if dist.get_world_size() % node_size:
+    resolved = None
+    if node_size is not None:
+        resolved = resolve_node_size(node_size)
+        if dist.get_world_size() % resolved:
             raise ValueError(
-                f"intra_node_size must divide the world size {dist.get_world_size()} "
-                f"(ranks per node), got {node_size}"
+                f"node_size must divide the world size {dist.get_world_size()} "
+                f"(ranks per node), got {resolved}"
             )
         mine = [dist.get_process_group_ranks(pg) for *_, pg in plans if pg.size() > 1]
-        node_groups = build_node_groups(all_shard_groups(mine), node_size)
+        node_groups = build_node_groups(all_shard_groups(mine), resolved)
     units: dict[str, _Unit] = {}
     for fqn, module, group, shard_group in plans:
         binding = UnitBinding(group, names, fqn)
         key = tuple(dist.get_process_group_ranks(shard_group))
-        comm = LoCoReduceScatter(config, node_groups=node_groups.get(key))
+        comm = LoCoReduceScatter(
+            config, codec=codec, node_size=resolved, node_groups=node_groups.get(key)
+        )
         comm.bind(binding)
         module.set_custom_reduce_scatter(comm)
         hook = None
         if replicate_group is not None:
-            hook = LoCoAllReduceHook(config, replicate_group, unit=binding)
+            hook = LoCoAllReduceHook(config, replicate_group, codec=codec, unit=binding)
             module.set_all_reduce_hook(hook)
         units[fqn] = _Unit(module, binding, comm, hook, shard_group.size())
-    return CommHandle(units, config, strict=strict)
+    return CommHandle(units, config, codec, node_size=resolved, strict=strict)

@@ -134,7 +134,7 @@ class UnitBinding:
             f"matches neither the parameters that got gradients "
             f"({', '.join(self.layout.names_of(present)) or 'none'}; "
             f"{self.layout.width_of(present)} elements) nor the whole unit "
-            f"({self.layout.width}); was requires_grad changed after register_comm_hook?"
+            f"({self.layout.width}); was requires_grad changed after fsdp_ext.comm.enable?"
         )
 
     def remove(self) -> None:

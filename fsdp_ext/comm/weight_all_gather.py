@@ -113,9 +113,16 @@ class QuantizedWeightAllGather(AllGather):
     Runs synchronously and returns ``None`` (FSDP then waits on nothing).
     """
 
-    def __init__(self, config: WeightQuantConfig, group: FSDPParamGroup, fqn: str = ""):
+    def __init__(
+        self,
+        config: WeightQuantConfig,
+        group: FSDPParamGroup,
+        fqn: str = "",
+        *,
+        codec: Codec | None = None,
+    ):
         self.config = config
-        self.codec: Codec = make_codec(config.codec, config)  # feedback-free: checked there
+        self.codec: Codec = codec if codec is not None else make_codec(config)
         self.fqn = fqn
         self._group = group
         self._segment_cache: dict[int, tuple[int, ...]] = {}

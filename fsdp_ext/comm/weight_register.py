@@ -10,7 +10,8 @@ from fsdp_ext._torch import (
     group_device,
     shard_process_group,
 )
-from fsdp_ext.comm.codec import WireChoice
+from fsdp_ext.comm.codec import Codec, WireChoice
+from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.unit import comm_units
 from fsdp_ext.comm.weight_all_gather import QuantizedWeightAllGather, WeightGatherStats
 from fsdp_ext.comm.weight_config import WeightQuantConfig
@@ -66,7 +67,7 @@ class WeightGatherHandle:
 
 
 def register_weight_all_gather(
-    model: torch.nn.Module, config: WeightQuantConfig | None = None
+    model: torch.nn.Module, config: WeightQuantConfig | None = None, *, codec: Codec | None = None
 ) -> WeightGatherHandle:
     """Install a :class:`QuantizedWeightAllGather` on every FSDP unit of ``model``.
 
@@ -74,15 +75,26 @@ def register_weight_all_gather(
     their own mesh, ``reshard_after_forward`` an int for hpZ). A unit with several param
     groups (per-parameter meshes through ``shard_placement_fn``) is refused, since FSDP2
     takes one all-gather comm per unit; so is a group size the CUDA kernels lack.
+    ``config``: a weight codec's options (default :class:`WeightQuantConfig`); ``codec``:
+    built from it once and shared by every unit (built here when not given).
     """
     config = config if config is not None else WeightQuantConfig()
-    if not isinstance(config, WeightQuantConfig):
-        raise TypeError(f"config must be a WeightQuantConfig, got {type(config).__name__}")
+    if not hasattr(config, "backward"):
+        raise TypeError(
+            f"config must be a weight codec's options (a WeightQuantConfig), got "
+            f"{type(config).__name__}"
+        )
+    codec = codec if codec is not None else make_codec(config)
+    if codec.keeps_feedback:
+        raise ValueError(
+            f"codec {config.codec!r} keeps error feedback; a weight all-gather takes a codec "
+            "that is a pure function of the weights"
+        )
     by_name: dict[str, tuple[FSDPModule, QuantizedWeightAllGather]] = {}
     for name, module, group in comm_units(model, "WeightQuantConfig"):
         if group is None or shard_process_group(group) is None:
             continue  # no parameter, or replicate-only (nothing is gathered)
-        comm = QuantizedWeightAllGather(config, group, name)
+        comm = QuantizedWeightAllGather(config, group, name, codec=codec)
         device = group_device(group)
         try:
             comm.codec.check_device(device)

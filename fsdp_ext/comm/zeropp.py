@@ -3,14 +3,17 @@
 ZeRO++ has three parts, and FSDP2 takes each at a different place:
 
 - **gradients** (qgZ, here with LoCo error feedback): a custom reduce-scatter per unit, plus
-  the all-reduce hook under HSDP (:func:`register_comm_hook`);
+  the all-reduce hook under HSDP;
 - **weights** (qwZ): a custom all-gather per unit (:func:`register_weight_all_gather`);
-- **secondary shards** (hpZ): ``reshard_after_forward`` = ranks per node, which FSDP2 takes
+- **hpZ** (secondary shards): ``reshard_after_forward`` = ranks per node, which FSDP2 takes
   only in ``fully_shard`` (it builds the post-forward group there). ``CommConfig`` carries
-  the choice; whoever shards reads it (the adapters and ``build_pipeline`` do, a user passes
-  ``reshard_after_forward="node"`` to :func:`fsdp_ext.fully_shard`), and :func:`enable`
-  checks that every unit's secondary group lies inside a node, so hpZ is never silently off.
+  the choice; whoever shards reads it (``examples/train.py``, the adapters and
+  ``build_pipeline`` do, a user passes ``reshard_after_forward="node"`` to
+  :func:`fsdp_ext.shard_by_policy`), and :func:`enable` checks that every unit's secondary
+  group lies inside a node, so hpZ is never silently off.
 
+The names ``CommConfig`` takes are the vocabulary of :mod:`fsdp_ext.comm.registry`
+(``"stock"`` and every registered codec), the same names as ``--comm`` and ``--comm auto``.
 As torchao's ``Float8LinearConfig(enable_fsdp_float8_all_gather=...)`` and torchtitan's
 converter configs do, the switches are one validated dataclass and the call that applies
 them is one function; the handle it returns undoes everything with ``remove()``.
@@ -30,76 +33,70 @@ from fsdp_ext._torch import (
     param_groups,
     shard_process_group,
 )
-from fsdp_ext.comm.config import LoCoConfig
-from fsdp_ext.comm.register import CommHandle, register_comm_hook
-from fsdp_ext.comm.weight_config import WeightQuantConfig
+from fsdp_ext.comm.register import CommHandle, install_gradient_codec
+from fsdp_ext.comm.registry import CODECS, gradient_names, make_codec, preset, weight_names
 from fsdp_ext.comm.weight_register import register_weight_all_gather
 from fsdp_ext.node_size import resolve_node_size
 
-__all__ = ["GRADIENT_PRESETS", "SECONDARY_SHARDS", "WEIGHT_PRESETS", "CommConfig", "enable"]
+__all__ = ["CommConfig", "enable"]
 
-# the short names CommConfig takes, and the configs they stand for
-GRADIENT_PRESETS = {
-    "loco": LoCoConfig(),  # 4-bit with LoCo error feedback
-    "q4": LoCoConfig(error_feedback=False),  # 4-bit absmax, ZeRO++'s qgZ
-}
-WEIGHT_PRESETS = {
-    "int8": WeightQuantConfig(),  # forward and backward gathers
-    "int8_forward": WeightQuantConfig(backward=False),  # backward gathers full precision
-}
-SECONDARY_SHARDS = (None, "node")
+
+def _options(value: object, carries: str) -> object:
+    """A name of the vocabulary as its preset; a codec's options as they are (checked)."""
+    names = gradient_names() if carries == "gradients" else weight_names()
+    if isinstance(value, str):
+        if value not in names:
+            raise ValueError(f"CommConfig.{carries} must be one of {list(names)}, got {value!r}")
+        return preset(value, carries)
+    if value is None:
+        return None
+    entry = CODECS.get(getattr(value, "codec", None))
+    if entry is None or entry.carries != carries:
+        raise ValueError(
+            f"CommConfig.{carries} must be None, one of {list(names)} or the options of a "
+            f"{carries} codec, got {value!r}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
 class CommConfig:
-    """What FSDP2 sends, per collective (every field None: FSDP's stock collectives).
+    """What FSDP2 sends, per collective (the default: FSDP's stock collectives).
 
-    ``gradients``: ``"loco"``, ``"q4"`` or a :class:`LoCoConfig` (4-/8-bit reduce-scatter,
-    and HSDP all-reduce with ``enable(..., replicate_group=...)``).
-    ``weights``: ``"int8"``, ``"int8_forward"`` or a :class:`WeightQuantConfig` (qwZ).
-    ``secondary_shards``: ``"node"`` for hpZ (each unit keeps its post-forward copy sharded
-    over the ranks of its node, so backward gathers never leave the node); a sharding-time
-    choice, see the module docstring. ``node_size``: ranks per node for hpZ, an int or
-    ``"auto"`` (the launcher's ``LOCAL_WORLD_SIZE``); gradients take theirs from
-    ``LoCoConfig.intra_node_size``. Short names become their configs here, so
-    ``config.gradients`` and ``config.weights`` are always a config or None.
+    ``gradients``: a name of :func:`~fsdp_ext.comm.registry.gradient_names` (``"stock"``,
+    ``"loco"``, ``"q4"``, ...) or a gradient codec's options (``LoCoConfig(bits=8)``), for the
+    reduce-scatter and, with ``enable(..., replicate_group=...)``, the HSDP all-reduce.
+    ``weights``: a name of :func:`~fsdp_ext.comm.registry.weight_names` (``"stock"``,
+    ``"int8"``, ``"int8_forward"``) or a weight codec's options (:class:`WeightQuantConfig`):
+    qwZ. ``hpz``: each unit keeps its post-forward copy sharded over the ranks of its node,
+    so backward gathers never leave the node (a sharding-time choice, see the module
+    docstring). ``hierarchical``: the gradients reduce in full precision inside each node
+    and send the codec's payload only between nodes. ``node_size``: ranks per node for both,
+    an int or ``"auto"`` (the launcher's ``LOCAL_WORLD_SIZE``), global rank ``g`` on node
+    ``g // node_size``. Names become their presets here, so ``config.gradients`` and
+    ``config.weights`` are always a codec's options or None.
     """
 
-    gradients: LoCoConfig | str | None = None
-    weights: WeightQuantConfig | str | None = None
-    secondary_shards: str | None = None
+    gradients: object | None = None
+    weights: object | None = None
+    hpz: bool = False
+    hierarchical: bool = False
     node_size: int | str = "auto"
 
     def __post_init__(self) -> None:
-        g = self.gradients
-        if isinstance(g, str) and g in GRADIENT_PRESETS:
-            object.__setattr__(self, "gradients", GRADIENT_PRESETS[g])
-        elif g is not None and not isinstance(g, LoCoConfig):
+        object.__setattr__(self, "gradients", _options(self.gradients, "gradients"))
+        object.__setattr__(self, "weights", _options(self.weights, "weights"))
+        for name in ("hpz", "hierarchical"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CommConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.hierarchical and self.gradients is None:
             raise ValueError(
-                f"CommConfig.gradients must be None, one of {sorted(GRADIENT_PRESETS)} or a "
-                f"LoCoConfig, got {g!r}"
-            )
-        w = self.weights
-        if isinstance(w, str) and w in WEIGHT_PRESETS:
-            object.__setattr__(self, "weights", WEIGHT_PRESETS[w])
-        elif w is not None and not isinstance(w, WeightQuantConfig):
-            raise ValueError(
-                f"CommConfig.weights must be None, one of {sorted(WEIGHT_PRESETS)} or a "
-                f"WeightQuantConfig, got {w!r}"
-            )
-        if self.secondary_shards not in SECONDARY_SHARDS:
-            raise ValueError(
-                f"CommConfig.secondary_shards must be one of {SECONDARY_SHARDS}, "
-                f"got {self.secondary_shards!r}"
+                "CommConfig.hierarchical sends a gradient codec between nodes: set gradients "
+                f"to one of {list(gradient_names()[1:])}, or leave hierarchical out"
             )
         k = self.node_size
         if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ValueError(f"CommConfig.node_size must be 'auto' or an int >= 1, got {k!r}")
-
-    @property
-    def hpz(self) -> bool:
-        """Whether the units keep node-local secondary shards (``secondary_shards="node"``)."""
-        return self.secondary_shards == "node"
 
     @property
     def enabled(self) -> bool:
@@ -117,10 +114,11 @@ def enable(
     """Turn on what ``config`` asks for on every FSDP unit of ``model``; one handle back.
 
     Call it on every rank, after ``fully_shard`` (hpZ: with ``reshard_after_forward`` =
-    ranks per node, e.g. ``fsdp_ext.fully_shard(..., reshard_after_forward="node")``).
+    ranks per node, e.g. ``fsdp_ext.shard_by_policy(..., reshard_after_forward="node")``).
     ``replicate_group`` (HSDP with the model sharded on the ``dp_shard`` mesh): the gradient
-    codec also runs the all-reduce between replicas. ``strict``: a checkpoint's LoCo state
-    that does not match raises instead of resetting (see :class:`CommHandle`).
+    codec also runs the all-reduce between replicas. ``strict``: a checkpoint's error
+    feedback that does not match raises instead of resetting (see :class:`CommHandle`).
+    Each codec is built once here and shared by every unit.
     """
     config = CommConfig() if config is None else config
     if not isinstance(config, CommConfig):
@@ -135,13 +133,20 @@ def enable(
         raise ValueError("model has no FSDP unit: call fully_shard before fsdp_ext.comm.enable")
     secondary = _check_secondary_shards(units, config) if config.hpz else {}
     if config.gradients is not None:
-        handle = register_comm_hook(
-            model, config.gradients, replicate_group=replicate_group, strict=strict
+        handle = install_gradient_codec(
+            model,
+            config.gradients,
+            make_codec(config.gradients),
+            node_size=config.node_size if config.hierarchical else None,
+            replicate_group=replicate_group,
+            strict=strict,
         )
     else:
         handle = CommHandle({}, None, strict=strict)
     if config.weights is not None:
-        handle.weights = register_weight_all_gather(model, config.weights)
+        handle.weights = register_weight_all_gather(
+            model, config.weights, codec=make_codec(config.weights)
+        )
     handle.secondary_shards = secondary
     return handle
 
@@ -178,9 +183,9 @@ def _check_secondary_shards(units: dict[str, object], config: CommConfig) -> dic
         ]
         if spans:
             raise ValueError(
-                f"CommConfig.secondary_shards='node': unit {fqn} keeps its post-forward copy "
+                f"CommConfig.hpz: unit {fqn} keeps its post-forward copy "
                 f"on ranks {spans[0]}, which span nodes of {node} ranks, so its backward "
                 "all-gather leaves the node; shard with reshard_after_forward='node' "
-                "(fsdp_ext.fully_shard) or fsdp_ext.node_local_reshard(mesh, node_size)"
+                "(fsdp_ext.shard_by_policy) or fsdp_ext.node_local_reshard(mesh, node_size)"
             )
     return sizes

@@ -29,7 +29,7 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer
 
 from fsdp_ext._torch import compiled_inner
 from fsdp_ext.comm import CommConfig, CommHandle
-from fsdp_ext.wrap import GranularityPolicy, fully_shard, node_local_reshard
+from fsdp_ext.wrap import GranularityPolicy, node_local_reshard, shard_by_policy
 
 LOCO_STATE_FILE = "fsdp_ext_loco_rank{rank}.pt"
 
@@ -73,7 +73,7 @@ def comm_from_arguments(comm: CommConfig | None) -> CommConfig | None:
 
 def hpz_reshard_after_forward(comm: CommConfig | None, mesh: Any, default: Any) -> Any:
     """``reshard_after_forward`` for the units: the ranks per node of ``mesh`` under hpZ
-    (``comm.secondary_shards="node"``), else ``default``."""
+    (``comm.hpz``), else ``default``."""
     if comm is None or not comm.hpz:
         return default
     return node_local_reshard(mesh, comm.node_size, dist.get_world_size())
@@ -209,7 +209,7 @@ def shard(
 ) -> nn.Module:
     """Check the plugin, shard ``model`` in place with the plugin's settings, and turn the
     plugin's own wrap policy off, so that a later ``accelerator.prepare`` takes ``model``
-    as it is. Under hpZ (``comm.secondary_shards="node"``) every unit keeps its
+    as it is. Under hpZ (``comm.hpz``) every unit keeps its
     post-forward copy sharded over its node's ranks, whatever the plugin's reshard says."""
     plugin = fsdp2_plugin(accelerator)
     policy = GranularityPolicy() if auto_wrap_policy is None else auto_wrap_policy
@@ -223,7 +223,7 @@ def shard(
     kwargs["reshard_after_forward"] = hpz_reshard_after_forward(
         comm, kwargs.get("mesh"), kwargs["reshard_after_forward"]
     )
-    fully_shard(model, auto_wrap_policy=policy, **kwargs)
+    shard_by_policy(model, auto_wrap_policy=policy, **kwargs)
     plugin.auto_wrap_policy = None  # prepare would re-derive it from renamed FSDP classes
     plugin.transformer_cls_names_to_wrap = None
     return model

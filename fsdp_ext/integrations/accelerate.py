@@ -55,7 +55,7 @@ def prepare(
     ``optimizer``: an optimizer over ``model``'s parameters (built before sharding; its
     param groups and hyper-parameters carry over to the sharded parameters, its state
     must still be empty), or a factory ``params -> optimizer``. ``auto_wrap_policy``:
-    anything :func:`fsdp_ext.fully_shard` takes (default ``GranularityPolicy()``, one unit
+    anything :func:`fsdp_ext.shard_by_policy` takes (default ``GranularityPolicy()``, one unit
     per block). ``comm``: ZeRO++ on every unit (``fsdp_ext.comm.enable``; hpZ shards
     with the node's ranks), LoCo's error buffers kept in ``save_state`` / ``load_state``.
     Returns what ``prepare``

@@ -46,7 +46,7 @@ _WRAP_KEYS = ("auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_para
 class FSDPExtTrainer(Trainer):
     """``Trainer`` whose FSDP2 units come from an fsdp-ext policy, with optional ZeRO++.
 
-    ``auto_wrap_policy``: anything :func:`fsdp_ext.fully_shard` takes (default
+    ``auto_wrap_policy``: anything :func:`fsdp_ext.shard_by_policy` takes (default
     ``GranularityPolicy()``, one unit per block); the units are what
     ``fsdp_ext.plan_units(model, auto_wrap_policy)`` prints. The plugin's mesh, mixed
     precision, offload and ``reshard_after_forward`` apply as with accelerate's own wrap.

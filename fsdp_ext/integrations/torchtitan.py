@@ -38,7 +38,7 @@ from torch.distributed.tensor import Shard
 from fsdp_ext._torch import ShardPlacementResult, fsdp_mesh_info, fsdp_units
 from fsdp_ext.comm import CommConfig, CommHandle, enable
 from fsdp_ext.integrations._common import comm_from_arguments, hpz_reshard_after_forward
-from fsdp_ext.wrap import GranularityPolicy, WrapPlan, check_wrap, fully_shard
+from fsdp_ext.wrap import GranularityPolicy, WrapPlan, check_wrap, shard_by_policy
 
 __all__ = ["SPMD_BACKENDS", "apply_fsdp", "check_spmd_backend", "plan_fsdp", "with_comm_state"]
 
@@ -69,7 +69,7 @@ def apply_fsdp(
 ) -> CommHandle | None:
     """``apply_fsdp_to_decoder`` with ``auto_wrap_policy`` choosing the blocks' units.
 
-    ``auto_wrap_policy``: anything :func:`fsdp_ext.fully_shard` takes (default
+    ``auto_wrap_policy``: anything :func:`fsdp_ext.shard_by_policy` takes (default
     ``GranularityPolicy()``: one unit per block, torchtitan's plan). ``comm``: ZeRO++ on
     every unit, returning the ``CommHandle`` (put LoCo's state in the checkpoint with
     :func:`with_comm_state`); None otherwise. Call it on every rank, where torchtitan
@@ -93,7 +93,7 @@ def apply_fsdp(
         )
     if comm is not None and comm.hpz and reshard_after_forward_policy == "never":
         raise ValueError(
-            "comm=CommConfig(secondary_shards='node') reshards every unit to its node; "
+            "comm=CommConfig(hpz=True) reshards every unit to its node; "
             "reshard_after_forward_policy='never' keeps full copies: pick one"
         )
     policy, kwargs = _shard_fixed_units(
@@ -101,7 +101,7 @@ def apply_fsdp(
         reshard_after_forward_policy, ep_degree, edp_mesh, dp_mesh_dims, edp_mesh_dims,
         auto_wrap_policy, comm,
     )  # fmt: skip
-    fully_shard(model, auto_wrap_policy=policy, **kwargs)
+    shard_by_policy(model, auto_wrap_policy=policy, **kwargs)
     if enable_symm_mem:
         enable_fsdp_symm_mem(model)
     disable_fsdp_gradient_division(model)  # the trainer divides by the global token count

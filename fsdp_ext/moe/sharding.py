@@ -43,8 +43,8 @@ from fsdp_ext.parallel_dims import ParallelDims
 from fsdp_ext.wrap import (
     GranularityPolicy,
     check_wrap,
-    fully_shard,
     resolve_reshard_after_forward,
+    shard_by_policy,
 )
 
 
@@ -64,7 +64,7 @@ def shard_moe_model(
 ) -> nn.Module:
     """Apply FSDP bottom-up: each MoE's experts, then the dense units, then the root.
 
-    ``auto_wrap_policy`` picks the dense units, as in :func:`fsdp_ext.fully_shard`
+    ``auto_wrap_policy`` picks the dense units, as in :func:`fsdp_ext.shard_by_policy`
     (default: ``GranularityPolicy()``, one unit per transformer block); the expert units
     exist already when it runs, so no dense unit counts or re-wraps them.
     ``fully_shard_kwargs`` (``mp_policy``, ``reshard_after_forward``, ...) go to every
@@ -98,7 +98,7 @@ def shard_moe_model(
             expert_kwargs["reshard_after_forward"] = raf
         for moe in moes:
             shard_experts(moe.experts, parallel_dims, reduce=reduce, **expert_kwargs)
-    return fully_shard(
+    return shard_by_policy(
         model, auto_wrap_policy=policy, mesh=parallel_dims.dp_mesh, **fully_shard_kwargs
     )
 

@@ -16,12 +16,12 @@ from torch import nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from fsdp_ext._torch import ReduceScatter, fsdp_units, post_forward_meshes_built_together
-from fsdp_ext.comm import CommConfig, LoCoConfig, enable
+from fsdp_ext.comm import CommConfig, enable
 from fsdp_ext.moe import MoE, apply_expert_parallel, shard_moe_model
 from fsdp_ext.parallel_dims import ParallelDims
 from fsdp_ext.pipeline.split import Cost, build_stage, find_blocks, plan_stages
 from fsdp_ext.pipeline.stage import GRAD_SYNC_MODES, FSDPPipelineStage
-from fsdp_ext.wrap import GranularityPolicy, fully_shard, node_local_reshard
+from fsdp_ext.wrap import GranularityPolicy, node_local_reshard, shard_by_policy
 
 # name -> (schedule class, stage placement). "loop": stage s on pp rank s % pp;
 # "v": rank r holds stages r and 2 * pp - 1 - r; "single": one stage per rank.
@@ -67,13 +67,10 @@ def _check_args(
         raise ValueError(
             f"reshard_after_forward must be None, a bool or an int, got {reshard_after_forward!r}"
         )
-    if comm is not None and not isinstance(comm, (CommConfig, LoCoConfig, ReduceScatter)):
+    if comm is not None and not isinstance(comm, (CommConfig, ReduceScatter)):
         raise TypeError(
-            "comm must be None, a CommConfig, a LoCoConfig or an FSDP ReduceScatter, got "
-            f"{type(comm).__name__}"
+            f"comm must be None, a CommConfig or an FSDP ReduceScatter, got {type(comm).__name__}"
         )
-    if isinstance(comm, LoCoConfig) and parallel_dims.dp_replicate > 1:
-        raise ValueError("comm=LoCoConfig under PP supports dp_replicate=1 only (no HSDP)")
     gradients = isinstance(comm, CommConfig) and comm.gradients is not None
     if gradients and parallel_dims.dp_replicate > 1:
         raise ValueError(
@@ -82,13 +79,13 @@ def _check_args(
     hpz = isinstance(comm, CommConfig) and comm.hpz
     if hpz and reshard_after_forward is not None:
         raise ValueError(
-            "comm=CommConfig(secondary_shards='node') sets reshard_after_forward to the ranks "
+            "comm=CommConfig(hpz=True) sets reshard_after_forward to the ranks "
             f"per node; leave reshard_after_forward None, got {reshard_after_forward!r}"
         )
     if hpz and parallel_dims.ep_enabled:
         raise ValueError(
-            "comm=CommConfig(secondary_shards='node') with ep > 1: torch cannot reshard "
-            "expert-parallel experts to a node; use ep=1 or drop secondary_shards"
+            "comm=CommConfig(hpz=True) with ep > 1: torch cannot reshard "
+            "expert-parallel experts to a node; use ep=1 or drop hpz"
         )
     if schedule in SPLIT_BACKWARD_SCHEDULES and (
         grad_sync != "deferred" or reshard_after_forward or hpz
@@ -115,7 +112,7 @@ def build_pipeline(
     auto_wrap_policy: Any = None,
     grad_sync: str = "deferred",
     reshard_after_forward: bool | int | None = None,
-    comm: LoCoConfig | ReduceScatter | None = None,
+    comm: CommConfig | ReduceScatter | None = None,
     stages_per_rank: int | None = None,
     cost: str | Cost = "params",
     **fully_shard_kwargs: Any,
@@ -125,12 +122,12 @@ def build_pipeline(
     - ``model``'s blocks are split with :func:`split_stages` (``cost``); the stages share
       modules with ``model``, which should not be used afterwards.
     - Each local stage gets expert parallelism if it holds :class:`MoE` layers, then
-      ``fsdp_ext.fully_shard`` over the dp mesh (``shard_moe_model`` when ``ep > 1``)
+      ``fsdp_ext.shard_by_policy`` over the dp mesh (``shard_moe_model`` when ``ep > 1``)
       with ``auto_wrap_policy`` (default ``GranularityPolicy()``: one unit per block).
     - ``comm``: a ``CommConfig`` (``fsdp_ext.comm.enable`` per stage, ZeRO++'s qgZ/LoCo,
       qwZ and hpZ; the handle is ``stage.comm_handle``; hpZ sets ``reshard_after_forward``
-      to the dp ranks per node), a ``LoCoConfig`` (gradients alone) or an FSDP
-      ``ReduceScatter`` set on every unit.
+      to the dp ranks per node; ``CommConfig(gradients="loco")`` for gradients alone), or
+      an FSDP ``ReduceScatter`` set on every unit.
     - ``grad_sync``: ``"deferred"`` (one reduce-scatter per unit per step; unsharded
       gradients held across microbatches) or ``"per_microbatch"`` (gradients sharded).
     - ``reshard_after_forward`` defaults to False under PP (one all-gather per step).
@@ -174,8 +171,6 @@ def build_pipeline(
     plan = plan_stages(model, num_stages, cost=cost)
     if dist.get_rank() == 0:
         print(plan)
-    if isinstance(comm, LoCoConfig):
-        comm = CommConfig(gradients=comm)
     reshard = False if reshard_after_forward is None else reshard_after_forward
     if isinstance(comm, CommConfig) and comm.hpz:
         reshard = node_local_reshard(parallel_dims.dp_mesh, comm.node_size)
@@ -245,7 +240,7 @@ def _shard_stage(module, parallel_dims, auto_wrap_policy, reshard, kwargs) -> No
     if has_moe and parallel_dims.ep_enabled:
         shard_moe_model(module, parallel_dims, policy, reshard_after_forward=reshard, **kwargs)
     else:
-        fully_shard(
+        shard_by_policy(
             module,
             auto_wrap_policy=policy,
             mesh=parallel_dims.dp_mesh,

@@ -1,6 +1,6 @@
-"""Auto-wrap for FSDP2: granularity and FSDP1 policies, dry-run plans, ``fully_shard``, hpZ."""
+"""Auto-wrap for FSDP2: granularity and FSDP1 policies, dry-run plans, ``shard_by_policy``, hpZ."""
 
-from fsdp_ext.wrap.apply import check_wrap, fully_shard
+from fsdp_ext.wrap.apply import check_wrap, shard_by_policy
 from fsdp_ext.wrap.cost import CostModel, calibrate_cost_model
 from fsdp_ext.wrap.measure import UnshardedBytesTracker
 from fsdp_ext.wrap.node_reshard import node_local_reshard, resolve_reshard_after_forward
@@ -16,8 +16,8 @@ __all__ = [
     "WrapPlan",
     "calibrate_cost_model",
     "check_wrap",
-    "fully_shard",
     "node_local_reshard",
     "plan_units",
     "resolve_reshard_after_forward",
+    "shard_by_policy",
 ]

@@ -1,4 +1,5 @@
-"""``fully_shard`` with an ``auto_wrap_policy``: torch's fully_shard, bottom-up.
+"""``shard_by_policy``: torch's ``fully_shard`` on each unit an ``auto_wrap_policy`` picks,
+bottom-up, then on the root.
 
 The plan is checked before anything is sharded, so a wrap FSDP2 cannot run (a unit
 without a forward, a unit inside ``nn.MultiheadAttention``, a unit per routed expert)
@@ -125,7 +126,7 @@ def check_wrap(
     reshard_after_forward: bool | int | str | None = None,
     world_size: int | None = None,
 ) -> WrapPlan:
-    """The plan :func:`fully_shard` would apply, checked, with nothing sharded.
+    """The plan :func:`shard_by_policy` would apply, checked, with nothing sharded.
 
     Raises ``ValueError`` for a wrap FSDP2 cannot run. Callers that shard in several
     steps (``shard_moe_model``: experts first, then the rest) call it before the first.
@@ -141,7 +142,7 @@ def check_wrap(
     return plan
 
 
-def fully_shard(
+def shard_by_policy(
     module: nn.Module,
     *,
     auto_wrap_policy: object = None,

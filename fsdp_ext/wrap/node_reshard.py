@@ -87,21 +87,21 @@ def node_reshard_for_ranks(
 
 
 def node_local_reshard(
-    mesh: DeviceMesh | None = None, intra_node_size: int | str = "auto", world_size: int = 0
+    mesh: DeviceMesh | None = None, node_size: int | str = "auto", world_size: int = 0
 ) -> bool | int:
     """The ``reshard_after_forward`` that makes a unit on ``mesh`` hpZ: post-forward copy
     and backward all-gather inside each node.
 
     ``mesh``: the unit's mesh (1-D, or 2-D HSDP with the shard dim last); ``None`` means
-    ranks ``0 .. world_size - 1`` (a dry run). ``intra_node_size``: ranks per node, or
+    ranks ``0 .. world_size - 1`` (a dry run). ``node_size``: ranks per node, or
     ``"auto"`` (the launcher's ``LOCAL_WORLD_SIZE``).
     """
-    node_size = resolve_node_size(intra_node_size)
+    k = resolve_node_size(node_size)
     if mesh is not None:
-        return node_reshard_for_ranks(mesh.mesh.flatten().tolist(), node_size, mesh.mesh.shape[-1])
+        return node_reshard_for_ranks(mesh.mesh.flatten().tolist(), k, mesh.mesh.shape[-1])
     if world_size < 1:
         raise ValueError("node_local_reshard needs a mesh or a world_size >= 1")
-    return node_reshard_for_ranks(range(world_size), node_size)
+    return node_reshard_for_ranks(range(world_size), k)
 
 
 def resolve_reshard_after_forward(

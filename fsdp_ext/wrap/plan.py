@@ -49,7 +49,7 @@ def plan_units(
     reshard_after_forward: bool | int | str | None = None,
     world_size: int | None = None,
 ) -> WrapPlan:
-    """Dry run of :func:`fsdp_ext.fully_shard`: the units, their sizes, the peak estimate.
+    """Dry run of :func:`fsdp_ext.shard_by_policy`: the units, their sizes, the peak estimate.
 
     Works on a meta-device model. ``auto_wrap_policy=None`` plans the root alone, as
     torch's fully_shard does. ``mp_policy`` (a ``MixedPrecisionPolicy``) sets the

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from fsdp_ext import LoCoConfig, LoCoReduceScatter
 from fsdp_ext.comm.stats import CommStats
+from fsdp_ext.node_size import resolve_node_size
 
 shared, steps, shard = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 dist.init_process_group("gloo")
@@ -47,14 +48,14 @@ where = {
     "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
     "netns": os.readlink("/proc/self/ns/net"),
 }
-config = LoCoConfig(intra_node_size="auto")
-node_size = config.node_size()
+config = LoCoConfig()
+node_size = resolve_node_size("auto")  # the launcher's LOCAL_WORLD_SIZE
 
 
 def phase(shard_elems: int) -> dict:
     """``steps`` hierarchical LoCo reduce-scatters; this node's counters around them."""
     torch.manual_seed(rank)
-    comm = LoCoReduceScatter(config)
+    comm = LoCoReduceScatter(config, node_size=node_size)
     x = torch.randn(world * shard_elems)
     out = torch.empty(shard_elems)
     call = dict(output_tensor=out, input_tensor=x, group=dist.group.WORLD, op=dist.ReduceOp.AVG)

@@ -43,7 +43,7 @@ def phase(reshard_after_forward) -> dict:
     model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(4)))
     for p in model.parameters():
         p.requires_grad_(False)
-    fsdp_ext.fully_shard(
+    fsdp_ext.shard_by_policy(
         model,
         auto_wrap_policy={nn.Linear},
         mesh=mesh,

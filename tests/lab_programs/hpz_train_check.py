@@ -37,7 +37,7 @@ def link_tx() -> int:
 def phase(reshard_after_forward) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))
-    fsdp_ext.fully_shard(
+    fsdp_ext.shard_by_policy(
         model, auto_wrap_policy={nn.Linear}, mesh=mesh, reshard_after_forward=reshard_after_forward
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

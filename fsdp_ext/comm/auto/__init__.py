@@ -9,6 +9,7 @@ from fsdp_ext.comm.auto.cost import (
     Measurements,
     Prediction,
     candidates,
+    codec_keys,
     predict,
 )
 from fsdp_ext.comm.auto.decide import AutoDecision, auto_config, choose, pick, slowest
@@ -26,6 +27,7 @@ __all__ = [
     "auto_config",
     "candidates",
     "choose",
+    "codec_keys",
     "codec_speed",
     "measure",
     "pick",

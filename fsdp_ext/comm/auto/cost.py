@@ -2,14 +2,15 @@
 
 A candidate picks, per collective and per hop, how FSDP2's traffic travels:
 
-- the **weight all-gather**: the parameter dtype (stock) or int8 (qwZ), forward and
-  backward or forward only;
+- the **weight all-gather**: the parameter dtype (``stock``) or a weight codec (``int8``,
+  qwZ), forward and backward or forward only (``int8_forward``);
 - **hpZ**: the backward all-gather stays inside the node (each unit keeps its post-forward
   copy sharded over the node's ranks);
-- the **gradient reduce-scatter**: fp32 (stock), 4-bit without error feedback (q4) or 4-bit
-  LoCo, either flat (over every rank) or hierarchical (fp32 inside the node, 4-bit across);
+- the **gradient reduce-scatter**: fp32 (``stock``) or a gradient codec (``q4``, ``loco`` and
+  every other registered one), either flat (over every rank) or hierarchical (fp32 inside
+  the node, the codec across);
 - the **HSDP all-reduce** (with replicas): it follows the gradient codec, as
-  ``register_comm_hook(replicate_group=...)`` installs one codec on both.
+  ``enable(..., replicate_group=...)`` installs one codec on both.
 
 The time of one collective is ``bytes / bandwidth + latency x messages`` on its slowest hop,
 plus the codec's time (``per_call x calls + per_element x elements``), each from a
@@ -17,9 +18,12 @@ plus the codec's time (``per_call x calls + per_element x elements``), each from
 follow gloo's algorithms as measured in the lab (docs/cluster.md): a ring all-gather (W - 1
 steps of one shard), the reduce-scatter as a ring all-reduce of the whole input (2 (W - 1)
 steps of one shard), a direct all-to-all (one round, every peer at once). Nodes hold
-consecutive ranks. A unit whose 4-bit or int8 payload would not be smaller than its raw
-bytes is sent raw, with no codec time: the bytes and that choice are the codecs' own
-(:func:`~fsdp_ext.comm.codec.choose_wire`, as the collectives call it), never re-derived here.
+consecutive ranks. Every codec is priced through the Codec contract alone: its payload bytes
+(``unit_payload_bytes``), whether a unit is sent encoded or raw (a unit whose payload would
+not be smaller than its raw bytes goes raw, with no codec time:
+:func:`~fsdp_ext.comm.codec.choose_wire`, as the collectives call it) and its measured
+encode / decode time; the names are the registry's (:mod:`fsdp_ext.comm.registry`), so a
+codec registered there is a candidate here with nothing else to write.
 
 Compute is the same for every candidate and not predicted: the figures are the
 communication and codec milliseconds a step adds, which is what the choice compares.
@@ -30,11 +34,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
-from fsdp_ext.comm.absmax_codec import AbsmaxCodec
-from fsdp_ext.comm.blockwise_int8_codec import BlockwiseInt8Codec
 from fsdp_ext.comm.codec import Codec, WireChoice, choose_wire
+from fsdp_ext.comm.registry import (
+    CODECS,
+    FORWARD_ONLY,
+    STOCK,
+    gradient_names,
+    make_codec,
+    preset,
+    weight_names,
+)
 
 __all__ = [
     "Candidate",
@@ -44,11 +54,10 @@ __all__ = [
     "Measurements",
     "Prediction",
     "candidates",
+    "codec_keys",
     "predict",
 ]
 
-WEIGHTS = ("stock", "qwz", "qwz_forward")
-GRADIENTS = ("stock", "q4", "loco")
 FP32 = 4
 
 
@@ -79,13 +88,21 @@ class CodecSpeed:
         return calls * self.per_call + elements * self.per_element
 
 
-CODEC_KEYS = ("loco_encode", "q4_encode", "grad_decode", "weight_encode", "weight_decode")
+def codec_keys() -> tuple[str, ...]:
+    """The speeds a prediction needs: ``<codec>_encode`` and ``<codec>_decode`` of every
+    registered codec (a gradient codec's decode is its ``decode_reduce``)."""
+    return tuple(f"{name}_{op}" for name in CODECS for op in ("encode", "decode"))
+
+
+def weight_codec_name(weights: str) -> str:
+    """The codec of a weights name (``int8_forward`` -> ``int8``)."""
+    return weights.removesuffix(FORWARD_ONLY)
 
 
 @dataclass(frozen=True)
 class Measurements:
     """What the startup probe measured: the two hops (None where a layout has no such hop)
-    and the codecs' speeds by :data:`CODEC_KEYS`, plus the 4-/8-bit payload sizes."""
+    and the codecs' speeds by :func:`codec_keys`."""
 
     intra: Hop | None
     inter: Hop | None
@@ -93,9 +110,9 @@ class Measurements:
     probe_s: float = 0.0  # how long measuring took
 
     def __post_init__(self) -> None:
-        missing = [k for k in CODEC_KEYS if k not in self.codecs]
+        missing = [k for k in codec_keys() if k not in self.codecs]
         if missing:
-            raise ValueError(f"Measurements.codecs lacks {missing}; it needs {list(CODEC_KEYS)}")
+            raise ValueError(f"Measurements.codecs lacks {missing}; it needs {list(codec_keys())}")
 
 
 @dataclass(frozen=True)
@@ -132,62 +149,81 @@ class Layout:
     def nodes(self) -> int:
         return self.world // self.node_size
 
-    @cached_property
-    def grad_codec(self) -> Codec:
-        """The 4-bit gradient codec (q4 and LoCo send the same bytes)."""
-        return AbsmaxCodec(4, self.grad_group_size)
+    def gradient_config(self, name: str) -> object | None:
+        """The options gradient name ``name`` stands for on this job (None: stock)."""
+        return preset(name, "gradients", group_size=self.grad_group_size)
 
-    @cached_property
-    def weight_codec(self) -> Codec:
-        """The qwZ weight codec."""
-        return BlockwiseInt8Codec(self.weight_group_size)
+    def weight_config(self, name: str) -> object | None:
+        """The options weights name ``name`` stands for on this job (None: stock)."""
+        return preset(name, "weights", group_size=self.weight_group_size)
 
-    def grad_wire(self, n: int) -> WireChoice:
+    def codec(self, name: str) -> Codec:
+        """Registered codec ``name`` at this job's group sizes (built once per layout)."""
+        cache = self.__dict__.setdefault("_codecs", {})
+        if name not in cache:
+            weights = CODECS[name].carries == "weights"
+            config = self.weight_config(name) if weights else self.gradient_config(name)
+            cache[name] = make_codec(config)
+        return cache[name]
+
+    def grad_wire(self, gradients: str, n: int) -> WireChoice:
         """A gradient row of ``n`` fp32 values, as ``LoCoReduceScatter.wire_for`` sends it."""
-        return choose_wire(self.grad_codec, [n], FP32)
+        return choose_wire(self.codec(gradients), [n], FP32)
 
-    def weight_wire(self, shards: Sequence[int]) -> WireChoice:
+    def weight_wire(self, weights: str, shards: Sequence[int]) -> WireChoice:
         """A unit's weight row (each parameter's shard encoded on its own), as
-        ``QuantizedWeightAllGather.wire_for`` sends it in the parameter dtype."""
-        return choose_wire(self.weight_codec, shards, self.param_bytes)
+        ``QuantizedWeightAllGather.wire_for`` sends it in the parameter dtype (stock: plain)."""
+        if weights == STOCK:
+            return WireChoice(False, 0, sum(shards) * self.param_bytes)
+        return choose_wire(self.codec(weight_codec_name(weights)), shards, self.param_bytes)
 
 
 @dataclass(frozen=True, order=True)
 class Candidate:
-    """One way to communicate (see the module docstring)."""
+    """One way to communicate (see the module docstring), in the registry's names:
+    ``weights`` one of :func:`~fsdp_ext.comm.registry.weight_names`, ``gradients`` one of
+    :func:`~fsdp_ext.comm.registry.gradient_names`; :meth:`AutoDecision.comm_config` turns
+    it into the ``CommConfig`` of the same names."""
 
-    weights: str = "stock"
+    weights: str = STOCK
     hpz: bool = False
-    gradients: str = "stock"
+    gradients: str = STOCK
     hierarchical: bool = False
 
     def __post_init__(self) -> None:
-        if self.weights not in WEIGHTS:
-            raise ValueError(f"Candidate.weights must be one of {WEIGHTS}, got {self.weights!r}")
-        if self.gradients not in GRADIENTS:
+        if self.weights not in weight_names():
             raise ValueError(
-                f"Candidate.gradients must be one of {GRADIENTS}, got {self.gradients!r}"
+                f"Candidate.weights must be one of {list(weight_names())}, got {self.weights!r}"
             )
-        if self.hierarchical and self.gradients == "stock":
-            raise ValueError("Candidate.hierarchical needs 4-bit gradients (q4 or loco)")
-        if self.hpz and self.weights == "qwz_forward":
-            raise ValueError("Candidate: hpZ keeps backward gathers in the node; use qwz")
+        if self.gradients not in gradient_names():
+            raise ValueError(
+                f"Candidate.gradients must be one of {list(gradient_names())}, got "
+                f"{self.gradients!r}"
+            )
+        if self.hierarchical and self.gradients == STOCK:
+            raise ValueError("Candidate.hierarchical needs a gradient codec, not stock")
+        if self.hpz and self.weights.endswith(FORWARD_ONLY):
+            raise ValueError(
+                f"Candidate: hpZ keeps backward gathers in the node; use "
+                f"{weight_codec_name(self.weights)}, not {self.weights}"
+            )
 
     @property
     def lossy_parts(self) -> int:
-        """How much of the training signal is quantised (ties go to fewer): weights in int8
-        count 2 (forward and backward) or 1, gradients 2 for q4 (no error feedback), 1 for
-        LoCo, halved when only the inter-node hop is quantised."""
-        w = {"stock": 0, "qwz": 2, "qwz_forward": 1}[self.weights]
-        g = {"stock": 0, "q4": 2, "loco": 1}[self.gradients]
+        """How much of the training signal is quantised (ties go to fewer): quantised
+        weights count 2 (forward and backward) or 1 (forward only); gradients 2 for a codec
+        without error feedback, 1 for one with it (LoCo), halved when only the inter-node
+        hop is quantised."""
+        w = 0 if self.weights == STOCK else 1 if self.weights.endswith(FORWARD_ONLY) else 2
+        g = 0
+        if self.gradients != STOCK:
+            g = 1 if make_codec(preset(self.gradients)).keeps_feedback else 2
         return 2 * w + (g if self.hierarchical else 2 * g)
 
     @property
     def name(self) -> str:
-        w = {"stock": "weights=param", "qwz": "weights=int8", "qwz_forward": "weights=int8/fwd"}
-        parts = [w[self.weights], "hpZ" if self.hpz else "noHPZ"]
-        grads = "fp32" if self.gradients == "stock" else self.gradients
-        parts.append(f"grads={grads}" + ("/hier" if self.hierarchical else ""))
+        parts = [f"weights={self.weights}", "hpZ" if self.hpz else "noHPZ"]
+        parts.append(f"grads={self.gradients}" + ("/hier" if self.hierarchical else ""))
         return " ".join(parts)
 
 
@@ -211,12 +247,12 @@ def candidates(layout: Layout) -> list[Candidate]:
     holds one rank or the shard group one node."""
     spans_nodes = layout.nodes > 1 and layout.node_size > 1
     out = []
-    for weights in WEIGHTS:
+    for weights in weight_names():
         for hpz in (False, True) if spans_nodes else (False,):
-            if hpz and weights == "qwz_forward":
+            if hpz and weights.endswith(FORWARD_ONLY):
                 continue
-            for gradients in GRADIENTS:
-                for hier in (False, True) if spans_nodes and gradients != "stock" else (False,):
+            for gradients in gradient_names():
+                for hier in (False, True) if spans_nodes and gradients != STOCK else (False,):
                     out.append(Candidate(weights, hpz, gradients, hier))
     return out
 
@@ -295,22 +331,22 @@ def predict(
         shards = [_shard(p, w) for p in params]
         s = sum(shards)
         gathers = 1 if index == root else 2
-        weight_wire = lay.weight_wire(shards)
+        weight_wire = lay.weight_wire(candidate.weights, shards)
+        weight_codec = weight_codec_name(candidate.weights)
         for g in range(gathers):
             backward = g == 1
             if backward and candidate.hpz:  # inside the node, the forward's values, unquantised
                 node_part = _shard(s * w, k) * lay.param_bytes
                 pred.add("weights_intra", net.ring(k - 1, node_part, k, k))
                 continue
-            quantised = candidate.weights == "qwz" or (
-                candidate.weights == "qwz_forward" and not backward
-            )
+            forward_only = candidate.weights.endswith(FORWARD_ONLY)
+            quantised = candidate.weights != STOCK and not (forward_only and backward)
             if quantised and weight_wire.compressed:
                 pred.add("weights", net.ring(w - 1, weight_wire.payload_bytes, w, k))
                 pred.add(
                     "weights_codec",
-                    codec["weight_encode"].seconds(s, len(params))
-                    + codec["weight_decode"].seconds(s * w, len(params)),
+                    codec[f"{weight_codec}_encode"].seconds(s, len(params))
+                    + codec[f"{weight_codec}_decode"].seconds(s * w, len(params)),
                 )
             else:
                 pred.add("weights", net.ring(w - 1, weight_wire.plain_bytes, w, k))
@@ -322,33 +358,34 @@ def _gradients(pred, net, lay: Layout, codec, candidate: Candidate, s: int) -> N
     """One unit's gradient reduce-scatter (shard ``s`` per rank) and HSDP all-reduce."""
     w, k = lay.shard, min(lay.node_size, lay.shard)
     nodes = max(1, w // k)
-    encode = codec["loco_encode" if candidate.gradients == "loco" else "q4_encode"]
-    decode = codec["grad_decode"]
-    q4 = lay.grad_wire(s).payload_bytes
-    compressed = candidate.gradients != "stock" and lay.grad_wire(s).compressed
+    g = candidate.gradients
+    compressed = g != STOCK and lay.grad_wire(g, s).compressed
+    if compressed:
+        encode, decode = codec[f"{g}_encode"], codec[f"{g}_decode"]
+        payload = lay.grad_wire(g, s).payload_bytes
     if not compressed or w == 1:
         # gloo reduces and scatters by a ring all-reduce of the whole input
         pred.add("grads", net.ring(2 * (w - 1), s * FP32, w, k))
     elif candidate.hierarchical and nodes > 1:
-        # one fp32 reduce-scatter per node block inside the node, then 4-bit across nodes
+        # one fp32 reduce-scatter per node block inside the node, then the codec across nodes
         pred.add("grads_intra", nodes * net.ring(2 * (k - 1), s * FP32, k, k))
-        pred.add("grads", net.all_to_all(q4, nodes, 1, streams=k))
+        pred.add("grads", net.all_to_all(payload, nodes, 1, streams=k))
         pred.add("grads_codec", encode.seconds(nodes * s) + decode.seconds(nodes * s))
     else:
-        pred.add("grads", net.all_to_all(q4, w, k))
+        pred.add("grads", net.all_to_all(payload, w, k))
         pred.add("grads_codec", encode.seconds(w * s) + decode.seconds(w * s))
     r = lay.replicas
     if r > 1:  # HSDP: replicas hold consecutive shard groups, so they sit on other nodes
         per_node = max(1, lay.node_size // w)
         part = _shard(s, r)
-        if compressed and lay.grad_wire(part).compressed:
-            # the hook: a 4-bit reduce-scatter, then a 4-bit all-gather of the reduced part
-            q4p = lay.grad_wire(part).payload_bytes
-            pred.add("all_reduce", net.all_to_all(q4p, r, per_node))
-            pred.add("all_reduce", net.ring(r - 1, q4p, r, per_node))
+        if compressed and lay.grad_wire(g, part).compressed:
+            # the hook: an encoded reduce-scatter, then an encoded all-gather of the reduced part
+            partial = lay.grad_wire(g, part).payload_bytes
+            pred.add("all_reduce", net.all_to_all(partial, r, per_node))
+            pred.add("all_reduce", net.ring(r - 1, partial, r, per_node))
             pred.add(
                 "all_reduce_codec",
-                encode.seconds(s) + decode.seconds(s) + codec["q4_encode"].seconds(part),
+                encode.seconds(s) + decode.seconds(s) + encode.seconds(part),
             )
         else:
             pred.add("all_reduce", net.ring(2 * (r - 1), part * FP32, r, per_node))

@@ -18,8 +18,6 @@ import torch
 import torch.distributed as dist
 
 from fsdp_ext.comm.auto.cost import (
-    GRADIENTS,
-    WEIGHTS,
     Candidate,
     CodecSpeed,
     Hop,
@@ -30,8 +28,7 @@ from fsdp_ext.comm.auto.cost import (
     predict,
 )
 from fsdp_ext.comm.auto.measure import measure
-from fsdp_ext.comm.config import LoCoConfig
-from fsdp_ext.comm.weight_config import WeightQuantConfig
+from fsdp_ext.comm.registry import gradient_names, weight_names
 from fsdp_ext.comm.zeropp import CommConfig
 
 __all__ = ["AutoDecision", "auto_config", "choose", "pick", "slowest"]
@@ -43,10 +40,9 @@ COLUMNS = ("weights", "weights_intra", "weights_codec", "grads", "grads_intra", 
 class AutoDecision:
     """The choice of :func:`auto_config`, the same on every rank, and why.
 
-    ``comm_config()`` is what ``fsdp_ext.comm.enable(model, ...)`` takes; its parts,
-    ``gradient_config()`` / ``weight_config()`` / ``hpz_node_size``, are None where the
-    choice is FSDP's stock collective (hpZ: shard with
-    ``reshard_after_forward=node_local_reshard(mesh, hpz_node_size)``).
+    ``comm_config()`` is the whole choice as the one ``CommConfig`` that everything
+    downstream takes: ``fsdp_ext.comm.enable(model, ...)``, and whoever shards (hpZ:
+    ``comm_config().hpz`` with ``node_local_reshard(mesh, comm_config().node_size)``).
     """
 
     choice: Candidate
@@ -57,36 +53,15 @@ class AutoDecision:
     tolerance: float = 0.05
 
     def comm_config(self) -> CommConfig:
-        """The whole choice, as :func:`fsdp_ext.comm.enable` takes it."""
+        """The whole choice, in the same names, at the layout's group sizes and node size."""
+        c, lay = self.choice, self.layout
         return CommConfig(
-            gradients=self.gradient_config(),
-            weights=self.weight_config(),
-            secondary_shards="node" if self.choice.hpz else None,
-            node_size=self.layout.node_size,
+            gradients=lay.gradient_config(c.gradients),
+            weights=lay.weight_config(c.weights),
+            hpz=c.hpz,
+            hierarchical=c.hierarchical,
+            node_size=lay.node_size,
         )
-
-    def gradient_config(self) -> LoCoConfig | None:
-        c = self.choice
-        if c.gradients == "stock":
-            return None
-        node = self.layout.node_size if c.hierarchical else None
-        return LoCoConfig(
-            error_feedback=c.gradients == "loco",
-            group_size=self.layout.grad_group_size,
-            intra_node_size=node,
-        )
-
-    def weight_config(self) -> WeightQuantConfig | None:
-        if self.choice.weights == "stock":
-            return None
-        return WeightQuantConfig(
-            group_size=self.layout.weight_group_size,
-            backward=self.choice.weights == "qwz",
-        )
-
-    @property
-    def hpz_node_size(self) -> int | None:
-        return self.layout.node_size if self.choice.hpz else None
 
     def predicted_ms(self, candidate: Candidate | None = None) -> float:
         candidate = candidate or self.choice
@@ -205,7 +180,7 @@ def pick(predictions: Sequence[Prediction], tolerance: float) -> Candidate:
 
 
 def _check_fixed(fixed: dict[str, object]) -> None:
-    allowed = {"weights": WEIGHTS, "gradients": GRADIENTS, "hpz": (True, False)}
+    allowed = {"weights": weight_names(), "gradients": gradient_names(), "hpz": (True, False)}
     allowed["hierarchical"] = (True, False)
     for key, value in fixed.items():
         flag = key in ("hpz", "hierarchical")

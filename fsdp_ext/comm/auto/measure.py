@@ -9,10 +9,11 @@ a token bucket's burst both cancel; latency is the time of a 4-byte gather divid
 ring steps. Every timing is the slowest rank's (an all-reduce of the maximum), so every
 rank takes the same branches.
 
-**Codecs.** The real codecs (4-bit LoCo and q4 encode, 4-bit decode-reduce, int8 weight
-encode and decode) on a large and a tiny sample, on every rank at once (ranks sharing a
-CPU slow each other, as they will in training): per element from the large one, per call
-from the tiny one.
+**Codecs.** Every registered codec, through the Codec contract alone (``encode``, with its
+error feedback when it keeps one; ``decode_reduce`` for a gradient codec, ``decode`` for a
+weight codec), on a large and a tiny sample, on every rank at once (ranks sharing a CPU slow
+each other, as they will in training): per element from the large one, per call from the
+tiny one.
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp_ext._torch import all_gather_into
-from fsdp_ext.comm.auto.cost import CODEC_KEYS, CodecSpeed, Hop, Measurements
-from fsdp_ext.comm.config import LoCoConfig
-from fsdp_ext.comm.registry import make_codec
-from fsdp_ext.comm.weight_config import WeightQuantConfig
+from fsdp_ext.comm.auto.cost import CodecSpeed, Hop, Measurements, codec_keys
+from fsdp_ext.comm.codec import Codec
+from fsdp_ext.comm.registry import CODECS, make_codec, preset
 
 __all__ = ["codec_speed", "measure", "time_codecs"]
 
@@ -110,29 +110,36 @@ def _time_call(fn, reps: int) -> float:
     return best
 
 
-def _codec_calls(n: int) -> dict[str, object]:
-    """One call of each codec operation on ``n`` elements (4 rows, as a reduce-scatter)."""
-    loco, q4 = LoCoConfig(), LoCoConfig(error_feedback=False)
-    weights = WeightQuantConfig()
-    grad_loco, grad_q4 = make_codec(loco.codec, loco), make_codec(q4.codec, q4)
-    weight = make_codec(weights.codec, weights)
+def _calls(codec: Codec, weights: bool, n: int) -> dict[str, Callable[[], object]]:
+    """One encode and one decode of ``codec`` on ``n`` elements (4 rows, as a reduce-scatter
+    or an all-gather of 4 ranks)."""
     rows = 4
     width = max(1, n // rows)
     x = torch.randn(rows, width)
-    feedback = grad_loco.new_feedback(rows * grad_loco.padded(width), x.device)
-    p4 = torch.empty(rows, grad_loco.payload_bytes(width), dtype=torch.uint8)
-    p8 = torch.empty(rows, weight.payload_bytes(width), dtype=torch.uint8)
-    out = torch.empty(width)
-    decoded = torch.empty(rows, width)
-    grad_q4.encode(x, p4)
-    weight.encode(x, p8)
-    return {
-        "loco_encode": lambda: grad_loco.encode(x, p4, feedback),
-        "q4_encode": lambda: grad_q4.encode(x, p4),
-        "grad_decode": lambda: grad_q4.decode_reduce(p4, out),
-        "weight_encode": lambda: weight.encode(x, p8),
-        "weight_decode": lambda: weight.decode(p8, decoded),
-    }
+    payload = torch.empty(rows, codec.payload_bytes(width), dtype=torch.uint8)
+    feedback = None
+    if codec.keeps_feedback:
+        feedback = codec.new_feedback(rows * codec.padded(width), x.device)
+    codec.encode(x, payload)
+    if weights:
+        decoded = torch.empty(rows, width)
+        decode = lambda: codec.decode(payload, decoded)  # noqa: E731
+    else:
+        out = torch.empty(width)
+        decode = lambda: codec.decode_reduce(payload, out)  # noqa: E731
+    return {"encode": lambda: codec.encode(x, payload, feedback), "decode": decode}
+
+
+def _codec_calls(n: int) -> dict[str, Callable[[], object]]:
+    """One call of each operation of every registered codec (its preset) on ``n``
+    elements, by :func:`~fsdp_ext.comm.auto.cost.codec_keys`."""
+    out = {}
+    for name, entry in CODECS.items():
+        weights = entry.carries == "weights"
+        codec = make_codec(preset(name, entry.carries))
+        for op, call in _calls(codec, weights, n).items():
+            out[f"{name}_{op}"] = call
+    return out
 
 
 def codec_speed(per_call: float, whole: float, sample: int) -> CodecSpeed:
@@ -154,9 +161,9 @@ def time_codecs(
     time_call: Callable[[Callable[[], object], int], float] = _time_call,
 ) -> dict[str, CodecSpeed]:
     """Time each codec's tiny and large call (``time_call(fn, reps)``: best seconds), in
-    :data:`CODEC_KEYS` order; tests pass a fake ``time_call``."""
+    :func:`~fsdp_ext.comm.auto.cost.codec_keys` order; tests pass a fake ``time_call``."""
     out = {}
-    for key in CODEC_KEYS:
+    for key in codec_keys():
         per_call = time_call(tiny[key], 3)
         whole = time_call(large[key], 2)
         out[key] = codec_speed(per_call, whole, sample)

@@ -1,4 +1,4 @@
-"""``fsdp_ext.fully_shard`` names torch's keywords itself (help and IDEs show them), covers
+"""``fsdp_ext.shard_by_policy`` names torch's keywords itself (help and IDEs show them), covers
 every keyword of the installed torch's ``fully_shard``, and hands each one to torch."""
 
 from __future__ import annotations
@@ -28,21 +28,21 @@ def _keywords(fn) -> dict[str, inspect.Parameter]:
 
 
 def test_signature_covers_torch_fully_shard():
-    ours, torch_kw = _keywords(fsdp_ext.fully_shard), _keywords(torch_fully_shard)
+    ours, torch_kw = _keywords(fsdp_ext.shard_by_policy), _keywords(torch_fully_shard)
     assert set(torch_kw) <= set(ours), f"missing {sorted(set(torch_kw) - set(ours))}"
     # ours, plus keywords of newer releases that the installed torch lacks (2.11: dp_mesh_dims)
     newer = {"dp_mesh_dims"}
     assert {"auto_wrap_policy"} <= set(ours) - set(torch_kw) <= {"auto_wrap_policy", *newer}
-    kinds = {p.kind for p in inspect.signature(fsdp_ext.fully_shard).parameters.values()}
+    kinds = {p.kind for p in inspect.signature(fsdp_ext.shard_by_policy).parameters.values()}
     assert inspect.Parameter.VAR_KEYWORD not in kinds  # nothing hidden behind **kwargs
     assert all(p.default is None for p in ours.values())  # torch's default unless given
-    doc = inspect.getdoc(fsdp_ext.fully_shard)
+    doc = inspect.getdoc(fsdp_ext.shard_by_policy)
     assert all(name in doc for name in ours)
 
 
 def test_unknown_keyword_is_refused_by_name():
     with pytest.raises(TypeError, match="reshard_after_froward"):
-        fsdp_ext.fully_shard(nn.Linear(2, 2), reshard_after_froward=True)
+        fsdp_ext.shard_by_policy(nn.Linear(2, 2), reshard_after_froward=True)
 
 
 def _keywords_reach_torch() -> dict:
@@ -51,7 +51,7 @@ def _keywords_reach_torch() -> dict:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
     model.register_parameter("unused", nn.Parameter(torch.zeros(4)))  # the root's own
     ignored = model.unused
-    fsdp_ext.fully_shard(
+    fsdp_ext.shard_by_policy(
         model,
         auto_wrap_policy={nn.Linear},
         mesh=mesh,
