@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from examples.config import build_parser  # noqa: E402
+from examples.config import comm_choices  # noqa: E402  (the --comm values train.py offers)
 from examples.model import ModelConfig  # noqa: E402
 from examples.train import TrainConfig, train  # noqa: E402
 from fsdp_ext.testing import run_distributed  # noqa: E402
@@ -47,11 +47,6 @@ TAIL = 50  # steps of the training-loss metric
 MACHINE = "2-core CPU shared with other jobs, gloo"
 MODEL = ModelConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=192, num_experts=4, moe_hidden_dim=96)
 TINY = ModelConfig(dim=16, n_layers=1, n_heads=2, hidden_dim=32, num_experts=2, moe_hidden_dim=16)
-
-
-def comm_choices() -> tuple[str, ...]:
-    """The --comm values examples/train.py offers, read from its flags."""
-    return next(a.choices for a in build_parser()._actions if a.dest == "comm")
 
 
 def modes(base: TrainConfig) -> dict[str, TrainConfig]:
