@@ -56,11 +56,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import itertools
 import json
 import os
 import queue
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -97,8 +99,8 @@ MB = 1 << 20
 
 # model and run sizes: (dim, n_layers, n_heads, num_experts, batch_size, seq_len, every,
 # saves, clean steps, warm-up steps)
-FULL = dict(dim=512, n_layers=6, n_heads=8, num_experts=8, batch_size=4, seq_len=64)
-FULL |= dict(every=8, saves=5, clean=8, warmup=3)
+FULL = dict(dim=512, n_layers=6, n_heads=8, num_experts=8, batch_size=2, seq_len=32)
+FULL |= dict(every=6, saves=5, clean=6, warmup=3)
 QUICK = dict(dim=64, n_layers=2, n_heads=2, num_experts=2, batch_size=2, seq_len=32)
 QUICK |= dict(every=2, saves=2, clean=2, warmup=1)
 
@@ -354,6 +356,8 @@ def worker(args: argparse.Namespace) -> None:
     from examples.train import TrainConfig, parallelize
     from fsdp_ext import ParallelDims, clip_grad_norm_
 
+    with contextlib.suppress(OSError, AttributeError):  # die with the parent (Linux)
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -699,7 +703,7 @@ def plot(runs: dict[str, dict], summary: dict, path: Path) -> None:
     top = 0.0
     for ax, writer in zip(axes, shown, strict=True):
         t = runs[writer]["timelines"][0]
-        steps = [s for s in t["steps"] if s["phase"] != "warmup"]
+        steps = [s for s in t["steps"] if s["phase"] == "run"]  # from the first timed save on
         t0 = steps[0]["start"]
         xs = [(a["start"] - t0) for a in steps[:-1]]
         ys = [(b["start"] - a["start"]) * 1e3 for a, b in itertools.pairwise(steps)]
@@ -726,7 +730,7 @@ def plot(runs: dict[str, dict], summary: dict, path: Path) -> None:
         ax.legend(fontsize=7, loc="upper right")
     for ax in axes:
         ax.set_ylim(0, top * 1.1)
-    axes[-1].set_xlabel("seconds since the first measured step (rank 0)")
+    axes[-1].set_xlabel("seconds since the first step of the timed saves (rank 0)")
     fig.suptitle(
         f"{summary['world']} gloo ranks, {summary['state_mb']} MB of state, "
         f"load {summary['loadavg_start']:.1f}",
@@ -750,6 +754,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: temp)")
     parser.add_argument("--plot", type=Path, default=None, help="step-time PNG")
+    parser.add_argument(
+        "--raw", type=Path, default=None, help="write every rank's timeline here (JSON)"
+    )
+    parser.add_argument(
+        "--replot", type=Path, default=None, help="draw --plot from a --raw file, run nothing"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per writer")
     for key, value in FULL.items():  # sizes: --quick's, or the full run's, unless given
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"({value})")
@@ -766,6 +776,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.worker is not None:
         worker(argparse.Namespace(**{**vars(args), **sizes}))
         return None
+    if args.replot is not None:
+        raw = json.loads(args.replot.read_text())
+        plot(raw["runs"], raw["summary"], args.plot)
+        return raw["summary"]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the ranks are stopped
     writers = [w.strip() for w in args.writers.split(",") if w.strip()]
     unknown = sorted(set(writers) - set(WRITERS))
     if unknown:
@@ -801,6 +816,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         "loadavg_end": round(os.getloadavg()[0], 2),
     }
     summary = summarize(rows, skipped, meta)
+    if args.raw is not None:
+        args.raw.write_text(json.dumps({"summary": summary, "runs": runs}))
     if args.plot is not None and runs:
         plot(runs, summary, args.plot)
     print(json.dumps(summary))
