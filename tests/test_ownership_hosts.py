@@ -147,6 +147,17 @@ def _ask(proc: subprocess.Popen) -> dict:
     return json.loads(line)
 
 
+@pytest.fixture
+def faketime_leaves_nothing():
+    """libfaketime leaves a shared-memory segment and a semaphore per process in /dev/shm
+    (``faketime_shm_<pid>``, ``sem.faketime_sem_<pid>``); remove the ones this test made."""
+    before = set(os.listdir("/dev/shm"))
+    yield
+    for name in set(os.listdir("/dev/shm")) - before:
+        if "faketime" in name:
+            Path("/dev/shm", name).unlink(missing_ok=True)
+
+
 def _skewed(seconds: int) -> dict:
     if not seconds:
         return dict(ENV)
@@ -169,7 +180,7 @@ def _skewed(seconds: int) -> dict:
     ],
 )
 def test_clock_skew_neither_breaks_a_live_owner_nor_keeps_a_dead_one(
-    tmp_path, owner_skew, claimant_skew
+    tmp_path, owner_skew, claimant_skew, faketime_leaves_nothing
 ):
     if not FAKETIME.exists():
         pytest.skip("needs Debian's faketime (scripts/lab-packages.sh installs it)")
