@@ -58,26 +58,15 @@ def _manifests(root: Path) -> dict[int, dict]:
     }
 
 
-# ----------------------------------------------------------------------- a paused owner
-
-
-def test_a_paused_owner_is_fenced_and_the_claimant_keeps_its_own_chain(tmp_path):
-    """Job A (host-a, --lease 2) is frozen for over 3 leases; job B (host-b) takes --out
-    over and trains; A, thawed, exits 3 at its next save, having written nothing; every
-    checkpoint left is, value for value, the uninterrupted run's."""
-    out, lease = tmp_path / "run", 2.0
-    flags = ["--steps", "40", "--ckpt-every", "2", "--keep", "100", "--lease", str(lease)]
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": ENV}
-    a = start_on_host(tmp_path, "host-a", [*TRAIN, *flags, "--out", str(out)], **pipes)
+def _frozen_while_another_takes_over(tmp_path, a, out, lease, argv_b, **popen) -> dict:
+    """SIGSTOP host-a's processes; start ``argv_b`` on host-b and wait until it owns --out
+    and 3 leases have passed; SIGCONT; both jobs' outcomes and what was published before."""
     b = None
     try:
-        _lines_until(a, "step     4 ")
-        while len(checkpoint_steps(out / "checkpoints")) < 2:
-            time.sleep(0.05)
         signal_host(a, signal.SIGSTOP)
         stopped = time.monotonic()
         before = {s: m["save_id"] for s, m in _manifests(out / "checkpoints").items()}
-        b = start_on_host(tmp_path, "host-b", [*TRAIN, *flags, "--out", str(out)], **pipes)
+        b = start_on_host(tmp_path, "host-b", argv_b, **popen)
         fs = LocalStorage()
         while generations(fs, out / "checkpoints") != [2] or time.monotonic() - stopped < 3 * lease:
             assert b.poll() is None, b.stderr.read()[-3000:]
@@ -94,6 +83,32 @@ def test_a_paused_owner_is_fenced_and_the_claimant_keeps_its_own_chain(tmp_path)
                 power_off(proc)
     assert b.returncode == 0, b_err[-3000:]
     assert a.returncode == 3, (a.returncode, a_err[-3000:])
+    return {"before": before, "a_err": a_err, "taken_s": taken_s, "a_ran_s": a_ran_s}
+
+
+# ----------------------------------------------------------------------- a paused owner
+
+
+def test_a_paused_owner_is_fenced_and_the_claimant_keeps_its_own_chain(tmp_path):
+    """Job A (host-a, --lease 2) is frozen for over 3 leases; job B (host-b) takes --out
+    over and trains; A, thawed, exits 3 at its next save, having written nothing; every
+    checkpoint left is, value for value, the uninterrupted run's."""
+    out, lease = tmp_path / "run", 2.0
+    flags = ["--steps", "40", "--ckpt-every", "2", "--keep", "100", "--lease", str(lease)]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": ENV}
+    a = start_on_host(tmp_path, "host-a", [*TRAIN, *flags, "--out", str(out)], **pipes)
+    try:
+        _lines_until(a, "step     4 ")
+        while len(checkpoint_steps(out / "checkpoints")) < 2:
+            time.sleep(0.05)
+    except BaseException:
+        power_off(a)
+        raise
+    seen = _frozen_while_another_takes_over(
+        tmp_path, a, out, lease, [*TRAIN, *flags, "--out", str(out)], **pipes
+    )
+    before, a_err = seen["before"], seen["a_err"]
+    taken_s, a_ran_s = seen["taken_s"], seen["a_ran_s"]
     (line,) = [x for x in a_err.splitlines() if "error" in x]
     assert "argument --out:" in line and "taken over by job" in line and "host-b" in line, line
     assert "this job writes nothing more there" in line
@@ -659,30 +674,17 @@ def test_a_pause_inside_a_save_at_each_publish_step_is_fenced(tmp_path, point):
     a = start_on_host(
         tmp_path, "host-a", [sys.executable, str(program), *flags], env=env_a, **pipes
     )
-    b = None
     try:
         for line in a.stderr:
             if line.startswith("paused:"):
                 break
-        signal_host(a, signal.SIGSTOP)
-        stopped = time.monotonic()
-        before = {s: m["save_id"] for s, m in _manifests(out / "checkpoints").items()}
-        b = start_on_host(
-            tmp_path, "host-b", [*TRAIN, *flags[len(TINY.split()) :]], env=ENV, **pipes
-        )
-        fs = LocalStorage()
-        while generations(fs, out / "checkpoints") != [2] or time.monotonic() - stopped < 3 * lease:
-            assert b.poll() is None, b.stderr.read()[-3000:]
-            time.sleep(0.1)
-        signal_host(a, signal.SIGCONT)
-        _a_out, a_err = a.communicate(timeout=120)
-        _b_out, b_err = b.communicate(timeout=300)
-    finally:
-        for proc in (a, b):
-            if proc is not None and proc.poll() is None:
-                power_off(proc)
-    assert b.returncode == 0, b_err[-3000:]
-    assert a.returncode == 3, (a.returncode, a_err[-3000:])
+    except BaseException:
+        power_off(a)
+        raise
+    argv_b = [*TRAIN, *flags[len(TINY.split()) :]]
+    before = _frozen_while_another_takes_over(tmp_path, a, out, lease, argv_b, env=ENV, **pipes)[
+        "before"
+    ]
     after = _manifests(out / "checkpoints")
     assert list(after) == [28, 30]
     assert all(m["replaces"] is None for m in after.values())
