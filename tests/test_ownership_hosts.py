@@ -18,15 +18,10 @@ from pathlib import Path
 import pytest
 
 from fsdp_ext.checkpoint import LocalStorage, checkpoint_steps
+from fsdp_ext.checkpoint.fence import OWNER_DIR, DirectoryFencedError, generations, record_name
 from fsdp_ext.checkpoint.lock import RELEASED, LockOwner, read_beat
 from fsdp_ext.checkpoint.manifest import MANIFEST_NAME
-from fsdp_ext.job.ownership import (
-    OWNER_DIR,
-    DirectoryFencedError,
-    claim,
-    generations,
-    record_name,
-)
+from fsdp_ext.job.ownership import claim
 from tests.host_helpers import power_off, signal_host, start_on_host
 from tests.test_train_job_life import TINY, contents, same
 
