@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import io
 import re
 import sys
@@ -150,6 +151,18 @@ class Graph:
         return out
 
 
+@functools.cache
+def _parsed(path: str, mtime_ns: int, size: int) -> ast.Module:
+    return ast.parse(Path(path).read_text(), filename=path)
+
+
+def parse(path: Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once per version of the file: every check reads the
+    same few hundred files, and parsing them is most of a check's time. Trees are read only."""
+    st = path.stat()
+    return _parsed(str(path), st.st_mtime_ns, st.st_size)
+
+
 def module_name(path: Path, root: Path = ROOT) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -198,7 +211,7 @@ def collect(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> Graph:
             graph.modules[name] = path
             if path.name == "__init__.py":
                 graph.packages.add(name)
-            trees[name] = ast.parse(path.read_text(), filename=str(path))
+            trees[name] = parse(path)
             graph.exports[name] = _dunder_all(trees[name])
     internal = set(graph.modules)
     for source, tree in trees.items():
@@ -356,7 +369,7 @@ def surface_problems(graph: Graph) -> list[str]:
             continue
         path = graph.modules[name]
         rel = path.relative_to(graph.root).as_posix()
-        tree = ast.parse(path.read_text())
+        tree = parse(path)
         exported = graph.exports.get(name)
         if exported is None:
             problems.append(f"{rel}: no __all__ (every package lists its public names)")
@@ -490,9 +503,9 @@ def private_torch_uses(root: Path = ROOT, dirs: Iterable[str] = PRIVATE_SCAN) ->
     private attribute, or any ``x._name`` this code base does not define itself."""
     files = [p for d in dirs for p in sorted((root / d).rglob("*.py")) if ".venv" not in p.parts]
     sources = {p: p.read_text() for p in files}
-    own_trees = [ast.parse(s) for s in sources.values()]
-    own_trees += [ast.parse(p.read_text()) for p in sorted((root / "tests").glob("*.py"))]
-    shim_tree = ast.parse((root / TORCH_SHIMS).read_text())
+    own_trees = [parse(p) for p in sources]
+    own_trees += [parse(p) for p in sorted((root / "tests").glob("*.py"))]
+    shim_tree = parse(root / TORCH_SHIMS)
     torch_private = KNOWN_TORCH_PRIVATE | {name for _, name in _private_attrs(shim_tree)}
     ours = _defined_names(own_trees) - torch_private
     found = []
@@ -507,7 +520,7 @@ def private_torch_uses(root: Path = ROOT, dirs: Iterable[str] = PRIVATE_SCAN) ->
             if TORCH_PRIVATE_RE.search(code):
                 found.append(PrivateUse(rel, number, lines[number - 1].strip()))
         allowed = FOREIGN_PRIVATE_OK.get(rel, set())
-        for number, name in _private_attrs(ast.parse(source)):
+        for number, name in _private_attrs(parse(path)):
             if name in allowed or (name in ours and "." not in name):
                 continue
             kind = "import of private" if "." in name else "private attribute"
@@ -628,7 +641,7 @@ def fsdp_internal_reads(root: Path = ROOT, dirs: Iterable[str] = PRIVATE_SCAN) -
             rel = path.relative_to(root).as_posix()
             if rel == TORCH_SHIMS or ".venv" in path.parts:
                 continue
-            for line, text in _fsdp_internal_reads(ast.parse(path.read_text())):
+            for line, text in _fsdp_internal_reads(parse(path)):
                 found.append(PrivateUse(rel, line, text))
     return sorted(set(found), key=lambda u: (u.path, u.line, u.text))
 
@@ -679,7 +692,7 @@ def frame_inspections(root: Path = ROOT) -> list[PrivateUse]:
     found = []
     for path in sorted((root / LIBRARY).rglob("*.py")):
         rel = path.relative_to(root).as_posix()
-        for line, scope, text in _frame_inspections(ast.parse(path.read_text())):
+        for line, scope, text in _frame_inspections(parse(path)):
             if f"{rel}::{scope}" not in FRAME_INSPECTION_OK:
                 found.append(
                     PrivateUse(rel, line, f"frame inspection: {text} in {scope or '<module>'}")
@@ -771,7 +784,7 @@ def storage_bypasses(root: Path = ROOT) -> list[PrivateUse]:
         rel = path.relative_to(root).as_posix()
         if rel in STORAGE_IO_OK:
             continue
-        for line, text in _storage_bypasses(ast.parse(path.read_text())):
+        for line, text in _storage_bypasses(parse(path)):
             found.append(PrivateUse(rel, line, f"{text} outside the checkpoint storage"))
     return sorted(set(found), key=lambda u: (u.path, u.line, u.text))
 

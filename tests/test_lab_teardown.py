@@ -87,6 +87,7 @@ def _netns_del(name: str) -> None:
     subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_parent_is_cleaned_by_the_next_lab_and_only_its_prefix(tmp_path):
     require_lab()
     shared = tmp_path / "shared"

@@ -98,6 +98,7 @@ def _resumed_step(lines: list[str]) -> tuple[int, str]:
     return int(resumed[0].split("step-")[1][:7]), resumed[0]
 
 
+@pytest.mark.slow  # default sibling: test_checkpoint_async_saves' kill sweep under torchrun
 def test_torchrun_restart_after_a_killed_rank_finishes_bit_for_bit(tmp_path):
     """torchrun --max-restarts 2; rank 1 gets SIGKILL after step 7; the job exits 0 at step
     25 and its last checkpoint equals an uninterrupted run's byte for byte. A second job

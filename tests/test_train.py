@@ -17,6 +17,7 @@ from fsdp_ext import CommConfig, verify_checkpoint
 from fsdp_ext.testing import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
+SLOW = pytest.mark.slow  # the same check runs in process below, by default
 TINY = TrainConfig(
     steps=20,
     batch_size=8,
@@ -79,9 +80,15 @@ def _cli(args, **env):
 @pytest.mark.parametrize(
     ("args", "env", "needle"),
     [
-        (["--device", "tpu"], {}, "argument --device: invalid choice: 'tpu'"),
-        (["--nproc-per-node", "3"], {}, "--batch-size: 16 is not divisible by the world size 3"),
-        (["--resume", "--out", "{tmp}"], {}, "argument --resume: no complete checkpoint"),
+        pytest.param(
+            ["--device", "tpu"], {}, "argument --device: invalid choice: 'tpu'", marks=SLOW
+        ),
+        pytest.param(
+            ["--nproc-per-node", "3"], {}, "--batch-size: 16 is not divisible by", marks=SLOW
+        ),
+        pytest.param(
+            ["--resume", "--out", "{tmp}"], {}, "argument --resume: no complete", marks=SLOW
+        ),
         (["--out", "{tmp}/old"], {}, "holds checkpoints of an earlier run; pass --resume"),
     ],
 )
@@ -144,10 +151,14 @@ def test_resume_refuses_a_checkpoint_that_cannot_load(tmp_path, capsys):
         (["--pp", "3"], 4, "--pp: 3 does not divide the world size 4"),
         (["--batch-size", "16"], 3, "not divisible by the world size 3"),
         (["--steps", "0"], 1, "argument --steps: must be a positive integer"),
+        (["--device", "tpu"], 1, "argument --device: invalid choice: 'tpu'"),
+        (["--nproc-per-node", "3"], 1, "--batch-size: 16 is not divisible by the world size 3"),
+        (["--resume", "--out", "{tmp}"], 1, "argument --resume: no complete checkpoint"),
     ],
 )
-def test_bad_settings_name_their_flag(argv, world, needle, capsys):
+def test_bad_settings_name_their_flag(argv, world, needle, capsys, tmp_path):
     """Each bad setting exits 2 with one line naming its flag, before any process group."""
+    argv = [a.format(tmp=tmp_path) for a in argv]
     with pytest.raises(SystemExit) as exc:
         parse_args(argv, world_size=world)
     assert exc.value.code == 2
