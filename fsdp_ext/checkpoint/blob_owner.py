@@ -110,9 +110,7 @@ class BlobOwnership:
                 self.store.put(beat_key(self.owner.generation), RELEASED.encode())
 
 
-def judge_beat(
-    store: BlobStore, generation: int, holder: LockOwner, *, what: str
-) -> str | None:
+def judge_beat(store: BlobStore, generation: int, holder: LockOwner, *, what: str) -> str | None:
     """Watch the holder of ``generation`` until it is proven alive (None) or gone (why)."""
     reason = holder.stale_reason()
     if reason is not None:

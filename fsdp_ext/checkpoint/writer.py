@@ -466,5 +466,3 @@ class SpreadFileSystemWriter(FileSystemWriter):
         super().reset(checkpoint_id)
         self.fs.records.clear()
         self.fs.write_errors.clear()
-
-
