@@ -13,9 +13,16 @@ from urllib.parse import unquote, urlsplit
 from fsdp_ext.checkpoint.blob import BlobStore
 from fsdp_ext.checkpoint.blob_posix import PosixBlobStore
 
-__all__ = ["LOCATION_FORMS", "blob_store_for"]
+__all__ = ["LOCATION_FORMS", "blob_store_for", "is_object_store"]
 
 LOCATION_FORMS = "'/path' (or a relative path), 'file:///path' or 's3://bucket[/prefix]'"
+
+
+def is_object_store(location: object) -> bool:
+    """Whether ``location`` names an object store (``s3://``), whose checkpoints use the
+    blob commit protocol (``catalog.py``); anything else is a POSIX path, whose checkpoints
+    keep the directory protocol (``versions.py``)."""
+    return isinstance(location, str) and location.lower().startswith("s3://")
 
 
 def blob_store_for(location: str | os.PathLike) -> BlobStore:
