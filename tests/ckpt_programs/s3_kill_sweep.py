@@ -148,22 +148,27 @@ def run_one(location: str, op: str, kill_at: int | None) -> tuple[str, list[str]
     return outcome, json.loads(done) if done else []
 
 
-def main() -> None:
-    location, out = sys.argv[1], {}
-    for spec in sys.argv[2:]:
+def sweep(location: str, specs: list[str]) -> dict:
+    """Each ``OP=KS`` of ``specs`` on its own locations under ``location`` (see above)."""
+    out = {}
+    for spec in specs:
         op, ks = spec.split("=")
         outcome, requests = run_one(f"{location}/{op}-probe", op, None)
         assert outcome == "new", f"{op} ran to the end but published {outcome}"
         catalog_at = 1 + next(i for i, r in enumerate(requests) if CATALOG_KEY in r)
         if ks == "all":
             chosen = list(range(1, len(requests) + 1))
-        elif ks == "pivot":  # the requests just before and just after the commit
+        elif ks == "pivot":  # the commit request, and the one after it (if any)
             chosen = sorted({catalog_at, min(catalog_at + 1, len(requests))})
         else:
             chosen = [int(k) for k in ks.split(",")]
         results = {k: run_one(f"{location}/{op}-k{k}", op, k)[0] for k in chosen}
         out[op] = {"requests": requests, "catalog_at": catalog_at, "results": results}
-    print(json.dumps(out))
+    return out
+
+
+def main() -> None:
+    print(json.dumps(sweep(sys.argv[1], sys.argv[2:])))
 
 
 if __name__ == "__main__":
