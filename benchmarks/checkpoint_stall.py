@@ -303,7 +303,7 @@ class Ours(_Saver):
 
 
 def make_saver(writer: str, root: Path, model, optimizer) -> _Saver:
-    from fsdp_ext.checkpoint import ModelOptimizerState
+    from fsdp_ext.job import ModelOptimizerState
 
     state = {"model": ModelOptimizerState(model, optimizer)}  # what Checkpointer saves
     if writer == "stock_sync":
@@ -322,7 +322,7 @@ def state_bytes(model, optimizer) -> int:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from fsdp_ext.checkpoint import ModelOptimizerState
+    from fsdp_ext.job import ModelOptimizerState
 
     total = 0
     for value in ModelOptimizerState(model, optimizer).state_dict().values():

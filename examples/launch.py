@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from examples.config import TrainConfig
 from fsdp_ext import DirectoryOwnedError
-from fsdp_ext.checkpoint import LAUNCHER_PID_ENV, RUN_ID_ENV, claim
+from fsdp_ext.checkpoint import RUN_ID_ENV
+from fsdp_ext.job import LAUNCHER_PID_ENV, claim
 
 __all__ = ["FENCED", "LAUNCHER_FLAGS", "init_distributed", "launch", "launch_owning"]
 

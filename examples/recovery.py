@@ -1,7 +1,7 @@
 """train.py's recovery: where a restarted worker resumes from, and how a worker ends.
 
 - ``snapshots``: with ``--snapshot-every K``, every rank's shards are kept in its node's RAM
-  and on the next node (``fsdp_ext.checkpoint.snapshot``);
+  and on the next node (``fsdp_ext.job.snapshot``);
 - ``resume_step``: the freshest of the in-memory snapshots and the disk checkpoints;
 - ``ending``: a worker that fails exits at once, one that is interrupted in one line;
 - ``RNGState``: each rank's RNG streams, checkpointed with the rest.
@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from examples.config import TrainConfig
 from fsdp_ext import Checkpointer
-from fsdp_ext.checkpoint import Snapshots, job_name, snapshot_dir
+from fsdp_ext.job import Snapshots, job_name, snapshot_dir
 
 __all__ = ["INTERRUPTED", "RNGState", "ending", "resume_step", "snapshots"]
 

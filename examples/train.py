@@ -50,7 +50,8 @@ from examples.parallel import Parallel, parallelize, shard_model
 from examples.recovery import RNGState, ending, resume_step, snapshots
 from examples.report import report
 from examples.startup import StartupClock, cached_corpus
-from fsdp_ext.checkpoint import LEASE_ENV, exit_with_launcher
+from fsdp_ext.checkpoint import LEASE_ENV
+from fsdp_ext.job import exit_with_launcher
 
 __all__ = ["FENCED", "WRAP_POLICIES", "Parallel", "TrainConfig", "main", "parallelize"]
 __all__ += ["parse_args", "shard_model", "train"]

@@ -6,20 +6,17 @@ The public surface: every name below, re-exported from its room (``fsdp_ext.wrap
 
 from fsdp_ext.checkpoint import (
     CheckpointBusyError,
-    Checkpointer,
     CheckpointIntegrityError,
     CheckpointPathError,
     CheckpointPrunedError,
     CheckpointReport,
     CheckpointSpaceError,
     DirectoryFencedError,
-    DirectoryOwnedError,
     SafeLoadPlanner,
     SpreadFileSystemWriter,
     SpreadSavePlanner,
     UnsafeCheckpointError,
     VerifiedFileSystemReader,
-    latest_intact,
     remove_checkpoint,
     verify_checkpoint,
 )
@@ -38,6 +35,7 @@ from fsdp_ext.comm import (
     register_weight_all_gather,
     unit_sizes,
 )
+from fsdp_ext.job import Checkpointer, DirectoryOwnedError, latest_intact
 from fsdp_ext.moe import (
     AllToAllStats,
     MoE,

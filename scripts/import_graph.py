@@ -41,7 +41,10 @@ LIBRARY = "fsdp_ext"
 # Shared pieces every room may import: the torch shims, the node size and the mesh description.
 COMMON = ("fsdp_ext._torch", "fsdp_ext.node_size", "fsdp_ext.parallel_dims")
 # Capability rooms: each imports another only through that room's ``__init__``.
-ROOMS = ("wrap", "comm", "moe", "checkpoint", "pipeline", "integrations", "lab", "testing")
+ROOMS = ("wrap", "comm", "moe", "checkpoint", "job", "pipeline", "integrations", "lab", "testing")
+# A room built on another's internals: ``job`` (a run's checkpoints over time) is the run
+# level of ``checkpoint`` (DCP I/O) and may import its modules; the reverse never.
+BUILT_ON = {"job": "checkpoint"}
 # Rooms nothing else inside the library may import (they compose the library, or test it).
 OUTER_ROOMS = ("integrations", "lab", "testing")
 # Layers, outermost first: a module may import its own layer or one further down.
@@ -316,7 +319,12 @@ def layering_violations(graph: Graph) -> list[str]:
                 f"{where}: {imp.source} imports fsdp_ext.{dst_room}, which nothing inside "
                 "the library may import"
             )
-        elif dst_room is not None and src_room != dst_room:
+        elif src_room is not None and BUILT_ON.get(dst_room or "") == src_room:
+            problems.append(
+                f"{where}: {imp.source} imports fsdp_ext.{dst_room}, which is built on "
+                f"fsdp_ext.{src_room}: imports run one way"
+            )
+        elif dst_room is not None and src_room != dst_room != BUILT_ON.get(src_room or ""):
             problems += _public_only(graph, imp, where)
     return problems
 
@@ -681,7 +689,7 @@ def frame_inspections(root: Path = ROOT) -> list[PrivateUse]:
 
 # ------------------------------------------------------------------ checkpoint storage
 
-CHECKPOINT_ROOM = "fsdp_ext/checkpoint"
+CHECKPOINT_ROOMS = ("fsdp_ext/checkpoint", "fsdp_ext/job")
 # the checkpoint modules that may touch files, and why
 STORAGE_IO_OK = {
     "fsdp_ext/checkpoint/fs.py": "the local storage implementation",
@@ -758,7 +766,8 @@ def storage_bypasses(root: Path = ROOT) -> list[PrivateUse]:
     ``open()``, ``os`` file operations and path queries, ``shutil``, and pathlib's I/O
     methods. Everything else reaches files through a ``CheckpointStorage``."""
     found = []
-    for path in sorted((root / CHECKPOINT_ROOM).rglob("*.py")):
+    paths = [p for room in CHECKPOINT_ROOMS for p in (root / room).rglob("*.py")]
+    for path in sorted(paths):
         rel = path.relative_to(root).as_posix()
         if rel in STORAGE_IO_OK:
             continue
@@ -825,7 +834,8 @@ def to_dot(graph: Graph) -> str:
 DRAW_ROWS = (
     ("examples", "benchmarks"),
     ("integrations", "fsdp_ext (top)", "testing", "lab"),
-    ("pipeline", "checkpoint"),
+    ("pipeline", "job"),
+    ("checkpoint",),
     ("moe",),
     ("comm", "wrap"),
     ("parallel_dims", "node_size", "_torch"),

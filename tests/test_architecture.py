@@ -60,7 +60,8 @@ def test_fsdp_internals_read_only_in_torch_shims():
 def test_public_names_resolve():
     import fsdp_ext
 
-    rooms = ["fsdp_ext", *(f"fsdp_ext.{r}" for r in ("checkpoint", "comm", "moe", "pipeline"))]
+    rooms = ["fsdp_ext", *(f"fsdp_ext.{r}" for r in ("checkpoint", "job", "comm", "moe"))]
+    rooms += ["fsdp_ext.pipeline"]
     rooms += ["fsdp_ext.wrap", "fsdp_ext.testing", "fsdp_ext.integrations"]
     for name in rooms:
         module = importlib.import_module(name)
@@ -145,6 +146,16 @@ def test_checker_passes_a_clean_tree(tmp_path):
                 "def hook():\n    pass\n"
             },
             "fsdp_ext.comm.x imports fsdp_ext.wrap.a, a room's internals",
+        ),
+        (  # checkpoint I/O importing the run level built on it (the job room)
+            {
+                "fsdp_ext/checkpoint/__init__.py": "__all__ = []\n",
+                "fsdp_ext/checkpoint/w.py": "from fsdp_ext.job import Checkpointer\n",
+                "fsdp_ext/job/__init__.py": "from fsdp_ext.job.c import Checkpointer\n"
+                "__all__ = ['Checkpointer']\n",
+                "fsdp_ext/job/c.py": "from fsdp_ext.checkpoint.w import x\nCheckpointer = 1\n",
+            },
+            "fsdp_ext.checkpoint.w imports fsdp_ext.job, which is built on fsdp_ext.checkpoint",
         ),
         (  # a room importing the top package (which imports every room)
             {"fsdp_ext/comm/x.py": "def hook():\n    import fsdp_ext\n"},

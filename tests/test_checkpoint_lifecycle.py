@@ -23,14 +23,15 @@ from fsdp_ext.checkpoint import (
     CheckpointPrunedError,
     LocalStorage,
     checkpoint_steps,
-    load_intact,
     read_lease,
     remove_checkpoint,
     step_name,
 )
+from fsdp_ext.checkpoint.fence import OWNER_DIR, generations, record_name
 from fsdp_ext.checkpoint.lock import RELEASED, LockOwner, acquire, lock_path, read_beat
-from fsdp_ext.checkpoint.ownership import OWNER_DIR, claim, generations, record_name
-from fsdp_ext.checkpoint.resume import SKIPPED_RECORD
+from fsdp_ext.job import load_intact
+from fsdp_ext.job.ownership import claim
+from fsdp_ext.job.resume import SKIPPED_RECORD
 from tests.host_helpers import power_off, require_unshare, start_on_host
 
 REPO = Path(__file__).resolve().parent.parent
@@ -135,7 +136,7 @@ def test_a_corrupt_newest_is_skipped_named_kept_and_not_counted(tmp_path, where)
 def test_a_second_owner_is_refused_until_the_first_ends(tmp_path):
     root = tmp_path / "ckpts"
     code = (
-        "import sys, time; from fsdp_ext.checkpoint.ownership import claim; "
+        "import sys, time; from fsdp_ext.job.ownership import claim; "
         "claim(sys.argv[1]); print('owned', flush=True); time.sleep(600)"
     )
     job = subprocess.Popen(

@@ -26,10 +26,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp_ext.checkpoint import verify_checkpoint
-from fsdp_ext.checkpoint.blob_owner import BlobFence, beat_key, claim_blob, record_key
 from fsdp_ext.checkpoint.blob_reader import BlobStorageReader
 from fsdp_ext.checkpoint.blob_writer import BlobStorageWriter
-from fsdp_ext.checkpoint.catalog import CATALOG_KEY, commit, read_catalog
+from fsdp_ext.checkpoint.catalog import CATALOG_KEY, BlobFence, commit, read_catalog
+from fsdp_ext.checkpoint.fence import DirectoryFencedError
 from fsdp_ext.checkpoint.location import blob_store_for
 from fsdp_ext.checkpoint.lock import LockOwner
 from fsdp_ext.checkpoint.manifest import (
@@ -38,8 +38,9 @@ from fsdp_ext.checkpoint.manifest import (
     CheckpointIntegrityError,
     UnsafeCheckpointError,
 )
-from fsdp_ext.checkpoint.ownership import DirectoryFencedError, DirectoryOwnedError
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner
+from fsdp_ext.job.blob_ownership import beat_key, claim_blob, record_key
+from fsdp_ext.job.ownership import DirectoryOwnedError
 from fsdp_ext.testing import run_distributed
 from tests.ckpt_programs import s3_kill_sweep
 from tests.test_checkpoint_dcp import build_state, empty_like, full_state, mismatches

@@ -24,7 +24,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fsdp_ext.checkpoint import (
-    Checkpointer,
     CheckpointStorage,
     SafeLoadPlanner,
     SpreadFileSystemWriter,
@@ -33,6 +32,7 @@ from fsdp_ext.checkpoint import (
     verify_checkpoint,
 )
 from fsdp_ext.checkpoint.storage import DIRECTORY, FILE, LINK, MISSING
+from fsdp_ext.job import Checkpointer
 from fsdp_ext.testing import run_distributed
 
 _SUFFIX = {FILE: ".f", DIRECTORY: ".d", LINK: ".l"}

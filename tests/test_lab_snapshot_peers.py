@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_ext.checkpoint.snapshot import Snapshots, read_snapshot
+from fsdp_ext.job.snapshot import Snapshots, read_snapshot
 from fsdp_ext.testing import run_distributed
 
 JOB = "peers"

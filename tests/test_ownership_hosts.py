@@ -18,15 +18,10 @@ from pathlib import Path
 import pytest
 
 from fsdp_ext.checkpoint import LocalStorage, checkpoint_steps
+from fsdp_ext.checkpoint.fence import OWNER_DIR, DirectoryFencedError, generations, record_name
 from fsdp_ext.checkpoint.lock import RELEASED, LockOwner, read_beat
 from fsdp_ext.checkpoint.manifest import MANIFEST_NAME
-from fsdp_ext.checkpoint.ownership import (
-    OWNER_DIR,
-    DirectoryFencedError,
-    claim,
-    generations,
-    record_name,
-)
+from fsdp_ext.job.ownership import claim
 from tests.host_helpers import power_off, signal_host, start_on_host
 from tests.test_train_job_life import TINY, contents, same
 
@@ -317,7 +312,7 @@ def test_a_worker_that_joined_its_launchers_record_leaves_it_on_close(tmp_path, 
         fs = LocalStorage()
         record = root / OWNER_DIR / record_name(1)
         assert read_beat(fs, record, worker.owner) != RELEASED
-        from fsdp_ext.checkpoint import DirectoryOwnedError
+        from fsdp_ext.job import DirectoryOwnedError
 
         with pytest.raises(DirectoryOwnedError, match=f"pid {launcher.pid}"):
             claim(root)  # still the launcher's
@@ -440,7 +435,7 @@ def _take_over(root: Path) -> None:
     """What a claimant on host-b does once it judged this job gone: the next generation's
     record, then the old generation fenced (then it released it, so the test goes on)."""
     from fsdp_ext.checkpoint.lock import beat_path, replace_link
-    from fsdp_ext.checkpoint.ownership import retire
+    from fsdp_ext.job.ownership import retire
 
     fs = LocalStorage()
     other = LockOwner("owner-hostb", "host-b", "boot-b", 1, "", 0, time.time(), generation=2)
@@ -553,7 +548,7 @@ class _Box:
 def test_a_checkpoint_that_verifies_but_fails_to_load_is_recorded_and_never_pruned(tmp_path):
     from fsdp_ext import Checkpointer
     from fsdp_ext.checkpoint import verify_checkpoint
-    from fsdp_ext.checkpoint.resume import skipped_checkpoints
+    from fsdp_ext.job.resume import skipped_checkpoints
 
     root = tmp_path / "out"
     with Checkpointer(root, model=_tiny_model(1), extra={"box": _Box(1)}, keep=None) as ckpt:
@@ -625,7 +620,7 @@ def test_a_dead_jobs_snapshots_are_cleaned_and_a_live_ones_kept(tmp_path):
         jobs["dead"].wait(30)
         assert len(os.listdir(ram)) == 2
         cleaned = subprocess.run(
-            [sys.executable, "-m", "fsdp_ext.checkpoint", "clean-snapshots", str(ram)],
+            [sys.executable, "-m", "fsdp_ext.job", "clean-snapshots", str(ram)],
             env=ENV,
             capture_output=True,
             text=True,

@@ -1,4 +1,4 @@
-"""In-memory snapshots (fsdp_ext.checkpoint.snapshot) on real gloo ranks.
+"""In-memory snapshots (fsdp_ext.job.snapshot) on real gloo ranks.
 
 A snapshot restores exactly what was saved (parameters, Adam's moments and step, the LR
 schedule); a torn file (cut short, as a write killed midway leaves it when the rename is
@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_ext
 from fsdp_ext import Checkpointer
-from fsdp_ext.checkpoint.snapshot import Snapshots, read_snapshot
+from fsdp_ext.job.snapshot import Snapshots, read_snapshot
 from fsdp_ext.testing import run_distributed
 
 

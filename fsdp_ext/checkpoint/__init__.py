@@ -1,7 +1,9 @@
-"""DCP checkpointing: spread replicated writes, per-layer files, atomic overwrite, verified loads.
+"""DCP checkpoint I/O: spread replicated writes, per-layer files, atomic publish, verified
+loads, and the storage they go through.
 
-Everything is used through the stock ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` calls;
-``Checkpointer`` does a training loop's save / prune / resume in two lines.
+Everything is used through the stock ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` calls.
+A training run's life around them (save / prune / resume, owning the output directory,
+in-memory snapshots) is ``fsdp_ext.job``, which imports this room and never the reverse.
 """
 
 from fsdp_ext.checkpoint.blob import (
@@ -14,8 +16,8 @@ from fsdp_ext.checkpoint.blob import (
     BlobNotFoundError,
     BlobStore,
 )
-from fsdp_ext.checkpoint.checkpointer import Checkpointer, ModelOptimizerState
 from fsdp_ext.checkpoint.export import ExportConfig, ExportReport, export_safetensors
+from fsdp_ext.checkpoint.fence import DirectoryFencedError
 from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.layers import default_layer_key
 from fsdp_ext.checkpoint.location import blob_store_for
@@ -36,18 +38,9 @@ from fsdp_ext.checkpoint.manifest import (
     CheckpointSpaceError,
     UnsafeCheckpointError,
 )
-from fsdp_ext.checkpoint.ownership import (
-    LAUNCHER_PID_ENV,
-    DirectoryFencedError,
-    DirectoryOwnedError,
-    Ownership,
-    claim,
-    exit_with_launcher,
-)
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner, item_nbytes, spread_plans
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
-from fsdp_ext.checkpoint.resume import checkpoint_steps, latest_intact, load_intact, step_name
-from fsdp_ext.checkpoint.snapshot import Snapshots, clean_snapshots, job_name, snapshot_dir
+from fsdp_ext.checkpoint.steps import checkpoint_steps, step_name
 from fsdp_ext.checkpoint.storage import CheckpointStorage
 from fsdp_ext.checkpoint.verify import CheckpointReport, verify_checkpoint
 from fsdp_ext.checkpoint.versions import CheckpointExistsError, remove_checkpoint
@@ -55,7 +48,6 @@ from fsdp_ext.checkpoint.writer import SpreadFileSystemWriter
 
 __all__ = [
     "BEATS_PER_LEASE",
-    "LAUNCHER_PID_ENV",
     "LEASE_ENV",
     "MIN_LEASE_S",
     "RUN_ID_ENV",
@@ -75,16 +67,11 @@ __all__ = [
     "CheckpointReport",
     "CheckpointSpaceError",
     "CheckpointStorage",
-    "Checkpointer",
     "DirectoryFencedError",
-    "DirectoryOwnedError",
     "ExportConfig",
     "ExportReport",
     "LocalStorage",
-    "ModelOptimizerState",
-    "Ownership",
     "SafeLoadPlanner",
-    "Snapshots",
     "SpreadFileSystemWriter",
     "SpreadSavePlanner",
     "UnsafeCheckpointError",
@@ -92,18 +79,11 @@ __all__ = [
     "blob_store_for",
     "check_lease",
     "checkpoint_steps",
-    "claim",
-    "clean_snapshots",
     "default_layer_key",
-    "exit_with_launcher",
     "export_safetensors",
     "item_nbytes",
-    "job_name",
-    "latest_intact",
-    "load_intact",
     "read_lease",
     "remove_checkpoint",
-    "snapshot_dir",
     "spread_plans",
     "step_name",
     "unlock",

@@ -1,10 +1,8 @@
-"""``python -m fsdp_ext.checkpoint {verify,inspect,unlock} PATH`` and ``clean-snapshots``.
+"""``python -m fsdp_ext.checkpoint {verify,inspect,unlock} PATH`` and ``export``.
 
 verify / inspect: exit 0 when sound, 1 when not. unlock: remove the lock of a checkpoint
 path (or its lock file) whatever holds it, printing who held it: the
 last resort when a holder is gone and nothing can prove it (leases expire by themselves).
-clean-snapshots [ROOT]: remove this node's in-memory snapshots of jobs whose owner is
-provably gone (ROOT: the snapshot directory, default $FSDP_EXT_SNAPSHOT_ROOT or /dev/shm).
 export CKPT --to safetensors OUT [--dtype bf16|fp16|fp32] [--config CONFIG]: the model's
 weights as Hugging Face safetensors shards with their index (``export.py``);
 ``AutoModelForCausalLM.from_pretrained(OUT)`` loads them (with ``--config``, which copies
@@ -20,7 +18,6 @@ from fsdp_ext.checkpoint.blob import BlobError
 from fsdp_ext.checkpoint.export import DTYPES, ExportConfig, export_safetensors, parse_size
 from fsdp_ext.checkpoint.lock import unlock
 from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, UnsafeCheckpointError
-from fsdp_ext.checkpoint.snapshot import clean_snapshots
 from fsdp_ext.checkpoint.verify import verify_checkpoint
 
 
@@ -73,18 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["export"]:
         return export_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m fsdp_ext.checkpoint", description=__doc__)
-    parser.add_argument(
-        "command", choices=["verify", "inspect", "unlock", "clean-snapshots", "export"]
-    )
+    parser.add_argument("command", choices=["verify", "inspect", "unlock", "export"])
     parser.add_argument("path", nargs="?")
     args = parser.parse_args(argv)
-    if args.command == "clean-snapshots":
-        done = clean_snapshots(args.path)
-        for path, what in done:
-            print(f"{path}: {what}")
-        if not done:
-            print("no in-memory snapshots here")
-        return 0
     if args.path is None:
         parser.error(f"the following arguments are required for {args.command}: path")
     if args.command == "unlock":

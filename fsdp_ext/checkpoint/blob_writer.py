@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from fsdp_ext.checkpoint.blob import BlobStore
-from fsdp_ext.checkpoint.blob_owner import BlobFence
 from fsdp_ext.checkpoint.catalog import (
+    BlobFence,
     Catalog,
     check_fence,
     commit,
@@ -111,7 +111,7 @@ class BlobStorageWriter(StorageWriter):
         if not isinstance(min_file_bytes, int) or min_file_bytes < 0:
             raise ValueError(f"min_file_bytes must be an int >= 0, got {min_file_bytes!r}")
         if fence is not None and not isinstance(fence, BlobFence):
-            raise TypeError(f"fence must be a BlobFence (from claim_blob), got {fence!r}")
+            raise TypeError(f"fence must be a BlobFence (from fsdp_ext.job.blob_ownership.claim_blob), got {fence!r}")
         self.location = str(location)
         self.store: BlobStore = blob_store_for(self.location)
         self.step = step

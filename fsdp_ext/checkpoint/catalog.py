@@ -8,7 +8,7 @@ published step to its version prefix. A reader resolves a step through the catal
 sees the old version or the new, never a mix; a save killed before the commit leaves only
 an unreferenced prefix, which the owner's next commit sweeps.
 
-The catalog also carries the owner generation (``blob_owner.py``): a commit whose writer's
+The catalog also carries the owner generation (``fsdp_ext/job/blob_ownership.py`` claims it): a commit whose writer's
 generation is below the catalog's raises :class:`DirectoryFencedError`, and the replace is
 conditional on the ETag read at the start of the commit, so a job that took the location
 over in between makes the stale writer's replace fail; it then reads the catalog again and
@@ -26,11 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from fsdp_ext.checkpoint.blob import BlobConditionError, BlobNotFoundError, BlobStore, etag_of
+from fsdp_ext.checkpoint.fence import DirectoryFencedError
 from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, seal, unseal
-from fsdp_ext.checkpoint.ownership import DirectoryFencedError
 
 __all__ = [
     "CATALOG_KEY",
+    "BlobFence",
     "Catalog",
     "commit",
     "new_version_prefix",
@@ -159,6 +160,27 @@ def check_fence(store: BlobStore, catalog: Catalog, generation: int | None) -> N
             "nothing more there. It was paused, or could not renew its lease, for longer "
             "than its lease"
         )
+
+
+@dataclass(frozen=True)
+class BlobFence:
+    """What a save must hold to commit at ``store``: owner generation ``generation``."""
+
+    store: BlobStore
+    generation: int
+
+    def lost(self) -> str | None:
+        """Why this generation no longer owns the location (None: it still does)."""
+        try:
+            check_fence(self.store, read_catalog(self.store)[0], self.generation)
+        except DirectoryFencedError as exc:
+            return str(exc)
+        return None
+
+    def check(self) -> None:
+        why = self.lost()
+        if why is not None:
+            raise DirectoryFencedError(why)
 
 
 def remove_steps(store: BlobStore, steps: set[int], *, generation: int | None) -> list[int]:

@@ -50,7 +50,8 @@ from fsdp_ext.checkpoint.blob_posix import PosixBlobStore
 from fsdp_ext.checkpoint.location import blob_store_for
 from fsdp_ext.checkpoint.manifest import METADATA_NAME
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
-from fsdp_ext.checkpoint.resume import checkpoint_steps, latest_intact
+from fsdp_ext.checkpoint.steps import checkpoint_steps
+from fsdp_ext.checkpoint.verify import verify_checkpoint
 
 __all__ = ["DTYPES", "ExportConfig", "ExportReport", "export_safetensors", "parse_size"]
 
@@ -152,15 +153,16 @@ def _checkpoint_path(location: str) -> str:
         )
     if store.head(METADATA_NAME) is not None:
         return store.root
-    if not checkpoint_steps(store.root):
+    steps = checkpoint_steps(store.root)
+    if not steps:
         raise ValueError(
             f"checkpoint {location!r}: no checkpoint there (no {METADATA_NAME}, and no "
             "step-N checkpoints of a Checkpointer root)"
         )
-    found = latest_intact(store.root)
-    if found is None:
-        raise ValueError(f"checkpoint {location!r}: no intact checkpoint under this root")
-    return str(found[1])
+    for _step, path in reversed(steps):  # the newest that verifies, as a resume picks
+        if verify_checkpoint(path).ok:
+            return str(path)
+    raise ValueError(f"checkpoint {location!r}: no intact checkpoint under this root")
 
 
 def _read_config(location: str) -> tuple[BlobStore, dict, list[str]]:

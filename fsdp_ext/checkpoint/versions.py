@@ -35,6 +35,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_ext.checkpoint.fence import Fence
 from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.lock import (
     LockOwner,
@@ -54,7 +55,6 @@ from fsdp_ext.checkpoint.manifest import (
     CheckpointPathError,
     Manifest,
 )
-from fsdp_ext.checkpoint.ownership import Fence
 from fsdp_ext.checkpoint.storage import DIRECTORY, FILE, LINK, MISSING, CheckpointStorage
 
 _VERSION = ".v-"

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from fsdp_ext._torch import write_files
+from fsdp_ext.checkpoint.fence import DirectoryFencedError, Fence
 from fsdp_ext.checkpoint.file_groups import group_items, item_file_bytes, safe_name
 from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
@@ -63,7 +64,6 @@ from fsdp_ext.checkpoint.manifest import (
     Manifest,
     plan_record_bytes,
 )
-from fsdp_ext.checkpoint.ownership import DirectoryFencedError, Fence
 from fsdp_ext.checkpoint.planner import item_key
 from fsdp_ext.checkpoint.storage import MISSING, CheckpointStorage, is_out_of_space
 from fsdp_ext.checkpoint.versions import (

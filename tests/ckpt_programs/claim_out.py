@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 
-from fsdp_ext.checkpoint import DirectoryOwnedError, claim
+from fsdp_ext.job import DirectoryOwnedError, claim
 
 root, lease, mode = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 warnings.simplefilter("ignore")

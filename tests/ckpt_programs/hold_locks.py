@@ -6,7 +6,7 @@ from pathlib import Path
 
 from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.lock import LockOwner, acquire
-from fsdp_ext.checkpoint.ownership import claim
+from fsdp_ext.job.ownership import claim
 
 root, lease = Path(sys.argv[1]), float(sys.argv[2])
 claim(root, lease_s=lease)

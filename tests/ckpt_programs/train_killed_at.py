@@ -23,8 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-from fsdp_ext.checkpoint import staging
 from fsdp_ext.checkpoint.fs import LocalStorage
+from fsdp_ext.job import staging
 
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 rank = int(os.environ.get("RANK", "0"))

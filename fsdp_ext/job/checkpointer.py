@@ -48,27 +48,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from fsdp_ext.checkpoint.fence import DirectoryFencedError, Fence
 from fsdp_ext.checkpoint.lock import check_lease
 from fsdp_ext.checkpoint.manifest import CheckpointBusyError, CheckpointSpaceError
-from fsdp_ext.checkpoint.ownership import (
-    DirectoryFencedError,
-    DirectoryOwnedError,
-    Fence,
-    Ownership,
-    claim,
-)
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner
-from fsdp_ext.checkpoint.resume import (
-    checkpoint_steps,
-    load_intact,
-    set_aside,
-    skipped_checkpoints,
-    step_name,
-)
-from fsdp_ext.checkpoint.staging import StagingBuffers
+from fsdp_ext.checkpoint.steps import checkpoint_steps, step_name
 from fsdp_ext.checkpoint.storage import CheckpointStorage
 from fsdp_ext.checkpoint.versions import remove_checkpoint
 from fsdp_ext.checkpoint.writer import SpreadFileSystemWriter
+from fsdp_ext.job.ownership import DirectoryOwnedError, Ownership, claim
+from fsdp_ext.job.resume import load_intact, set_aside, skipped_checkpoints
+from fsdp_ext.job.staging import StagingBuffers
 
 __all__ = ["Checkpointer", "ModelOptimizerState"]
 

@@ -32,13 +32,20 @@ import contextlib
 import ctypes
 import dataclasses
 import os
-import re
 import signal
 import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_ext.checkpoint.fence import (
+    OWNER_DIR,
+    RECORD,
+    Fence,
+    generations,
+    holder,
+    record_name,
+)
 from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.lock import (
     RELEASED,
@@ -56,92 +63,21 @@ from fsdp_ext.checkpoint.manifest import CheckpointBusyError
 from fsdp_ext.checkpoint.storage import DIRECTORY, CheckpointStorage
 
 __all__ = [
-    "OWNER_DIR",
-    "DirectoryFencedError",
+    "LAUNCHER_PID_ENV",
     "DirectoryOwnedError",
-    "Fence",
     "Ownership",
     "claim",
     "exit_with_launcher",
-    "generations",
     "owner_gone",
 ]
 
-OWNER_DIR = ".owner"
 LAUNCHER_PID_ENV = "FSDP_EXT_LAUNCHER_PID"  # set by a launcher that runs torchrun in-process
 _PR_SET_PDEATHSIG = 1
-_RECORD = re.compile(r"gen-(\d{8})")
 _TRASH = "trash-"
 
 
 class DirectoryOwnedError(CheckpointBusyError):
     """Another live job owns the output directory; the message names it and what to do."""
-
-
-class DirectoryFencedError(CheckpointBusyError):
-    """This job lost its output directory to another job (it was paused, or its heartbeat
-    failed, for longer than its lease): it must write nothing more there."""
-
-
-def record_name(generation: int) -> str:
-    return f"gen-{generation:08d}"
-
-
-def generations(fs: CheckpointStorage, root: str | os.PathLike) -> list[int]:
-    """The owner generations recorded under ``root``, in order (the last one owns it)."""
-    try:
-        names = fs.listdir(Path(root) / OWNER_DIR)
-    except FileNotFoundError:
-        return []
-    return sorted(int(m.group(1)) for n in names if (m := _RECORD.fullmatch(n)))
-
-
-def _holder(fs: CheckpointStorage, root: Path, generation: int) -> LockOwner | None:
-    try:
-        return LockOwner.decode(fs.readlink(root / OWNER_DIR / record_name(generation)))
-    except (FileNotFoundError, OSError):
-        return None
-
-
-@dataclass(frozen=True)
-class Fence:
-    """What a save must hold to write under ``root``: owner generation ``generation``.
-
-    ``work_dir`` is that generation's private directory: stage there, publish out of it,
-    discard into it (a takeover removes it, and every such operation then fails)."""
-
-    root: Path
-    generation: int
-    fs: CheckpointStorage
-
-    @property
-    def work_dir(self) -> Path:
-        return self.root / OWNER_DIR / f"{record_name(self.generation)}.work"
-
-    def lost(self) -> str | None:
-        """Why this generation no longer owns ``root`` (None: it still does)."""
-        found = generations(self.fs, self.root)
-        newer = [g for g in found if g > self.generation]
-        if newer:
-            holder = _holder(self.fs, self.root, newer[-1])
-            who = holder.describe() if holder is not None else "another job"
-            return (
-                f"{self.root}: taken over by {who} (owner generation {newer[-1]}; this job's "
-                f"is {self.generation}); this job writes nothing more there. It was paused, "
-                "or could not renew its lease, for longer than its lease"
-            )
-        if self.generation not in found:
-            return (
-                f"{self.root}: this job's owner record (generation {self.generation}) is gone; "
-                "it writes nothing more there"
-            )
-        return None
-
-    def check(self) -> None:
-        """Raise :class:`DirectoryFencedError` if this generation lost ``root``."""
-        why = self.lost()
-        if why is not None:
-            raise DirectoryFencedError(why)
 
 
 @dataclass
@@ -240,7 +176,7 @@ def retire(fs: CheckpointStorage, root: Path, *, below: int) -> None:
     owners = root / OWNER_DIR
     for name in fs.listdir(owners):
         head = name.split(".", 1)[0]
-        m = _RECORD.fullmatch(head)
+        m = RECORD.fullmatch(head)
         path = owners / name
         if name.startswith(_TRASH):
             fs.remove_tree(path, missing_ok=True)  # a retire killed midway
@@ -264,16 +200,16 @@ def owner_gone(root: str | os.PathLike, fs: CheckpointStorage | None = None) -> 
     if not found:
         return f"no job owns {root}"
     record = Path(root) / OWNER_DIR / record_name(found[-1])
-    holder = _holder(fs, Path(root), found[-1])
-    if holder is None:
+    owner = holder(fs, Path(root), found[-1])
+    if owner is None:
         return None
     try:
-        if fs.readlink(beat_path(record, holder)) == RELEASED:
+        if fs.readlink(beat_path(record, owner)) == RELEASED:
             return f"its job released {root}"
     except OSError:
         pass
-    if holder.on_this_machine() and holder.pid != os.getpid():
-        return holder.stale_reason()
+    if owner.on_this_machine() and owner.pid != os.getpid():
+        return owner.stale_reason()
     return None
 
 

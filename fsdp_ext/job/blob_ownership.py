@@ -1,6 +1,6 @@
 """One owner per blob location: owner generations, heartbeats and the fence, on conditional puts.
 
-The POSIX version (``ownership.py``) uses symlinks and renames; here the same rules stand on
+The POSIX version (``ownership.py``, beside this) uses symlinks and renames; here the same rules stand on
 the blob primitives alone:
 
 - a job claims the location by creating ``.owner/gen-N`` with ``put_if_absent`` (of racing
@@ -25,16 +25,17 @@ import warnings
 from dataclasses import dataclass, field, replace
 
 from fsdp_ext.checkpoint.blob import BlobError, BlobExistsError, BlobStore
-from fsdp_ext.checkpoint.catalog import Catalog, check_fence, commit, read_catalog
+from fsdp_ext.checkpoint.catalog import BlobFence, Catalog, commit, read_catalog
+from fsdp_ext.checkpoint.fence import DirectoryFencedError
 from fsdp_ext.checkpoint.lock import (
     RELEASED,
     LockOwner,
     check_lease,
     heartbeat_interval,
 )
-from fsdp_ext.checkpoint.ownership import DirectoryFencedError, DirectoryOwnedError
+from fsdp_ext.job.ownership import DirectoryOwnedError
 
-__all__ = ["BlobFence", "BlobOwnership", "claim_blob", "judge_beat"]
+__all__ = ["BlobOwnership", "beat_key", "claim_blob", "judge_beat", "record_key"]
 
 OWNER_PREFIX = ".owner/"
 
@@ -45,27 +46,6 @@ def record_key(generation: int) -> str:
 
 def beat_key(generation: int) -> str:
     return record_key(generation) + ".beat"
-
-
-@dataclass(frozen=True)
-class BlobFence:
-    """What a save must hold to commit at ``store``: owner generation ``generation``."""
-
-    store: BlobStore
-    generation: int
-
-    def lost(self) -> str | None:
-        """Why this generation no longer owns the location (None: it still does)."""
-        try:
-            check_fence(self.store, read_catalog(self.store)[0], self.generation)
-        except DirectoryFencedError as exc:
-            return str(exc)
-        return None
-
-    def check(self) -> None:
-        why = self.lost()
-        if why is not None:
-            raise DirectoryFencedError(why)
 
 
 @dataclass

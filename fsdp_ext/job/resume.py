@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 import warnings
 from collections.abc import Collection
@@ -28,47 +27,25 @@ from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.lock import CheckpointPrunedError, read_lease
 from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, UnsafeCheckpointError
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
+from fsdp_ext.checkpoint.steps import checkpoint_steps
 from fsdp_ext.checkpoint.storage import LINK, MISSING, CheckpointStorage
 from fsdp_ext.checkpoint.verify import verify_checkpoint
 
 __all__ = [
     "SKIPPED_RECORD",
-    "checkpoint_steps",
     "latest_intact",
     "load_intact",
     "set_aside",
     "skipped_checkpoints",
-    "step_name",
 ]
 
 SKIPPED_RECORD = "skipped.json"  # {name: why} of checkpoints a resume found corrupt
-_STEP = re.compile(r"step-(\d+)")
 # what a corrupt or vanished checkpoint raises inside dcp.load: try the next one
 _UNREADABLE = (CheckpointIntegrityError, UnsafeCheckpointError, CheckpointPrunedError, OSError)
 
 
-def step_name(step: int) -> str:
-    """``step-0000100``; past 9,999,999 the name grows (``step-10000000``)."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
-    return f"step-{step:07d}"
-
-
 def _storage(fs: CheckpointStorage | None) -> CheckpointStorage:
     return fs if fs is not None else LocalStorage()
-
-
-def checkpoint_steps(
-    root: str | os.PathLike, fs: CheckpointStorage | None = None
-) -> list[tuple[int, Path]]:
-    """Every ``step-N`` under ``root``, ordered by the number N (not by name)."""
-    root = Path(root)
-    try:
-        names = _storage(fs).listdir(root)
-    except FileNotFoundError:
-        return []
-    found = [(int(m.group(1)), root / n) for n in names if (m := _STEP.fullmatch(n))]
-    return sorted(found)
 
 
 def skipped_checkpoints(

@@ -20,7 +20,7 @@ only (a resume on fewer nodes loads the disk checkpoint, which DCP reshards).
 RAM is small and shared: a snapshot that does not fit on every rank's node is skipped on all
 of them (one warning naming the step, the bytes needed and the bytes free), and training and
 disk checkpoints go on. A job's directory records its checkpoint root (``job.json``), so that
-``python -m fsdp_ext.checkpoint clean-snapshots`` can remove what a job that failed for good
+``python -m fsdp_ext.job clean-snapshots`` can remove what a job that failed for good
 left in a node's RAM once that job's owner is provably gone.
 """
 
@@ -40,8 +40,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from fsdp_ext.checkpoint.fs import LocalStorage
-from fsdp_ext.checkpoint.ownership import owner_gone
+from fsdp_ext.checkpoint.steps import step_name
 from fsdp_ext.checkpoint.storage import CheckpointStorage, is_out_of_space
+from fsdp_ext.job.ownership import owner_gone
 
 __all__ = [
     "SNAPSHOT_ROOT_ENV",
@@ -181,10 +182,6 @@ def read_snapshot(blob: bytes) -> tuple[dict, bytes]:
     return meta, payload
 
 
-def _step_name(step: int) -> str:
-    return f"step-{step:07d}"
-
-
 class Snapshots:
     """One job's in-memory snapshots, seen from this rank (construct on every rank).
 
@@ -234,7 +231,7 @@ class Snapshots:
         return (self.rank - self.ranks_per_node) % self.world
 
     def _file(self, step: int, owner: int) -> Path:
-        return self.dir / _step_name(step) / f"rank-{owner:05d}.snap"
+        return self.dir / step_name(step) / f"rank-{owner:05d}.snap"
 
     # ------------------------------------------------------------------ save
     def save(self, step: int) -> bool:
@@ -319,7 +316,7 @@ class Snapshots:
     def _prune(self) -> None:
         steps = sorted(self._steps_here())
         for step in steps[: -self.keep]:
-            self.fs.remove_tree(self.dir / _step_name(step), missing_ok=True)
+            self.fs.remove_tree(self.dir / step_name(step), missing_ok=True)
 
     def _steps_here(self) -> list[int]:
         try:
@@ -333,7 +330,7 @@ class Snapshots:
         """{(step, owner rank): file size} of whole files of this world in this node's RAM."""
         found = {}
         for step in self._steps_here():
-            folder = self.dir / _step_name(step)
+            folder = self.dir / step_name(step)
             try:
                 names = self.fs.listdir(folder)
             except FileNotFoundError:  # pruned meanwhile
