@@ -29,18 +29,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
-from torch.distributed.checkpoint.filesystem import (
-    CURRENT_DCP_VERSION,
-    DEFAULT_SUFFIX,
-    SerializationFormat,
-    _StorageWriterTransforms,
-    _write_item,
-)
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from fsdp_ext._torch import write_item_to
 from fsdp_ext.checkpoint.blob import BlobStore
 from fsdp_ext.checkpoint.catalog import (
     BlobFence,
@@ -111,7 +106,7 @@ class BlobStorageWriter(StorageWriter):
         if not isinstance(min_file_bytes, int) or min_file_bytes < 0:
             raise ValueError(f"min_file_bytes must be an int >= 0, got {min_file_bytes!r}")
         if fence is not None and not isinstance(fence, BlobFence):
-            raise TypeError(f"fence must be a BlobFence (from fsdp_ext.job.blob_ownership.claim_blob), got {fence!r}")
+            raise TypeError(f"fence must be a BlobFence (a claim's .fence), got {fence!r}")
         self.location = str(location)
         self.store: BlobStore = blob_store_for(self.location)
         self.step = step
@@ -181,7 +176,6 @@ class BlobStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment: _RankFiles = plan.storage_data
         by_index = {i.index: i for i in plan.items}
-        transforms = _StorageWriterTransforms(None)
 
         def write_file(name: str, indexes: list, layers: list[str]) -> list[WriteResult]:
             buffer = io.BytesIO()
@@ -191,11 +185,7 @@ class BlobStorageWriter(StorageWriter):
                 data = planner.resolve_data(item)
                 if item.type != WriteItemType.BYTE_IO:
                     data = _whole(data)
-                results.append(
-                    _write_item(
-                        transforms, buffer, data, item, name, SerializationFormat.TORCH_SAVE
-                    )
-                )
+                results.append(write_item_to(buffer, data, item, name))
             body = buffer.getbuffer()
             self.store.put(f"{assignment.prefix}/{name}", body)
             record = FileRecord(

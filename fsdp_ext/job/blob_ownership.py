@@ -1,7 +1,7 @@
 """One owner per blob location: owner generations, heartbeats and the fence, on conditional puts.
 
-The POSIX version (``ownership.py``, beside this) uses symlinks and renames; here the same rules stand on
-the blob primitives alone:
+The POSIX version (``ownership.py``, beside this) uses symlinks and renames; here the same
+rules stand on the blob primitives alone:
 
 - a job claims the location by creating ``.owner/gen-N`` with ``put_if_absent`` (of racing
   claimants exactly one gets N), then raising the catalog's generation to N with one
