@@ -12,8 +12,9 @@ The catalog also carries the owner generation (claimed in ``fsdp_ext/job/blob_ow
 a commit whose writer's generation is below the catalog's raises
 :class:`DirectoryFencedError`, and the replace is conditional on the ETag read at the start
 of the commit, so a job that took the location over in between makes the stale writer's
-replace fail; it then reads the catalog again and finds itself fenced. A counter makes every catalog's bytes differ from every earlier one
-(ETags are the MD5 of the bytes, and A, B, A would otherwise make an old ETag good again).
+replace fail; it then reads the catalog again and finds itself fenced. A counter makes every
+catalog's bytes differ from every earlier one (ETags are the MD5 of the bytes, and A, B, A
+would otherwise make an old ETag good again).
 
 The catalog is sealed like the manifest (canonical JSON carrying the CRC-32 of its body), so
 a flipped bit is named, never read as another mapping.
