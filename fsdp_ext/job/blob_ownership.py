@@ -54,6 +54,7 @@ class BlobOwnership:
 
     store: BlobStore
     owner: LockOwner
+    joined: bool = False  # the record of this run's launcher, left to that launcher
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -62,6 +63,8 @@ class BlobOwnership:
         return BlobFence(self.store, self.owner.generation)
 
     def start(self) -> None:
+        if self.joined:
+            return
         self._beat(0)
         self._thread = threading.Thread(target=self._run, name="fsdp_ext-blob-lease", daemon=True)
         self._thread.start()
@@ -84,6 +87,8 @@ class BlobOwnership:
 
     def release(self) -> None:
         """Give the location up (a finished job): a later job takes it at once."""
+        if self.joined:
+            return
         self.stop_renewing()
         if self.fence.lost() is None:
             with contextlib.suppress(BlobError, OSError):
@@ -138,6 +143,8 @@ def claim_blob(store: BlobStore, *, lease_s: float | None = None) -> BlobOwnersh
         if top:
             holder = _holder(store, top)
             if holder is not None:
+                if holder.same_run() and holder.on_this_machine() and not holder.stale_reason():
+                    return BlobOwnership(store, holder, joined=True)  # our own launcher
                 reason = judge_beat(store, top, holder, what=what)
                 if reason is None:
                     raise DirectoryOwnedError(
