@@ -324,3 +324,37 @@ def test_a_stale_writer_is_fenced_even_when_the_takeover_races_its_commit(locati
         _save(location, 2, state, fence=BlobFence(store, 1))
     assert set(read_catalog(store)[0].steps) == {1}
     taken[0].release()
+
+
+# ------------------------------------------------------------------ the Checkpointer
+
+
+def test_checkpointer_on_s3_keeps_prunes_and_falls_back_to_the_newest_intact(location):
+    from fsdp_ext.job import Checkpointer, published_steps
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    weights = {}
+    ckpt = Checkpointer(location, model=model, optimizer=opt, keep=2)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        weights[step] = model.weight.detach().clone()
+        ckpt.save(step, blocking=step != 2)  # step 2 written in the background
+    ckpt.close()
+    assert published_steps(location) == [2, 3]
+    store = blob_store_for(location)
+    catalog = read_catalog(store)[0]
+    live = set(catalog.steps.values())
+    assert {k.rsplit("/", 1)[0] for k in store.list("step-")} == live  # nothing left over
+    # the newest is corrupted: a resume warns and loads step 2
+    name = next(k for k in store.list(catalog.steps[3] + "/") if k.endswith(".distcp"))
+    data = bytearray(store.get(name))
+    data[-20] ^= 1
+    store.put(name, bytes(data))
+    fresh = torch.nn.Linear(4, 3)
+    again = Checkpointer(location, model=fresh, optimizer=torch.optim.SGD(fresh.parameters()))
+    with pytest.warns(UserWarning, match="step 3 .* does not load"):
+        assert again.resume() == 2
+    assert torch.equal(fresh.weight, weights[2])
+    again.close()

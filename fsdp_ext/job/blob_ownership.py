@@ -97,10 +97,13 @@ class BlobOwnership:
 
 def judge_beat(store: BlobStore, generation: int, holder: LockOwner, *, what: str) -> str | None:
     """Watch the holder of ``generation`` until it is proven alive (None) or gone (why)."""
+    key, lease = beat_key(generation), holder.lease_s
+    with contextlib.suppress(BlobError):
+        if store.get(key) == RELEASED.encode():
+            return "it gave it up"
     reason = holder.stale_reason()
     if reason is not None:
         return reason
-    key, lease = beat_key(generation), holder.lease_s
     limit = lease + heartbeat_interval(lease)
     seen, since, said = None, time.monotonic(), 0.0
     while True:
