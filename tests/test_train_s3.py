@@ -11,6 +11,7 @@ import subprocess
 import time
 import uuid
 
+import pytest
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from fsdp_ext.checkpoint.blob_reader import BlobStorageReader
@@ -82,3 +83,28 @@ def test_two_jobs_one_trains_the_owner_killed_resumes_bit_for_bit(s3_env):
     assert _steps(root) == [end - 1, end] and _steps(f"{alone}/checkpoints") == [end]
     assert same(_contents(root, end), _contents(f"{alone}/checkpoints", end))
     assert json.loads(aout.strip().splitlines()[-1])["final_loss"] == summary["final_loss"]
+
+
+def test_a_bad_s3_out_is_one_line_and_exit_2_before_training(s3_env, capsys, monkeypatch):
+    from examples.config import parse_args
+
+    for name, value in s3_env.env().items():
+        monkeypatch.setenv(name, value)
+    bucket = s3_env.bucket
+    cases = {
+        "does not exist": ({}, "s3://no-such-bucket-here/run"),
+        "refused the credentials": ({"AWS_SECRET_ACCESS_KEY": "wrong"}, f"s3://{bucket}/run"),
+        "cannot reach the S3 endpoint": (
+            {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1"},
+            f"s3://{bucket}/run",
+        ),
+    }
+    for cause, (env, out) in cases.items():
+        with monkeypatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)
+            with pytest.raises(SystemExit) as exit_:
+                parse_args([*TINY.split(), "--steps", "2", "--out", out], world_size=1)
+        assert exit_.value.code == 2
+        (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+        assert f"argument --out: {out}/checkpoints: " in line and cause in line, line
