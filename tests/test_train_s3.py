@@ -1,6 +1,7 @@
 """The main job with ``--out s3://...`` on the SeaweedFS fixture: two jobs on one location,
 one trains; the owner killed, ``--resume`` continues by itself, bit for bit equal to a run
-that was never interrupted. Each job is a real ``examples/train.py --nproc-per-node 2``."""
+that was never interrupted (slow: each job is a real ``examples/train.py --nproc-per-node
+2``); a bad ``--out`` is one line and exit 2 before training."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ def _steps(location: str) -> list[int]:
     return sorted(read_catalog(blob_store_for(location))[0].steps)
 
 
+@pytest.mark.slow  # four whole jobs: 229 s at load 9 on 2 cores; cheap siblings: the
+# Checkpointer and owner tests of test_checkpoint_s3.py, and the bad --out test below
 def test_two_jobs_one_trains_the_owner_killed_resumes_bit_for_bit(s3_env):
     env = s3_env.env()
     base = f"s3://{s3_env.bucket}/train-{uuid.uuid4().hex[:8]}"
