@@ -175,9 +175,14 @@ def _flip_and_check(store, key: str, bits: list[int]) -> list[str]:
     return missed
 
 
-def _bits(key_size: int, every: bool) -> list[int]:
+def _bits(key_size: int, every: str) -> list[int]:
+    """ "bit": every bit; "byte": one bit of every byte (its position rotating); else 6."""
     n = key_size * 8
-    return list(range(n)) if every else sorted({0, 7, n // 3, n // 2 + 5, n - 9, n - 1})
+    if every == "bit":
+        return list(range(n))
+    if every == "byte":
+        return [8 * i + i % 8 for i in range(key_size)]
+    return sorted({0, 7, n // 3, n // 2 + 5, n - 9, n - 1})
 
 
 @pytest.fixture
@@ -199,25 +204,28 @@ def no_pickle(monkeypatch):
     monkeypatch.setattr(torch, "load", torch_load)
 
 
-def _flip_cases(location: str, every: bool) -> dict[str, list[int]]:
+def _flip_cases(location: str, every: dict[str, str]) -> dict[str, list[int]]:
     _save(location, 1, build_state("replicated", 1, full_state()))
     store = blob_store_for(location)
     prefix = read_catalog(store)[0].steps[1]
     missed = {}
-    for key in (CATALOG_KEY, f"{prefix}/{MANIFEST_NAME}", f"{prefix}/{METADATA_NAME}"):
-        missed[key] = _flip_and_check(store, key, _bits(store.head(key).size, every))
+    names = {"catalog": CATALOG_KEY, "manifest": f"{prefix}/{MANIFEST_NAME}"}
+    names["metadata"] = f"{prefix}/{METADATA_NAME}"
+    for what, key in names.items():
+        missed[key] = _flip_and_check(store, key, _bits(store.head(key).size, every.get(what, "")))
     return missed
 
 
 def test_bit_flips_of_bookkeeping_objects_are_named_and_no_pickle_runs(location, no_pickle):
-    missed = _flip_cases(location, every=False)
+    missed = _flip_cases(location, every={})
     assert missed == {key: [] for key in missed}
     assert verify_checkpoint(location).ok
 
 
 @pytest.mark.slow
 def test_every_bit_flip_of_bookkeeping_objects_is_named(location, no_pickle):
-    missed = _flip_cases(location, every=True)
+    """Every bit of the catalog; one bit of every byte of the manifest and .metadata."""
+    missed = _flip_cases(location, every={"catalog": "bit", "manifest": "byte", "metadata": "byte"})
     assert missed == {key: [] for key in missed}
 
 
