@@ -28,7 +28,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from fsdp_ext.checkpoint import verify_checkpoint
 from fsdp_ext.checkpoint.blob_reader import BlobStorageReader
 from fsdp_ext.checkpoint.blob_writer import BlobStorageWriter
-from fsdp_ext.checkpoint.catalog import CATALOG_KEY, BlobFence, commit, read_catalog
+from fsdp_ext.checkpoint.catalog import (
+    CATALOG_KEY,
+    BlobFence,
+    commit,
+    new_version_prefix,
+    read_catalog,
+    sweep,
+)
 from fsdp_ext.checkpoint.fence import DirectoryFencedError
 from fsdp_ext.checkpoint.location import blob_store_for
 from fsdp_ext.checkpoint.lock import LockOwner
@@ -327,6 +334,11 @@ def test_a_stale_writer_is_fenced_even_when_the_takeover_races_its_commit(locati
         commit(store, stale_change, generation=1)
     catalog, _ = read_catalog(store)
     assert catalog.generation == 2 and set(catalog.steps) == {1}
+    # the new owner's save in flight survives a sweep by the stale job (it names it gen 2)
+    in_flight = f"{new_version_prefix(7, 2, 'ab' * 8)}/__0_other.distcp"
+    store.put(in_flight, b"new owner's bytes")
+    assert sweep(store, catalog, generation=1) == [] and store.head(in_flight) is not None
+    assert sweep(store, catalog, generation=2) == [in_flight]
     # a whole save of the stale job publishes nothing
     with pytest.raises(BaseException, match="taken over"):
         _save(location, 2, state, fence=BlobFence(store, 1))

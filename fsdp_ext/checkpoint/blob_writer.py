@@ -119,6 +119,7 @@ class BlobStorageWriter(StorageWriter):
         self.rank = 0
         self.prefix: str | None = None
         self.save_id = ""
+        self.generation = 0  # the owner generation the save's prefix is named for
         self.committed: Catalog | None = None
 
     # -- DCP's bookkeeping -------------------------------------------------------------------
@@ -149,10 +150,12 @@ class BlobStorageWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         generation = None if self.fence is None else self.fence.generation
-        check_fence(self.store, read_catalog(self.store)[0], generation)  # write nothing
+        catalog = read_catalog(self.store)[0]
+        check_fence(self.store, catalog, generation)  # a fenced job writes nothing
         if not self.save_id:
             self.save_id = uuid.uuid4().hex[:16]
-        prefix = new_version_prefix(self.step, self.save_id)
+        self.generation = catalog.generation if generation is None else generation
+        prefix = new_version_prefix(self.step, self.generation, self.save_id)
         out = []
         for rank, plan in enumerate(plans):
             files = []
@@ -250,7 +253,7 @@ class BlobStorageWriter(StorageWriter):
         self.committed = commit(self.store, publish, generation=generation)
         self.prefix = None
         if self.sweep:
-            sweep(self.store, self.committed)
+            sweep(self.store, self.committed, generation=self.generation)
 
     def abandon(self) -> None:
         """After a failed save: delete what this coordinator's save wrote (best effort; the

@@ -46,8 +46,9 @@ CATALOG_KEY = "catalog.json"
 FORMAT = "fsdp_ext.catalog/1"
 _SEAL = "catalog_crc32"
 _KEYS = frozenset({"format", "generation", "counter", "owner", "steps"})
-# what a version prefix looks like: only keys of this shape are ever swept
-_VERSION = re.compile(r"step-(\d+)/v-([0-9a-f]{8,32})")
+# what a version prefix looks like (step, the writer's owner generation, a random id): only
+# keys of this shape are ever swept, and only by a writer of that generation or a later one
+_VERSION = re.compile(r"step-(\d+)/v-(\d+)-([0-9a-f]{8,32})")
 _COMMIT_RETRIES = 20  # racing writers that are not fenced (plain dcp.save) take turns
 
 
@@ -104,11 +105,15 @@ def read_catalog(store: BlobStore) -> tuple[Catalog, str | None]:
     return Catalog.from_bytes(data, store.where(CATALOG_KEY)), etag_of(data)
 
 
-def new_version_prefix(step: int, version_id: str) -> str:
-    """``step-N/v-<id>``: where a save of step N writes before its commit."""
-    prefix = f"step-{step}/v-{version_id}"
+def new_version_prefix(step: int, generation: int, version_id: str) -> str:
+    """``step-N/v-<generation>-<id>``: where a save of step N by a writer of that owner
+    generation writes before its commit."""
+    prefix = f"step-{step}/v-{generation}-{version_id}"
     if _VERSION.fullmatch(prefix) is None:
-        raise ValueError(f"step {step!r} / version id {version_id!r} make no version prefix")
+        raise ValueError(
+            f"step {step!r} / generation {generation!r} / version id {version_id!r} make no "
+            "version prefix"
+        )
     return prefix
 
 
@@ -203,15 +208,21 @@ def remove_steps(store: BlobStore, steps: set[int], *, generation: int | None) -
     return sorted(gone)
 
 
-def sweep(store: BlobStore, catalog: Catalog, *, keep: set[str] = frozenset()) -> list[str]:
-    """Delete every object of a version the catalog does not name (dead or replaced saves),
-    except under the prefixes in ``keep`` (saves in flight). Only keys shaped like a
-    version's are touched. Returns the keys deleted."""
+def sweep(
+    store: BlobStore, catalog: Catalog, *, generation: int, keep: set[str] = frozenset()
+) -> list[str]:
+    """Delete every object of a version the catalog does not name (dead or replaced saves)
+    written by owner ``generation`` or an earlier one, except under the prefixes in ``keep``.
+    A later generation's versions are never touched: a stale job that committed just before
+    a takeover and sweeps after it must not delete the new owner's save in flight. Only keys
+    shaped like a version's are touched. Returns the keys deleted."""
     live = set(catalog.steps.values()) | set(keep)
     removed = []
     for key in store.list("step-"):
         prefix = version_prefix_of(key)
-        if prefix is not None and prefix not in live:
+        if prefix is None or prefix in live:
+            continue
+        if int(_VERSION.fullmatch(prefix).group(2)) <= generation:
             store.delete(key)
             removed.append(key)
     return removed
