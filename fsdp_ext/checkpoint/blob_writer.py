@@ -81,8 +81,9 @@ class BlobStorageWriter(StorageWriter):
 
     ``fence``: the owner generation the save acts for (``Checkpointer`` passes its claim's);
     a save whose location was taken over raises :class:`DirectoryFencedError` and publishes
-    nothing. ``sweep``: delete, after the commit, every version no step names (dead saves);
-    leave it on unless another writer saves to the same location at the same time. Files
+    nothing. ``sweep_leftovers``: delete, after the commit, every version no step names (dead
+    saves) of this generation or earlier; leave it on unless another writer of the same
+    generation saves to the same location at the same time. Files
     hold runs of whole layers of at least ``min_file_bytes``; ``thread_count`` puts run at
     once per rank.
     """
@@ -96,7 +97,7 @@ class BlobStorageWriter(StorageWriter):
         thread_count: int = 4,
         min_file_bytes: int = 64 << 20,
         layer_key: LayerKey | None = default_layer_key,
-        sweep: bool = True,
+        sweep_leftovers: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -114,7 +115,7 @@ class BlobStorageWriter(StorageWriter):
         self.thread_count = thread_count
         self.min_file_bytes = min_file_bytes
         self.layer_key = layer_key
-        self.sweep = sweep
+        self.sweep_leftovers = sweep_leftovers
         self.is_coordinator = False
         self.rank = 0
         self.prefix: str | None = None
@@ -252,7 +253,7 @@ class BlobStorageWriter(StorageWriter):
 
         self.committed = commit(self.store, publish, generation=generation)
         self.prefix = None
-        if self.sweep:
+        if self.sweep_leftovers:
             sweep(self.store, self.committed, generation=self.generation)
 
     def abandon(self) -> None:

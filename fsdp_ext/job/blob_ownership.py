@@ -18,6 +18,7 @@ rules stand on the blob primitives alone:
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 import uuid
@@ -77,6 +78,8 @@ class BlobOwnership:
         while not self._stop.wait(interval):
             counter += 1
             with contextlib.suppress(BlobError, OSError):  # a missed beat; the next may land
+                if self.fence.lost() is not None:
+                    return  # another generation owns it: this job counts as fenced
                 self._beat(counter)
 
     def stop_renewing(self) -> None:
@@ -128,6 +131,7 @@ def judge_beat(store: BlobStore, generation: int, holder: LockOwner, *, what: st
             print(
                 f"fsdp_ext.checkpoint: {what}: held by {holder.describe()}; waiting until its "
                 f"lease ({lease:g} s) has passed with no heartbeat, unless one comes",
+                file=sys.stderr,
                 flush=True,
             )
         time.sleep(min(0.25, lease / 8))
