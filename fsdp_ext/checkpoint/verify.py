@@ -16,8 +16,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp_ext.checkpoint.blob_verify import verify_blob_checkpoint
-from fsdp_ext.checkpoint.fs import LocalStorage
-from fsdp_ext.checkpoint.location import is_object_store
+from fsdp_ext.checkpoint.location import is_object_store, posix_storage
 from fsdp_ext.checkpoint.lock import LockOwner, lock_path
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -56,7 +55,7 @@ def verify_checkpoint(
     root = Path(path)
     report = CheckpointReport(str(root))
     try:
-        _verify(fs if fs is not None else LocalStorage(), root, report, require_checksums)
+        _verify(posix_storage(fs), root, report, require_checksums)
     except Exception as exc:  # an unforeseen failure still gives a report, never a traceback
         report.problems.append(f"{root}: could not be verified ({type(exc).__name__}: {exc})")
     return report

@@ -49,8 +49,8 @@ from torch.futures import Future
 from fsdp_ext._torch import write_files
 from fsdp_ext.checkpoint.fence import DirectoryFencedError, Fence
 from fsdp_ext.checkpoint.file_groups import group_items, item_file_bytes, safe_name
-from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
+from fsdp_ext.checkpoint.location import posix_storage
 from fsdp_ext.checkpoint.lock import LockOwner, acquire, release
 from fsdp_ext.checkpoint.manifest import (
     CHECKSUM,
@@ -185,7 +185,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         self.layer_key = layer_key
         self.checksums = checksums
         self.min_file_bytes = min_file_bytes
-        self.fs = fs if fs is not None else LocalStorage()
+        self.fs = posix_storage(fs)
         self.fs.checksums = checksums
         self.fence = fence
         self._save: _Save | None = None
