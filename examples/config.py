@@ -627,7 +627,8 @@ def check_run_dir(cfg: TrainConfig, world_size: int) -> None:
     """A fresh run needs an --out without checkpoints; a resume one it can continue."""
     root = cfg.checkpoint_root
     if cfg.resume_mode() == "never":
-        if cfg.latest_step() is not None:  # never mix two runs' checkpoints, nor overwrite them
+        published = cfg.latest_step() is not None if cfg.on_object_store else checkpoint_steps(root)
+        if published:  # never mix two runs' checkpoints, nor overwrite them
             raise ConfigError(
                 "--out",
                 f"{root} holds checkpoints of an earlier run; pass --resume to continue it "
