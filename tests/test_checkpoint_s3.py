@@ -236,8 +236,12 @@ def test_every_bit_flip_of_bookkeeping_objects_is_named(location, no_pickle):
     assert missed == {key: [] for key in missed}
 
 
-def test_a_flipped_data_byte_fails_the_load_naming_the_file(location):
+def test_a_flipped_data_byte_fails_the_load_naming_the_file(location, capsys):
+    from fsdp_ext.checkpoint.__main__ import main as cli
+
     _save(location, 1, build_state("replicated", 1, full_state()))
+    assert cli(["verify", location]) == 0
+    assert f"{location} -> step-1/v-0-" in capsys.readouterr().out
     store = blob_store_for(location)
     prefix = read_catalog(store)[0].steps[1]
     name = next(k for k in store.list(prefix + "/") if k.endswith(".distcp"))
@@ -246,6 +250,8 @@ def test_a_flipped_data_byte_fails_the_load_naming_the_file(location):
     store.put(name, bytes(data))
     report = verify_checkpoint(location)
     assert any(name in p and "crc32" in p for p in report.problems), report.problems
+    assert cli(["inspect", location]) == 1
+    assert f"{location}/{name}: crc32 " in capsys.readouterr().out
     target = empty_like(build_state("replicated", 1, full_state()))
     with pytest.raises(BaseException, match=r"crc32|altered"):
         dcp.load(target, storage_reader=BlobStorageReader(location, 1))
