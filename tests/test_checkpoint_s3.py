@@ -46,6 +46,7 @@ from fsdp_ext.checkpoint.manifest import (
     UnsafeCheckpointError,
 )
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner
+from fsdp_ext.job import published_steps
 from fsdp_ext.job.blob_ownership import beat_key, claim_blob, record_key
 from fsdp_ext.job.ownership import DirectoryOwnedError
 from fsdp_ext.testing import run_distributed
@@ -71,7 +72,8 @@ def _save(location: str, step: int, state: dict, **kwargs) -> None:
 
 def _two_ranks(env: dict, location: str) -> dict:
     """World 2: save FSDP-sharded (step 1) and replicated (step 3); load step 1 back, and
-    step 2 (saved by one process) resharded to FSDP: rank 1 reads it with ranged gets."""
+    step 2 (saved by one process) resharded to FSDP: rank 1 reads it with ranged gets. Then
+    a Checkpointer's saves (one in the background), prune and resume on both ranks."""
     os.environ.update(env)  # the forkserver's environment predates the fixture's
     tensors = full_state()
     _save(location, 1, build_state("fsdp", 2, tensors))
@@ -81,6 +83,22 @@ def _two_ranks(env: dict, location: str) -> dict:
         target = empty_like(build_state("fsdp", 2, tensors))
         dcp.load(target, storage_reader=BlobStorageReader(location, step))
         out[step] = mismatches(target, tensors)
+    # a Checkpointer on 2 ranks: rank 0 claims and commits, a background save, a resume
+    from fsdp_ext.job import Checkpointer
+
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ckpt = Checkpointer(f"{location}/run", model=model, keep=1)
+    ckpt.save(1)
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    ckpt.save(2, blocking=False)
+    ckpt.close()
+    fresh = torch.nn.Linear(4, 4)
+    again = Checkpointer(f"{location}/run", model=fresh)
+    out["resumed"] = (again.resume(), fresh.weight.sum().item())
+    again.close()
     return out
 
 
@@ -88,7 +106,8 @@ def test_round_trip_on_two_ranks_resharded_and_spread(s3_env, location):
     tensors = full_state()
     _save(location, 2, build_state("replicated", 1, tensors))  # one process: world 1
     results = run_distributed(_two_ranks, 2, s3_env.env(), location, timeout=240)
-    assert results == [{1: [], 2: []}] * 2
+    assert results == [{1: [], 2: [], "resumed": (2, 32.0)}] * 2
+    assert published_steps(f"{location}/run") == [2]  # keep=1 pruned step 1
     # step 1 (saved by 2 ranks) loads in one process, into plain tensors
     target = empty_like(build_state("replicated", 1, tensors))
     dcp.load(target, storage_reader=BlobStorageReader(location, 1))
@@ -356,7 +375,7 @@ def test_a_stale_writer_is_fenced_even_when_the_takeover_races_its_commit(locati
 
 
 def test_checkpointer_on_s3_keeps_prunes_and_falls_back_to_the_newest_intact(location):
-    from fsdp_ext.job import Checkpointer, published_steps
+    from fsdp_ext.job import Checkpointer
 
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
