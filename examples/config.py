@@ -31,11 +31,15 @@ from fsdp_ext import (
 from fsdp_ext.checkpoint import (
     BEATS_PER_LEASE,
     MIN_LEASE_S,
+    BlobError,
+    blob_store_for,
     check_lease,
     checkpoint_steps,
+    is_object_store,
     step_name,
 )
 from fsdp_ext.comm import STOCK, gradient_names, preset, weight_names
+from fsdp_ext.job import published_steps
 
 __all__ = [
     "AUTO",
@@ -202,21 +206,59 @@ class TrainConfig:
     stop_after: int = _arg(
         0, "end this run after N steps, schedule unchanged (0: run to --steps)", low=0
     )
-    out: str = _arg("runs/train", "output directory: checkpoints/, loss.png")
+    out: str = _arg(
+        "runs/train",
+        "output directory: checkpoints/, loss.png; or an object store, s3://BUCKET/PREFIX "
+        "(endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID... or AWS_PROFILE)",
+    )
     seed: int = _arg(0, "seed of the initial weights and of the batch order")
     verbose: bool = True
     auto: AutoDecision | None = None  # --comm auto's decision, set by decide_comm
 
     @property
-    def checkpoint_root(self) -> Path:
+    def on_object_store(self) -> bool:
+        return is_object_store(self.out)
+
+    @property
+    def checkpoint_root(self) -> Path | str:
+        if self.on_object_store:
+            return f"{self.out.rstrip('/')}/checkpoints"
         return Path(self.out) / "checkpoints"
 
-    def checkpoint_dir(self, step: int) -> Path:
+    def checkpoint_dir(self, step: int) -> Path | str:
+        if self.on_object_store:
+            return f"{self.checkpoint_root}/step-{step}"
         return self.checkpoint_root / step_name(step)
+
+    def latest_step(self) -> int | None:
+        """The newest checkpoint's step: published in the catalog (s3://), or complete."""
+        if self.on_object_store:
+            steps = published_steps(self.checkpoint_root)
+            return steps[-1] if steps else None
+        latest = self.latest_checkpoint()
+        return None if latest is None else int(latest.name.removeprefix("step-"))
+
+    def read_run_record(self) -> dict | None:
+        if self.on_object_store:
+            store = blob_store_for(self.checkpoint_root)
+            if store.head(RUN_RECORD) is None:
+                return None
+            return json.loads(store.get(RUN_RECORD))
+        path = self.checkpoint_root / RUN_RECORD
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def write_run_record(self, record: dict) -> None:
+        text = json.dumps(record, indent=1) + "\n"
+        if self.on_object_store:
+            blob_store_for(self.checkpoint_root).put(RUN_RECORD, text.encode())
+        else:
+            (self.checkpoint_root / RUN_RECORD).write_text(text)
 
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint by step number (a step-* with .metadata); which
-        one verifies is the resume's choice (fsdp_ext.latest_intact)."""
+        one verifies is the resume's choice (fsdp_ext.latest_intact). POSIX --out only."""
+        if self.on_object_store:
+            return None
         done = [p for _s, p in checkpoint_steps(self.checkpoint_root)]
         done = [p for p in done if (p / ".metadata").is_file()]
         return done[-1] if done else None
@@ -224,10 +266,10 @@ class TrainConfig:
     def resume_mode(self) -> str:
         """'always', 'never', or 'auto' resolved: what this start does."""
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-            return "always" if self.latest_checkpoint() is not None else "never"
+            return "always" if self.latest_step() is not None else "never"
         if self.resume != "auto":
             return self.resume
-        if self.ckpt_every and self.latest_checkpoint() is not None:
+        if self.ckpt_every and self.latest_step() is not None:
             return "always"
         return "never"
 
@@ -536,10 +578,8 @@ def decide_comm(cfg: TrainConfig, model: torch.nn.Module, world_size: int) -> Tr
 def _decided_before(cfg: TrainConfig) -> dict:
     """On --resume, the choice --comm auto made when the run started (its run record): the
     checkpoints hold that codec's state, so the resumed run keeps it, measured or not."""
-    record = cfg.checkpoint_root / RUN_RECORD
-    if cfg.resume_mode() == "never" or not record.is_file():
-        return {}
-    return json.loads(record.read_text()).get("comm_auto") or {}
+    record = None if cfg.resume_mode() == "never" else cfg.read_run_record()
+    return (record or {}).get("comm_auto") or {}
 
 
 def run_record(cfg: TrainConfig, world_size: int) -> dict:
@@ -558,7 +598,17 @@ def run_record(cfg: TrainConfig, world_size: int) -> dict:
 
 def check_out(cfg: TrainConfig) -> None:
     """--out must be a directory this job can write (or one it can make), checked before
-    any worker starts: a file there, or a read-only mount, is one line, not a traceback."""
+    any worker starts: a file there, or a read-only mount, is one line, not a traceback. An
+    object store is asked once: a missing bucket, refused credentials or an endpoint that
+    does not answer is one line naming the location and the cause."""
+    if cfg.on_object_store:
+        try:
+            blob_store_for(cfg.checkpoint_root).head("catalog.json")
+        except (BlobError, ValueError) as exc:
+            raise ConfigError("--out", str(exc)) from None
+        if cfg.snapshot_every:
+            raise ConfigError("--snapshot-every", "not yet with an s3:// --out")
+        return
     out = Path(cfg.out)
     for path in (out, cfg.checkpoint_root):
         if path.exists() and not path.is_dir():
@@ -577,25 +627,26 @@ def check_run_dir(cfg: TrainConfig, world_size: int) -> None:
     """A fresh run needs an --out without checkpoints; a resume one it can continue."""
     root = cfg.checkpoint_root
     if cfg.resume_mode() == "never":
-        if checkpoint_steps(root):  # never mix two runs' checkpoints, nor overwrite them
+        published = cfg.latest_step() is not None if cfg.on_object_store else checkpoint_steps(root)
+        if published:  # never mix two runs' checkpoints, nor overwrite them
             raise ConfigError(
                 "--out",
                 f"{root} holds checkpoints of an earlier run; pass --resume to continue it "
                 "(or --resume auto with --ckpt-every), or choose another --out",
             )
         return
-    latest = cfg.latest_checkpoint()
-    if latest is None:
+    step = cfg.latest_step()
+    if step is None:
         raise ConfigError("--resume", f"no complete checkpoint under {root}")
-    step = int(latest.name.removeprefix("step-"))
     if step >= cfg.steps:
         raise ConfigError(
             "--resume",
             f"the run in {cfg.out} is finished: its latest checkpoint is step {step} of "
             f"--steps {cfg.steps}; pass a larger --steps to train on",
         )
-    if (root / RUN_RECORD).is_file():
-        _check_record(cfg, json.loads((root / RUN_RECORD).read_text()), world_size)
+    record = cfg.read_run_record()
+    if record is not None:
+        _check_record(cfg, record, world_size)
 
 
 def _check_record(cfg: TrainConfig, started: dict, world_size: int) -> None:

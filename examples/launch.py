@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from examples.config import TrainConfig
 from fsdp_ext import DirectoryOwnedError
-from fsdp_ext.checkpoint import RUN_ID_ENV
-from fsdp_ext.job import LAUNCHER_PID_ENV, claim
+from fsdp_ext.checkpoint import RUN_ID_ENV, blob_store_for
+from fsdp_ext.job import LAUNCHER_PID_ENV, claim, claim_blob
 
 __all__ = ["FENCED", "LAUNCHER_FLAGS", "init_distributed", "launch", "launch_owning"]
 
@@ -74,7 +74,10 @@ def launch_owning(argv: list[str], cfg: TrainConfig, script: str) -> None:
     os.environ.setdefault(RUN_ID_ENV, f"train-{os.getpid()}-{time.time_ns():x}")
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
-        owner = claim(cfg.checkpoint_root, lease_s=cfg.lease)
+        if cfg.on_object_store:
+            owner = claim_blob(blob_store_for(cfg.checkpoint_root), lease_s=cfg.lease)
+        else:
+            owner = claim(cfg.checkpoint_root, lease_s=cfg.lease)
     except DirectoryOwnedError as exc:
         print(f"train.py: error: argument --out: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -76,8 +76,7 @@ def resume_step(
     disk checkpoint, else the newest intact disk checkpoint; its step."""
     log(f"resuming: loading the newest intact checkpoint under {cfg.checkpoint_root}")
     if snaps is not None:
-        latest = cfg.latest_checkpoint()
-        disk = int(latest.name.removeprefix("step-")) if latest is not None else 0
+        disk = cfg.latest_step() or 0
         step = snaps.restore(at_least=max(disk, 1))
         if step is not None:
             peers = f", ranks {snaps.recovered} from their peer's copy" if snaps.recovered else ""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import asdict
 from pathlib import Path
 
 from examples.config import TrainConfig
+from fsdp_ext.checkpoint import blob_store_for, is_object_store
 
 __all__ = ["NOT_RECORDED", "plot_losses", "report"]
 
@@ -36,10 +38,15 @@ def _rounded(value: float | None, digits: int | None = None) -> float | None:
 
 def report(cfg: TrainConfig, summary: dict, wall_s: float) -> None:
     """Write --out/loss.png and print the run's one JSON line (the benchmarks read it)."""
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     losses, entropy = summary["losses"], summary["unigram_entropy"]
-    plot_losses(losses, summary["start_step"], out / "loss.png", entropy)
+    if is_object_store(cfg.out):  # the plot goes beside the checkpoints, as an object
+        plot = io.BytesIO()
+        plot_losses(losses, summary["start_step"], plot, entropy)
+        blob_store_for(cfg.out).put("loss.png", plot.getvalue())
+    else:
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        plot_losses(losses, summary["start_step"], out / "loss.png", entropy)
     result = {
         "train": "byte-lm",
         "world_size": summary["world_size"],

@@ -12,7 +12,6 @@ straight run would have seen.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -35,7 +34,6 @@ import torch.distributed as dist
 
 import fsdp_ext
 from examples.config import (
-    RUN_RECORD,
     WRAP_POLICIES,
     TrainConfig,
     check_world,
@@ -169,7 +167,7 @@ def _train_loop(run: Run, mode: str, clock: StartupClock) -> dict:
         step = resume_step(cfg, run.ckpt, run.snaps, log)
     elif run.ckpt is not None and dist.get_rank() == 0:
         record = run_record(cfg, dist.get_world_size())
-        (cfg.checkpoint_root / RUN_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+        cfg.write_run_record(record)
     clock.mark("load")
     tokens_per_step = cfg.batch_size * cfg.seq_len
     losses, step_ms = [], []

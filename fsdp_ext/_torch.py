@@ -163,6 +163,7 @@ __all__ = [
     "unsharded_accumulated_grad",
     "unsharded_param",
     "write_files",
+    "write_item_to",
 ]
 
 # 2.13 renamed the tensor collectives (``*_single``); 2.11-2.12 have only the old names.
@@ -582,6 +583,30 @@ def write_files(writer: FileSystemWriter, planner: Any, file_queue: Any) -> Any:
     2.11-2.15: ``FileSystemWriter._write_data(planner, file_queue)``.
     """
     return writer._write_data(planner, file_queue)
+
+
+def write_item_to(stream: Any, data: Any, write_item: Any, storage_key: str) -> Any:
+    """Append one DCP write item (a tensor, or BytesIO bytes) to ``stream`` in the stock
+    ``torch.save`` item format, no stream transforms; its ``WriteResult`` (offset and length
+    in ``stream``, under ``storage_key``).
+
+    2.11-2.15: ``filesystem._write_item(_StorageWriterTransforms(None), stream, data, item,
+    storage_key, SerializationFormat.TORCH_SAVE)``.
+    """
+    from torch.distributed.checkpoint.filesystem import (
+        SerializationFormat,
+        _StorageWriterTransforms,
+        _write_item,
+    )
+
+    return _write_item(
+        _StorageWriterTransforms(None),
+        stream,
+        data,
+        write_item,
+        storage_key,
+        SerializationFormat.TORCH_SAVE,
+    )
 
 
 def stored_tensor_layout(stream: Any) -> tuple[torch.Tensor, int, str | None]:

@@ -361,3 +361,49 @@ def test_frame_checker_allows_only_the_listed_function(tmp_path):
         "fsdp_ext/testing/gpu_counters.py:6: frame inspection: traceback.extract_stack in "
         "HostSyncs.other"
     ], found
+
+
+# where a path's checkpoints are stored is decided in one place: fs.py defines LocalStorage,
+# location.py resolves it (posix_storage), the package's __init__ re-exports it
+LOCAL_STORAGE_MODULES = {
+    "fsdp_ext/checkpoint/fs.py",
+    "fsdp_ext/checkpoint/location.py",
+    "fsdp_ext/checkpoint/__init__.py",
+}
+
+
+def _names_local_storage(root: Path) -> list[str]:
+    """Library modules whose code (not text) names ``LocalStorage`` outside the allowed ones."""
+    import ast
+
+    found = []
+    for path in sorted((root / "fsdp_ext").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in LOCAL_STORAGE_MODULES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            named = (
+                (isinstance(node, ast.Name) and node.id == "LocalStorage")
+                or (isinstance(node, ast.Attribute) and node.attr == "LocalStorage")
+                or (
+                    isinstance(node, ast.ImportFrom)
+                    and any(a.name == "LocalStorage" for a in node.names)
+                )
+            )
+            if named:
+                found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+def test_local_storage_is_named_only_where_a_location_is_resolved(tmp_path):
+    assert _names_local_storage(REPO) == []
+    # the check bites: a module that hard-codes the default storage is named
+    (tmp_path / "fsdp_ext/checkpoint").mkdir(parents=True)
+    (tmp_path / "fsdp_ext/checkpoint/x.py").write_text(
+        "from fsdp_ext.checkpoint.fs import LocalStorage\nfs = LocalStorage()\n"
+        "doc = 'LocalStorage in text is fine'\n"
+    )
+    assert _names_local_storage(tmp_path) == [
+        "fsdp_ext/checkpoint/x.py:1",
+        "fsdp_ext/checkpoint/x.py:2",
+    ]

@@ -16,11 +16,13 @@ from fsdp_ext.checkpoint.blob import (
     BlobNotFoundError,
     BlobStore,
 )
+from fsdp_ext.checkpoint.blob_reader import BlobStorageReader
+from fsdp_ext.checkpoint.blob_writer import BlobStorageWriter
 from fsdp_ext.checkpoint.export import ExportConfig, ExportReport, export_safetensors
 from fsdp_ext.checkpoint.fence import DirectoryFencedError
 from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.checkpoint.layers import default_layer_key
-from fsdp_ext.checkpoint.location import blob_store_for
+from fsdp_ext.checkpoint.location import blob_store_for, is_object_store
 from fsdp_ext.checkpoint.lock import (
     BEATS_PER_LEASE,
     LEASE_ENV,
@@ -58,6 +60,8 @@ __all__ = [
     "BlobExistsError",
     "BlobInfo",
     "BlobNotFoundError",
+    "BlobStorageReader",
+    "BlobStorageWriter",
     "BlobStore",
     "CheckpointBusyError",
     "CheckpointExistsError",
@@ -81,6 +85,7 @@ __all__ = [
     "checkpoint_steps",
     "default_layer_key",
     "export_safetensors",
+    "is_object_store",
     "item_nbytes",
     "read_lease",
     "remove_checkpoint",

@@ -2,7 +2,8 @@
 
 ``"/path"`` or a relative path, ``"file:///path"``: a POSIX directory (``blob_posix.py``);
 ``"s3://bucket[/prefix]"``: an S3 bucket (``blob_s3.py``). Nothing else constructs a store
-by name, so a new kind of storage is one file plus one branch here.
+by name, so a new kind of storage is one file plus one branch here. The directory protocol's
+default storage (``LocalStorage``) is resolved here too (:func:`posix_storage`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,26 @@ from urllib.parse import unquote, urlsplit
 
 from fsdp_ext.checkpoint.blob import BlobStore
 from fsdp_ext.checkpoint.blob_posix import PosixBlobStore
+from fsdp_ext.checkpoint.fs import LocalStorage
+from fsdp_ext.checkpoint.storage import CheckpointStorage
 
-__all__ = ["LOCATION_FORMS", "blob_store_for"]
+__all__ = ["LOCATION_FORMS", "blob_store_for", "is_object_store", "posix_storage"]
 
 LOCATION_FORMS = "'/path' (or a relative path), 'file:///path' or 's3://bucket[/prefix]'"
+
+
+def posix_storage(fs: CheckpointStorage | None = None) -> CheckpointStorage:
+    """``fs``, or the local filesystem: the storage of the directory protocol (a path
+    location). The one place outside ``fs.py`` that names ``LocalStorage``, so that no other
+    module hard-codes where checkpoints live (``tests/test_architecture.py`` checks)."""
+    return fs if fs is not None else LocalStorage()
+
+
+def is_object_store(location: object) -> bool:
+    """Whether ``location`` names an object store (``s3://``), whose checkpoints use the
+    blob commit protocol (``catalog.py``); anything else is a POSIX path, whose checkpoints
+    keep the directory protocol (``versions.py``)."""
+    return isinstance(location, str) and location.lower().startswith("s3://")
 
 
 def blob_store_for(location: str | os.PathLike) -> BlobStore:

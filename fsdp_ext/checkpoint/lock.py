@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fsdp_ext.checkpoint.fs import LocalStorage
+from fsdp_ext.checkpoint.location import posix_storage
 from fsdp_ext.checkpoint.manifest import CheckpointBusyError, CheckpointPathError
 from fsdp_ext.checkpoint.processes import boot_id, pid_running, process_start
 from fsdp_ext.checkpoint.storage import DIRECTORY, LINK, CheckpointStorage, unobserved
@@ -569,7 +569,7 @@ def unlock(
     there) and the holder it recorded (None: not one of ours, removed all the same). An
     output directory's owner is never removed by hand: its lease expires by itself.
     """
-    fs = fs if fs is not None else LocalStorage()
+    fs = posix_storage(fs)
     target = Path(target)
     path = target if target.name.endswith(".lock") else lock_path(target)
     try:
@@ -632,7 +632,7 @@ def refuse_if_read(fs: CheckpointStorage, target: Path) -> None:
 def read_lease(target: str | os.PathLike, fs: CheckpointStorage | None = None) -> Iterator[None]:
     """Hold a shared read lease on ``target`` while the block reads it, so no prune removes
     it meanwhile. Raises :class:`CheckpointPrunedError` when it is gone or being removed."""
-    fs = fs if fs is not None else LocalStorage()
+    fs = posix_storage(fs)
     target = Path(target)
     owner = LockOwner.here(f"read-{uuid.uuid4().hex[:12]}")
     path = target.parent / f".{target.name}{_READ}{owner.save_id[5:]}"

@@ -58,7 +58,7 @@ from fsdp_ext._torch import (
     set_state_dict_element,
     stored_tensor_layout,
 )
-from fsdp_ext.checkpoint.fs import LocalStorage
+from fsdp_ext.checkpoint.location import posix_storage
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
     MARKER,
@@ -325,7 +325,7 @@ class VerifiedFileSystemReader(FileSystemReader):
                 f"fs must be a CheckpointStorage (LocalStorage, or another backend), got {fs!r}"
             )
         super().__init__(path, _extension_registry)
-        self.fs = fs if fs is not None else LocalStorage()
+        self.fs = posix_storage(fs)
         self.require_checksums = require_checksums
         self.manifest: Manifest | None = None
         self._manifest_loaded = False

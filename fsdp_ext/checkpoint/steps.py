@@ -10,7 +10,7 @@ import os
 import re
 from pathlib import Path
 
-from fsdp_ext.checkpoint.fs import LocalStorage
+from fsdp_ext.checkpoint.location import posix_storage
 from fsdp_ext.checkpoint.storage import CheckpointStorage
 
 __all__ = ["checkpoint_steps", "step_name"]
@@ -31,7 +31,7 @@ def checkpoint_steps(
     """Every ``step-N`` under ``root``, ordered by the number N (not by name)."""
     root = Path(root)
     try:
-        names = (fs if fs is not None else LocalStorage()).listdir(root)
+        names = (posix_storage(fs)).listdir(root)
     except FileNotFoundError:
         return []
     found = [(int(m.group(1)), root / n) for n in names if (m := _STEP.fullmatch(n))]

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fsdp_ext.checkpoint.fs import LocalStorage
+from fsdp_ext.checkpoint.blob_verify import verify_blob_checkpoint
+from fsdp_ext.checkpoint.location import is_object_store, posix_storage
 from fsdp_ext.checkpoint.lock import LockOwner, lock_path
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -33,50 +33,11 @@ from fsdp_ext.checkpoint.manifest import (
     parse_manifest,
     read_plan_record,
 )
+from fsdp_ext.checkpoint.report import CheckpointReport
 from fsdp_ext.checkpoint.storage import DIRECTORY, FILE, LINK, MISSING, CheckpointStorage
 from fsdp_ext.checkpoint.unpickler import load_metadata
 from fsdp_ext.checkpoint.versions import Version, versions
 from fsdp_ext.checkpoint.writer import rank_done_name
-
-
-@dataclass
-class CheckpointReport:
-    """``ok`` when complete and every checksum matches; ``problems`` has one line each.
-
-    ``version`` is the version directory the path links to (None for a plain directory),
-    ``save_id`` the save that wrote it; ``notes`` describe what else is beside it.
-    """
-
-    path: str
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    files: dict[str, FileRecord] = field(default_factory=dict)
-    bytes_per_rank: dict[int, int] = field(default_factory=dict)
-    tensors: int = 0
-    version: str | None = None
-    save_id: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def summary(self) -> str:
-        total = sum(self.bytes_per_rank.values())
-        state = "ok" if self.ok else f"{len(self.problems)} problem(s)"
-        where = f" -> {self.version}" if self.version else ""
-        saved = f" (save {self.save_id})" if self.save_id else ""
-        return (
-            f"{self.path}{where}{saved}: {state}; {len(self.files)} files, {total} bytes, "
-            f"{self.tensors} tensors, {len(self.bytes_per_rank)} ranks"
-        )
-
-    def table(self) -> str:
-        lines = ["rank  bytes"]
-        lines += [f"{r:4d}  {b}" for r, b in sorted(self.bytes_per_rank.items())]
-        lines.append("file  rank  bytes  layers")
-        for name, rec in sorted(self.files.items()):
-            lines.append(f"{name}  {rec.rank}  {rec.size}  {','.join(rec.layers) or '-'}")
-        return "\n".join(lines)
 
 
 def verify_checkpoint(
@@ -86,12 +47,15 @@ def verify_checkpoint(
 
     ``require_checksums``: a manifest recording no checksums (``checksums=False``) is a
     problem, because a changed byte would pass; with False, sizes alone are checked.
-    ``fs``: where it is stored (default: the local filesystem).
+    ``fs``: where it is stored (default: the local filesystem). An ``s3://`` location is
+    checked through its catalog (``blob_verify.py``): every published step.
     """
+    if is_object_store(path):
+        return verify_blob_checkpoint(path)
     root = Path(path)
     report = CheckpointReport(str(root))
     try:
-        _verify(fs if fs is not None else LocalStorage(), root, report, require_checksums)
+        _verify(posix_storage(fs), root, report, require_checksums)
     except Exception as exc:  # an unforeseen failure still gives a report, never a traceback
         report.problems.append(f"{root}: could not be verified ({type(exc).__name__}: {exc})")
     return report

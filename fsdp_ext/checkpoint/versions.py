@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_ext.checkpoint.fence import Fence
-from fsdp_ext.checkpoint.fs import LocalStorage
+from fsdp_ext.checkpoint.location import posix_storage
 from fsdp_ext.checkpoint.lock import (
     LockOwner,
     acquire,
@@ -396,7 +396,7 @@ def remove_checkpoint(
     ``fence``: the owner generation it acts for; everything removed moves through its work
     directory, so a job that lost the directory removes nothing.
     """
-    fs = fs if fs is not None else LocalStorage()
+    fs = posix_storage(fs)
     target = Path(path)
     scratch = None if fence is None else fence.work_dir
     owner = LockOwner.here(

@@ -27,13 +27,11 @@ import contextlib
 import dataclasses
 import errno
 import json
-import math
 import os
 import pickle
 import queue
 import time
 import uuid
-from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,14 +42,15 @@ from torch.distributed.checkpoint.filesystem import (
     SerializationFormat,
 )
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from fsdp_ext._torch import write_files
 from fsdp_ext.checkpoint.fence import DirectoryFencedError, Fence
-from fsdp_ext.checkpoint.fs import LocalStorage
+from fsdp_ext.checkpoint.file_groups import group_items, item_file_bytes, safe_name
 from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
+from fsdp_ext.checkpoint.location import posix_storage
 from fsdp_ext.checkpoint.lock import LockOwner, acquire, release
 from fsdp_ext.checkpoint.manifest import (
     CHECKSUM,
@@ -186,7 +185,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         self.layer_key = layer_key
         self.checksums = checksums
         self.min_file_bytes = min_file_bytes
-        self.fs = fs if fs is not None else LocalStorage()
+        self.fs = posix_storage(fs)
         self.fs.checksums = checksums
         self.fence = fence
         self._save: _Save | None = None
@@ -271,44 +270,14 @@ class SpreadFileSystemWriter(FileSystemWriter):
         return out
 
     def _assign_files(self, rank: int, plan: SavePlan, staging: str, tag: str | None) -> _RankFiles:
-        """Runs of whole layers, in layer order, of at least ``min_file_bytes`` each.
-
-        Every file costs an open, a zip header and an fsync; one file per layer would make
-        a small model's save slower than stock's one file per rank. Then the largest file is
-        halved until each of the ``thread_count`` writer threads has one. ``tag`` (in place:
-        the save id) makes the names unique to this save.
-        """
-        groups: dict[str, list] = defaultdict(list)
-        for item in plan.items:
-            groups[layer_of(self.layer_key, item.index.fqn) or _OTHER].append(item)
-        bins: list[tuple[str, list]] = []
-        run_names: list[str] = []
-        for name in sorted(groups, key=_natural):
-            if run_names and sum(_nbytes(i) for i in bins[-1][1]) < self.min_file_bytes:
-                run_names.append(name)
-                bins[-1] = (f"{run_names[0]}..{name}", bins[-1][1] + groups[name])
-            else:
-                run_names = [name]
-                bins.append((name, list(groups[name])))
-        while len(bins) < self.thread_count:
-            name, items = max(
-                bins, key=lambda b: (sum(_nbytes(i) for i in b[1]), b[0]), default=(None, [])
-            )
-            if len(items) < 2:
-                break
-            halves: tuple[list, list] = ([], [])
-            sizes = [0, 0]
-            for item in sorted(items, key=lambda i: -_nbytes(i)):
-                k = 0 if sizes[0] <= sizes[1] else 1
-                halves[k].append(item)
-                sizes[k] += _nbytes(item)
-            bins.remove((name, items))
-            bins += [(f"{name}-a", halves[0]), (f"{name}-b", halves[1])]
+        """Runs of whole layers per file (``file_groups.py``). ``tag`` (in place: the save
+        id) makes the names unique to this save."""
+        bins = group_items(plan, self.layer_key, self.min_file_bytes, self.thread_count)
         files, layers = [], {}
         for name, items in bins:
-            file_name = f"__{rank}_{_safe(name)}{DEFAULT_SUFFIX}"
+            file_name = f"__{rank}_{safe_name(name)}{DEFAULT_SUFFIX}"
             if tag is not None:
-                file_name = in_place_file_name(f"__{rank}_{_safe(name)}", tag, DEFAULT_SUFFIX)
+                file_name = in_place_file_name(f"__{rank}_{safe_name(name)}", tag, DEFAULT_SUFFIX)
             files.append((file_name, [item_key(i.index) for i in items]))
             found = {layer_of(self.layer_key, i.index.fqn) for i in items}
             layers[file_name] = sorted(x for x in found if x is not None)
@@ -323,7 +292,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         file_queue: queue.Queue = queue.Queue()
         for file_name, keys in assignment.files:
             file_queue.put((staging / file_name, file_name, [by_key[k] for k in keys]))
-        need = sum(_nbytes(i) for i in plan.items)
+        need = sum(item_file_bytes(i) for i in plan.items)
         # fsync once every file is written, not after each one (what the stock loop does), so
         # the kernel flushes one file while the next is being written
         sync, self.sync_files = self.sync_files, False
@@ -497,20 +466,3 @@ class SpreadFileSystemWriter(FileSystemWriter):
         super().reset(checkpoint_id)
         self.fs.records.clear()
         self.fs.write_errors.clear()
-
-
-def _nbytes(item) -> int:
-    """Bytes a write item puts in its file (a tensor item's whole local tensor)."""
-    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-        return 0
-    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
-
-
-def _natural(name: str) -> tuple:
-    """ "other" first, then layers by number: layers.2 before layers.10."""
-    head, _, tail = name.rpartition(".")
-    return (name != _OTHER, head, int(tail) if tail.isdigit() else -1, name)
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)

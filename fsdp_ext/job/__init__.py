@@ -4,6 +4,8 @@
 Built on the checkpoint I/O room (``fsdp_ext.checkpoint``), which never imports this one.
 """
 
+from fsdp_ext.job.blob_ownership import BlobOwnership, claim_blob
+from fsdp_ext.job.blob_run import published_steps
 from fsdp_ext.job.checkpointer import Checkpointer, ModelOptimizerState
 from fsdp_ext.job.ownership import (
     LAUNCHER_PID_ENV,
@@ -17,16 +19,19 @@ from fsdp_ext.job.snapshot import Snapshots, clean_snapshots, job_name, snapshot
 
 __all__ = [
     "LAUNCHER_PID_ENV",
+    "BlobOwnership",
     "Checkpointer",
     "DirectoryOwnedError",
     "ModelOptimizerState",
     "Ownership",
     "Snapshots",
     "claim",
+    "claim_blob",
     "clean_snapshots",
     "exit_with_launcher",
     "job_name",
     "latest_intact",
     "load_intact",
+    "published_steps",
     "snapshot_dir",
 ]

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdp_ext.checkpoint.fence import DirectoryFencedError, Fence
+from fsdp_ext.checkpoint.location import blob_store_for, is_object_store
 from fsdp_ext.checkpoint.lock import check_lease
 from fsdp_ext.checkpoint.manifest import CheckpointBusyError, CheckpointSpaceError
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner
@@ -56,6 +57,8 @@ from fsdp_ext.checkpoint.steps import checkpoint_steps, step_name
 from fsdp_ext.checkpoint.storage import CheckpointStorage
 from fsdp_ext.checkpoint.versions import remove_checkpoint
 from fsdp_ext.checkpoint.writer import SpreadFileSystemWriter
+from fsdp_ext.job import blob_run
+from fsdp_ext.job.blob_ownership import claim_blob
 from fsdp_ext.job.ownership import DirectoryOwnedError, Ownership, claim
 from fsdp_ext.job.resume import load_intact, set_aside, skipped_checkpoints
 from fsdp_ext.job.staging import StagingBuffers
@@ -186,7 +189,9 @@ class Checkpointer:
             )
         if optimizer is not None and model is None:
             raise ValueError("optimizer needs model= (its state is keyed by parameter names)")
-        self.root = Path(root)
+        # an object store (s3://) keeps its checkpoints through a catalog (job/blob_run.py)
+        self.location = os.fspath(root) if is_object_store(os.fspath(root)) else None
+        self.root = Path(root) if self.location is None else self.location
         self.keep = keep
         self.fs = fs
         self.state: dict[str, Any] = {}
@@ -202,14 +207,19 @@ class Checkpointer:
         error = None
         if _leader():
             try:
-                self._ownership = claim(self.root, lease_s=lease_s, fs=fs)
+                if self.location is not None:
+                    self._ownership = claim_blob(blob_store_for(self.location), lease_s=lease_s)
+                else:
+                    self._ownership = claim(self.root, lease_s=lease_s, fs=fs)
             except DirectoryOwnedError as exc:
                 error = str(exc)
         error = _agree(error)
         if error is not None:
             raise DirectoryOwnedError(error)
 
-    def path(self, step: int) -> Path:
+    def path(self, step: int) -> Path | str:
+        if self.location is not None:
+            return f"{self.location}/step-{step}"
         return self.root / step_name(step)
 
     @property
@@ -232,13 +242,13 @@ class Checkpointer:
         lost = None
         if fence is not None:
             lost = fence.lost()
-            if lost is None:
+            if lost is None and self.location is None:
                 set_aside(path, self.fs)  # a corrupt checkpoint of this step is kept
         lost = _agree(lost)
         if lost is not None:
             raise DirectoryFencedError(lost)
         if blocking:
-            self._write(path, self.state, None)
+            self._write(step, path, self.state, None)
             self.stats.blocked_s.append(time.perf_counter() - t0)
             return path
         staged = self._staging.stage({k: v.state_dict() for k, v in self.state.items()})
@@ -248,7 +258,7 @@ class Checkpointer:
 
         def write() -> None:
             try:
-                self._write(path, staged, group)
+                self._write(step, path, staged, group)
             except BaseException as exc:  # raised by the next save, wait or close
                 job.error = exc
             self.stats.background_s.append(time.perf_counter() - job.started)
@@ -287,13 +297,22 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def _write(self, path: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    def _write(
+        self, step: int, path: Path | str, state: dict[str, Any], group: dist.ProcessGroup | None
+    ) -> None:
         fence = self.fence
-        writer = SpreadFileSystemWriter(path, fs=self.fs, fence=fence)
+        writer = None
         try:
-            dcp.save(state, storage_writer=writer, planner=SpreadSavePlanner(), process_group=group)
+            if self.location is not None:
+                blob_run.save_step(self.location, step, state, fence, group)
+            else:
+                writer = SpreadFileSystemWriter(path, fs=self.fs, fence=fence)
+                dcp.save(
+                    state, storage_writer=writer, planner=SpreadSavePlanner(), process_group=group
+                )
         except (Exception, CheckpointException) as exc:  # failed on every rank alike
-            writer.abandon()
+            if writer is not None:
+                writer.abandon()
             lost = _agree(None if fence is None else fence.lost(), group)
             if lost is not None:
                 raise DirectoryFencedError(lost) from exc
@@ -305,7 +324,7 @@ class Checkpointer:
         if _leader():
             try:
                 self.prune()
-            except OSError:  # a prune that a takeover fenced: nothing removed
+            except (OSError, DirectoryFencedError):  # a prune a takeover fenced: nothing removed
                 lost = None if fence is None else fence.lost()
                 if lost is None:
                     raise
@@ -319,6 +338,8 @@ class Checkpointer:
         and never removed."""
         if self.keep is None:
             return []
+        if self.location is not None:
+            return blob_run.prune_steps(self.location, self.keep, self.fence)
         skipped = skipped_checkpoints(self.root, self.fs)
         intact = [p for _s, p in checkpoint_steps(self.root, self.fs) if p.name not in skipped]
         removed = []
@@ -332,7 +353,10 @@ class Checkpointer:
 
     def resume(self) -> int:
         """Load the newest intact checkpoint (collective); its step, or 0 with none."""
-        step = load_intact(self.root, self.state, optional=self._extras, fs=self.fs)
+        if self.location is not None:
+            step = blob_run.load_newest(self.location, self.state, optional=self._extras)
+        else:
+            step = load_intact(self.root, self.state, optional=self._extras, fs=self.fs)
         return 0 if step is None else step
 
     def close(self) -> None:

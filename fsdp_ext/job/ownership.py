@@ -46,7 +46,7 @@ from fsdp_ext.checkpoint.fence import (
     holder,
     record_name,
 )
-from fsdp_ext.checkpoint.fs import LocalStorage
+from fsdp_ext.checkpoint.location import posix_storage
 from fsdp_ext.checkpoint.lock import (
     RELEASED,
     LockOwner,
@@ -117,7 +117,7 @@ def claim(
 ) -> Ownership:
     """Make this job the owner of ``root`` (created if missing), or raise
     :class:`DirectoryOwnedError` naming the live owner."""
-    fs = fs if fs is not None else LocalStorage()
+    fs = posix_storage(fs)
     if lease_s is not None:
         lease_s = check_lease(lease_s)
     root = Path(root)
@@ -195,7 +195,7 @@ def retire(fs: CheckpointStorage, root: Path, *, below: int) -> None:
 def owner_gone(root: str | os.PathLike, fs: CheckpointStorage | None = None) -> str | None:
     """Why the job owning ``root`` is certainly gone (it released it, none ever owned it, or
     its process on this machine exited), looking once; None when it may be alive."""
-    fs = fs if fs is not None else LocalStorage()
+    fs = posix_storage(fs)
     found = generations(fs, root)
     if not found:
         return f"no job owns {root}"

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fsdp_ext.checkpoint.fs import LocalStorage
+from fsdp_ext.checkpoint.location import posix_storage
 from fsdp_ext.checkpoint.lock import CheckpointPrunedError, read_lease
 from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, UnsafeCheckpointError
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner, VerifiedFileSystemReader
@@ -45,7 +45,7 @@ _UNREADABLE = (CheckpointIntegrityError, UnsafeCheckpointError, CheckpointPruned
 
 
 def _storage(fs: CheckpointStorage | None) -> CheckpointStorage:
-    return fs if fs is not None else LocalStorage()
+    return posix_storage(fs)
 
 
 def skipped_checkpoints(

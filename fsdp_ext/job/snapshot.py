@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from fsdp_ext.checkpoint.fs import LocalStorage
+from fsdp_ext.checkpoint.location import posix_storage
 from fsdp_ext.checkpoint.steps import step_name
 from fsdp_ext.checkpoint.storage import CheckpointStorage, is_out_of_space
 from fsdp_ext.job.ownership import owner_gone
@@ -77,7 +77,7 @@ def clean_snapshots(
 ) -> list[tuple[Path, str]]:
     """Remove this node's snapshots of jobs whose owner is provably gone (released, or its
     process on this machine exited); keep the others. Returns (directory, what was done)."""
-    fs = fs or LocalStorage()
+    fs = posix_storage(fs)
     base = snapshot_dir("", root).parent
     done = []
     for name in fs.listdir(base) if fs.kind(base) != "missing" else []:
@@ -204,7 +204,7 @@ class Snapshots:
         checkpoint_root: str | os.PathLike | None = None,
     ) -> None:
         self.state = state
-        self.fs = fs or LocalStorage()
+        self.fs = posix_storage(fs)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if ranks_per_node < 1 or self.world % ranks_per_node:
             raise ValueError(

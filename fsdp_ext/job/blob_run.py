@@ -1,0 +1,102 @@
+"""A run's checkpoints on an object store (``s3://``): save, prune and resume through the
+catalog (``fsdp_ext/checkpoint/catalog.py``), for :class:`~fsdp_ext.job.Checkpointer`.
+
+The same promises as on POSIX, on the blob primitives alone: a save publishes with one
+conditional replace of the catalog, fenced by this job's owner generation; a prune
+unpublishes first and deletes after; a resume loads the newest step that verifies and falls
+back to older ones, one warning each.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Collection
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fsdp_ext.checkpoint.blob_reader import BlobStorageReader
+from fsdp_ext.checkpoint.blob_writer import BlobStorageWriter
+from fsdp_ext.checkpoint.catalog import BlobFence, read_catalog, remove_steps
+from fsdp_ext.checkpoint.location import blob_store_for
+from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, UnsafeCheckpointError
+from fsdp_ext.checkpoint.planner import SpreadSavePlanner
+from fsdp_ext.checkpoint.reader import SafeLoadPlanner
+
+__all__ = ["load_newest", "prune_steps", "published_steps", "save_step"]
+
+
+def published_steps(location: str) -> list[int]:
+    """The steps the catalog of ``location`` publishes, oldest first."""
+    return sorted(read_catalog(blob_store_for(location))[0].steps)
+
+
+def save_step(
+    location: str,
+    step: int,
+    state: dict[str, Any],
+    fence: BlobFence | None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Save ``state`` as ``step`` (collective); what a failed save wrote is deleted."""
+    writer = BlobStorageWriter(location, step, fence=fence)
+    try:
+        dcp.save(state, storage_writer=writer, planner=SpreadSavePlanner(), process_group=group)
+    except BaseException:
+        writer.abandon()
+        raise
+
+
+def prune_steps(location: str, keep: int, fence: BlobFence | None) -> list[int]:
+    """Unpublish and delete all but the newest ``keep`` steps; returns the steps removed."""
+    steps = published_steps(location)
+    old = set(steps[:-keep]) if keep < len(steps) else set()
+    if not old:
+        return []
+    generation = None if fence is None else fence.generation
+    return remove_steps(blob_store_for(location), old, generation=generation)
+
+
+def load_newest(
+    location: str, state: dict[str, Any], *, optional: Collection[str] = ()
+) -> int | None:
+    """Load the newest step that verifies into ``state`` (collective: rank 0's catalog is
+    every rank's); return it, or None when none does. A step that fails its checks on any
+    rank is skipped with a warning naming the cause."""
+    steps = published_steps(location) if _leader() else None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [steps]
+        dist.broadcast_object_list(box, src=0)
+        steps = box[0]
+    for step in reversed(steps or []):
+        reader = BlobStorageReader(location, step)
+        try:
+            saved = reader.read_metadata().state_dict_metadata
+            dcp.load(
+                {k: v for k, v in state.items() if k not in optional or _has(saved, k)},
+                storage_reader=reader,
+                planner=SafeLoadPlanner(),
+            )
+            return step
+        except (CheckpointIntegrityError, UnsafeCheckpointError, CheckpointException) as exc:
+            warnings.warn(
+                f"resume: step {step} of {location} does not load, trying an older one: "
+                f"{_first_line(exc)}",
+                stacklevel=2,
+            )
+    return None
+
+
+def _has(saved: dict, key: str) -> bool:
+    return any(fqn == key or fqn.startswith(f"{key}.") for fqn in saved)
+
+
+def _leader() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
