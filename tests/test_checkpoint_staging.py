@@ -100,3 +100,23 @@ def test_a_background_write_fsyncs_every_file_before_it_publishes(tmp_path):
     written = {n for op, n in ops[:published] if op == "write" and n.endswith(".distcp")}
     synced = {n for op, n in ops[:published] if op == "fsync"}
     assert written and written | {".metadata"} <= synced, (written, synced)
+
+
+class _Priority(LocalStorage):
+    def __init__(self):
+        super().__init__()
+        self.nice: set[int] = set()
+
+    def before(self, op, path):
+        if threading.current_thread().name.startswith("fsdp_ext-save"):
+            self.nice.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+
+def test_the_background_write_runs_at_a_lower_priority_than_training(tmp_path):
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    fs = _Priority()
+    ckpt = Checkpointer(tmp_path / "out", model=nn.Linear(4, 4), keep=None, fs=fs)
+    ckpt.save(1, blocking=False)
+    ckpt.close()
+    assert fs.nice == {min(19, own + 19)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # untouched
