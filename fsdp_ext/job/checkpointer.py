@@ -18,8 +18,10 @@ corrupt), and resumes from the newest checkpoint that verifies (``resume.py``)::
 A save with ``blocking=False`` copies the state into host buffers it keeps from save to save
 (``staging.py``), then writes them through the same writer, planner and commit protocol in a
 background thread, whose collectives run on a process group of their own: nothing of the
-save touches the training's group while a step runs. The next save waits for the previous
-write (and says how long), never drops one; ``close()`` waits for the last.
+save touches the training's group while a step runs. That thread runs at nice 19, so the
+write takes the cycles a step leaves, not the step's (``background_nice``). The next save
+waits for the previous write (and says how long), never drops one; ``close()`` waits for
+the last.
 """
 
 from __future__ import annotations

@@ -7,14 +7,12 @@ CUDA, so the device-to-host copy can run at full speed) and copies into the same
 every later save. A buffer is reused only once the write that read it has finished: the
 caller waits for the previous save first (``Checkpointer`` does).
 
-The buffers are slices of one block, not one allocation each. Hundreds of long-lived buffers
-of a few MB each land in the allocator's heap between the training step's short-lived
-tensors (glibc serves them from the heap once its mmap threshold has risen past their size),
-and the heap can then no longer give those holes back: measured from outside, a process
-grew by 1.34x the state's bytes for buffers of 1.00x. One block is one mapping, beside the
-heap. Each buffer is a tensor whose storage is exactly its own bytes (``torch.frombuffer``
-over its slice), so ``torch.save`` and DCP's writers see an ordinary tensor, never a view
-of the whole block.
+The buffers are slices of one block, not one allocation each: one mapping beside the
+allocator's heap (long-lived buffers then never sit between the training step's short-lived
+tensors), one pinned allocation on CUDA, and one size to report. Each buffer is a tensor
+whose storage is exactly its own bytes (``torch.frombuffer`` over its slice), so that
+``torch.save`` and DCP's writers see an ordinary tensor, never a view of the whole block
+(which they would write whole, or clone).
 """
 
 from __future__ import annotations
