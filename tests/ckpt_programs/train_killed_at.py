@@ -40,16 +40,16 @@ def _die(where: str) -> None:
 
 if point != "-" and int(who) == rank:
     if what == "stage":
-        copy = staging.StagingBuffers._copy
+        copy = staging.StagingBuffers._buffer
         calls = [0]
 
-        def _copy(self, key, source):
+        def _buffer(self, key, source, seen):
             calls[0] += 1
             if calls[0] == 3:
                 _die("staging")
-            return copy(self, key, source)
+            return copy(self, key, source, seen)
 
-        staging.StagingBuffers._copy = _copy
+        staging.StagingBuffers._buffer = _buffer
     else:
         pause = what.startswith("pause@")
         op_name, _, name = what.removeprefix("pause@").partition("@")
