@@ -369,7 +369,7 @@ def worker(args: argparse.Namespace) -> None:
             num_experts=args.num_experts,
             max_seq_len=args.seq_len,
         ),
-        comm="default",
+        comm="stock",
         batch_size=args.batch_size,
         seq_len=args.seq_len,
     )

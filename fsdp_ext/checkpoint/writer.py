@@ -30,6 +30,7 @@ import json
 import os
 import pickle
 import queue
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -65,6 +66,7 @@ from fsdp_ext.checkpoint.manifest import (
     plan_record_bytes,
 )
 from fsdp_ext.checkpoint.planner import item_key
+from fsdp_ext.checkpoint.serialize import write_items
 from fsdp_ext.checkpoint.storage import MISSING, CheckpointStorage, is_out_of_space
 from fsdp_ext.checkpoint.versions import (
     IN_PLACE,
@@ -188,6 +190,8 @@ class SpreadFileSystemWriter(FileSystemWriter):
         self.fs = posix_storage(fs)
         self.fs.checksums = checksums
         self.fence = fence
+        torch_save = serialization_format == SerializationFormat.TORCH_SAVE
+        self._stock_loop = bool(_extensions) or not torch_save
         self._save: _Save | None = None
 
     # -- local and global plan -------------------------------------------------------------
@@ -289,15 +293,13 @@ class SpreadFileSystemWriter(FileSystemWriter):
         assignment: _RankFiles = plan.storage_data
         staging = Path(assignment.staging)
         by_key = {item_key(i.index): i for i in plan.items}
-        file_queue: queue.Queue = queue.Queue()
-        for file_name, keys in assignment.files:
-            file_queue.put((staging / file_name, file_name, [by_key[k] for k in keys]))
+        files = [(staging / n, n, [by_key[k] for k in keys]) for n, keys in assignment.files]
         need = sum(item_file_bytes(i) for i in plan.items)
         # fsync once every file is written, not after each one (what the stock loop does), so
         # the kernel flushes one file while the next is being written
         sync, self.sync_files = self.sync_files, False
         try:
-            results = write_files(self, planner, file_queue).value()
+            results = self._write_files(planner, files)
             for file_name, _keys in assignment.files:
                 if sync:
                     self.fs.fsync(staging / file_name)
@@ -339,6 +341,43 @@ class SpreadFileSystemWriter(FileSystemWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _write_files(self, planner: SavePlanner, files: list[tuple[Path, str, list]]) -> list:
+        """Every file through ``thread_count`` threads; their write results. Tensors are
+        written from their own memory without the zip CRC (``serialize.py``); an extension
+        or another serialization format takes the stock loop."""
+        pending: queue.Queue = queue.Queue()
+        for entry in files:
+            pending.put(entry)
+        if self._stock_loop:
+            return write_files(self, planner, pending).value()
+        results: list[WriteResult] = []
+        errors: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                while not errors:
+                    try:
+                        path, name, items = pending.get_nowait()
+                    except queue.Empty:
+                        return
+                    with self.fs.create_stream(path, "wb") as stream:
+                        results.extend(write_items(stream, name, items, planner))
+            except BaseException as exc:  # raised by the calling thread below
+                errors.append(exc)
+
+        helpers = [
+            threading.Thread(target=work, name="fsdp_ext-write", daemon=True)
+            for _ in range(1, self.thread_count)
+        ]
+        for thread in helpers:
+            thread.start()
+        work()
+        for thread in helpers:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return results
 
     def _out_of_space(self, path: str, exc: OSError, need: int) -> CheckpointSpaceError:
         try:

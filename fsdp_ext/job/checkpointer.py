@@ -18,12 +18,15 @@ corrupt), and resumes from the newest checkpoint that verifies (``resume.py``)::
 A save with ``blocking=False`` copies the state into host buffers it keeps from save to save
 (``staging.py``), then writes them through the same writer, planner and commit protocol in a
 background thread, whose collectives run on a process group of their own: nothing of the
-save touches the training's group while a step runs. The next save waits for the previous
-write (and says how long), never drops one; ``close()`` waits for the last.
+save touches the training's group while a step runs. That thread runs at nice 19, so the
+write takes the cycles a step leaves, not the step's (``background_nice``). The next save
+waits for the previous write (and says how long), never drops one; ``close()`` waits for
+the last.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -128,6 +131,20 @@ def _agree(error: str | None, group: dist.ProcessGroup | None = None) -> str | N
     return error
 
 
+def _lower_priority(nice: int) -> None:
+    """Raise this thread's nice value by ``nice`` (Linux sets it per thread; threads it
+    starts inherit it). Where the training's own threads use every core, as on a CPU-bound
+    host, whatever the write runs comes out of the step; at nice 19 the scheduler gives the
+    write the cycles the step leaves (waiting on a collective), not the step's. Not
+    ``SCHED_IDLE``: a thread that may be parked for long while it holds the GIL stalls the
+    step instead (measured: the write took 5x as long and the step slowed more)."""
+    if nice == 0:
+        return
+    with contextlib.suppress(AttributeError, OSError):  # not Linux: the default priority
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+
+
 @dataclass
 class SaveStats:
     """What saving cost this job: seconds each save blocked the caller (staging included),
@@ -157,8 +174,9 @@ class Checkpointer:
     save, and nothing of that save lands. ``keep``: newest intact checkpoints kept (None:
     all). ``lease_s``: the lease of the directory and of its locks (default
     ``$FSDP_EXT_LEASE_S``, else 60 s). ``fs``: where the checkpoints are stored (default: the
-    local filesystem). Dying with the launcher is the launcher's choice
-    (:func:`~fsdp_ext.checkpoint.exit_with_launcher`), not made here.
+    local filesystem). ``background_nice``: how much lower than the training the
+    background write's threads run (0-19; Linux nice). Dying with the launcher is the
+    launcher's choice (:func:`~fsdp_ext.checkpoint.exit_with_launcher`), not made here.
     """
 
     def __init__(
@@ -171,6 +189,7 @@ class Checkpointer:
         keep: int | None = 3,
         lease_s: float | None = None,
         fs: CheckpointStorage | None = None,
+        background_nice: int = 19,
     ) -> None:
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
@@ -187,12 +206,18 @@ class Checkpointer:
             raise TypeError(
                 f"fs must be a CheckpointStorage (LocalStorage, or another backend), got {fs!r}"
             )
+        if not isinstance(background_nice, int) or not 0 <= background_nice <= 19:
+            raise ValueError(
+                f"background_nice must be an int from 0 (the training's own priority) to 19 "
+                f"(the lowest), got {background_nice!r}"
+            )
         if optimizer is not None and model is None:
             raise ValueError("optimizer needs model= (its state is keyed by parameter names)")
         # an object store (s3://) keeps its checkpoints through a catalog (job/blob_run.py)
         self.location = os.fspath(root) if is_object_store(os.fspath(root)) else None
         self.root = Path(root) if self.location is None else self.location
         self.keep = keep
+        self.background_nice = background_nice
         self.fs = fs
         self.state: dict[str, Any] = {}
         if model is not None:
@@ -257,6 +282,7 @@ class Checkpointer:
         job = _Background(step, threading.Thread(), time.perf_counter())
 
         def write() -> None:
+            _lower_priority(self.background_nice)
             try:
                 self._write(step, path, staged, group)
             except BaseException as exc:  # raised by the next save, wait or close

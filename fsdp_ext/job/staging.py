@@ -6,6 +6,12 @@ host memory; like DCP's ``DefaultStager``, :class:`StagingBuffers` allocates onc
 CUDA, so the device-to-host copy can run at full speed) and copies into the same buffers at
 every later save. A buffer is reused only once the write that read it has finished: the
 caller waits for the previous save first (``Checkpointer`` does).
+
+One allocation per tensor, not one block for all: a block is all fresh pages, while buffers
+of a tensor's size can take memory the allocator's heap already holds from the training's
+transients. Measured from outside (peak RSS growth over the state, ``checkpoint_stall.py``,
+ours async alone, one run each, load 4.5-12): 0.98, 1.19 and 1.20 per tensor, 1.34, 1.40
+and 1.53 with one block.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class StagingBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._from_device = False  # a copy of this save came from the GPU (non-blocking)
 
     @property
     def nbytes(self) -> int:
@@ -32,11 +39,15 @@ class StagingBuffers:
 
     def stage(self, state: Any) -> Any:
         """A copy of ``state`` whose tensors live in this object's buffers (DTensors keep
-        their mesh and placements); other values are deep-copied."""
+        their mesh and placements); other values are deep-copied. Returns once every copy
+        has landed (a device-to-host copy is synchronised)."""
         seen: set[str] = set()
+        self._from_device = False
         staged = self._stage(state, "", seen)
         for key in set(self._buffers) - seen:  # a tensor that is gone frees its buffer
             del self._buffers[key]
+        if self._from_device:
+            torch.cuda.synchronize()  # the non-blocking copies land before a thread reads them
         return staged
 
     def _buffer(self, key: str, source: torch.Tensor, seen: set[str]) -> torch.Tensor:
@@ -51,6 +62,7 @@ class StagingBuffers:
             )
             self._buffers[key] = buffer
         buffer.copy_(source.detach(), non_blocking=source.is_cuda)
+        self._from_device |= source.is_cuda
         return buffer
 
     def _stage(self, value: Any, key: str, seen: set[str]) -> Any:

@@ -1,0 +1,119 @@
+"""What a background save costs besides its bytes: the staging buffers (plain tensors,
+reused) and the writer's tensor records (no copy of a view, no zip
+CRC), and that the background write flushes every file before it publishes. Unit-level,
+one process, under a second in all."""
+
+import io
+import os
+import pickle
+import threading
+import zipfile
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+
+from fsdp_ext import Checkpointer, SpreadFileSystemWriter, SpreadSavePlanner
+from fsdp_ext.checkpoint import LocalStorage, verify_checkpoint
+from fsdp_ext.checkpoint.serialize import own_storage
+from fsdp_ext.job.staging import StagingBuffers
+
+
+def _state():
+    return {
+        "w": torch.randn(8, 16),
+        "opt": {"step": torch.tensor(3.0), "exp_avg": [torch.randn(5), torch.randn(2, 2)]},
+        "bf16": torch.randn(3, 7).bfloat16(),
+        "empty": torch.empty(0, 4),
+        "lr": 0.1,
+    }
+
+
+def test_staging_buffers_are_plain_tensors_reused_while_shapes_hold():
+    staging, state = StagingBuffers(), _state()
+    staged = staging.stage(state)
+    first = staged["w"].data_ptr()
+    tensors = [staged["w"], staged["opt"]["step"], *staged["opt"]["exp_avg"], staged["bf16"]]
+    for t in tensors:
+        assert t.untyped_storage().nbytes() == t.nbytes  # a storage of its own bytes
+    assert staging.nbytes == sum(t.nbytes for t in tensors)
+    assert torch.equal(staged["bf16"], state["bf16"]) and staged["lr"] == 0.1
+    assert torch.equal(staged["opt"]["exp_avg"][1], state["opt"]["exp_avg"][1])
+    state["w"].add_(1.0)  # training changes the source: the staged copy does not move
+    assert not torch.equal(staged["w"], state["w"])
+    again = staging.stage(state)
+    assert again["w"].data_ptr() == first and torch.equal(again["w"], state["w"])
+    state["w"] = torch.randn(4, 4)  # a new shape: a new buffer, the right bytes
+    third = staging.stage(state)
+    assert third["w"].shape == (4, 4) and torch.equal(third["w"], state["w"])
+
+
+def test_a_view_is_written_as_its_own_bytes_without_a_copy_or_the_zip_crc(tmp_path):
+    base = torch.arange(1000, dtype=torch.float32)
+    view = base[100:300].view(10, 20)
+    alias = own_storage(view)
+    assert alias.data_ptr() == view.data_ptr() and alias.untyped_storage().nbytes() == 800
+    state = {"layers.0.view": view, "layers.0.t": torch.randn(6, 4).t()}
+    path = tmp_path / "ckpt"
+    dcp.save(state, storage_writer=SpreadFileSystemWriter(path), planner=SpreadSavePlanner())
+    assert verify_checkpoint(path).ok
+    (data,) = [p for p in path.iterdir() if p.suffix == ".distcp"]
+    assert data.stat().st_size < 800 + 2 * 4 * 24 + 8192  # not the 4000-byte storage
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(out, storage_reader=FileSystemReader(path))  # the stock reader
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    with open(path / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # written just now by this test
+    info = meta.storage_data[next(i for i in meta.storage_data if i.fqn == "layers.0.view")]
+    with open(path / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        archive = f.read(info.length)
+    crcs = [i.CRC for i in zipfile.ZipFile(io.BytesIO(archive)).infolist()]
+    assert crcs and set(crcs) == {0}  # the manifest's CRC-32 covers these bytes instead
+
+
+class _Recording(LocalStorage):
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[str, str]] = []
+
+    def before(self, op, path):
+        if threading.current_thread().name.startswith("fsdp_ext-save"):
+            self.events.append((op, os.path.basename(str(path))))
+
+
+def test_a_background_write_fsyncs_every_file_before_it_publishes(tmp_path):
+    fs = _Recording()
+    model = nn.Linear(16, 8)
+    ckpt = Checkpointer(tmp_path / "out", model=model, keep=None, fs=fs)
+    ckpt.save(1, blocking=False)
+    ckpt.close()
+    ops = fs.events
+    publish_ops = ("rename", "exchange", "symlink")
+    published = next(
+        i for i, (op, n) in enumerate(ops) if n == "step-0000001" and op in publish_ops
+    )
+    written = {n for op, n in ops[:published] if op == "write" and n.endswith(".distcp")}
+    synced = {n for op, n in ops[:published] if op == "fsync"}
+    assert written and written | {".metadata"} <= synced, (written, synced)
+
+
+class _Priority(LocalStorage):
+    def __init__(self):
+        super().__init__()
+        self.nice: set[int] = set()
+
+    def before(self, op, path):
+        if threading.current_thread().name.startswith("fsdp_ext-save"):
+            self.nice.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+
+def test_the_background_write_runs_at_a_lower_priority_than_training(tmp_path):
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    fs = _Priority()
+    ckpt = Checkpointer(tmp_path / "out", model=nn.Linear(4, 4), keep=None, fs=fs)
+    ckpt.save(1, blocking=False)
+    ckpt.close()
+    assert fs.nice == {min(19, own + 19)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # untouched
