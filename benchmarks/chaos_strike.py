@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.chaos_schedule import ChaosFault
-from fsdp_ext.lab.cleanup import namespace_pids
-from fsdp_ext.lab.faults import kill_namespace, link_down, rank_pids
+from fsdp_ext.lab import kill_namespace, link_down, namespace_pids, rank_pids
 
 __all__ = ["LINK_DOWN_S", "STORAGE_STALL_S", "Striker", "Struck"]
 
