@@ -64,6 +64,17 @@ def figures(lines, struck_at: float | None, wall_s: float, step_ms: float, steps
     return row
 
 
+def _ours(lab: Cluster, flags: list[str], name: str, trigger: str, env: dict, timeout: float):
+    """(lines with when, struck at, wall s, exit status) of train.py in the lab, elastic."""
+    faults = [Fault("kill-node", 1, on_output=trigger)] if name == "fault" else []
+    program = [str(REPO / "examples" / "train.py"), *flags, "--out", str(lab.shared_dir / name)]
+    result = lab.run(program, env=env, faults=faults, timeout=timeout, max_restarts=3, min_nodes=1)
+    text = result.output.splitlines(keepends=True)
+    lines = [(result.started_at + t, ln) for t, ln in zip(result.line_times, text, strict=False)]
+    struck = result.started_at + result.faults[0].at_s if result.faults else None
+    return lines, struck, result.seconds, result.returncode
+
+
 def compare(quick: bool, timeout: float, torchft_path: str | None) -> dict:
     steps, fault_step, every = (40, 12, 5) if quick else (100, 30, 10)
     flags = ["--batch-size", "4", "--seq-len", "32", "--dim", "32", "--n-layers", "2"]
@@ -82,35 +93,35 @@ def compare(quick: bool, timeout: float, torchft_path: str | None) -> dict:
     }
     out["load_before"] = round(os.getloadavg()[0], 2)
     ours_flags = [*flags, "--ckpt-every", str(every), "--snapshot-every", "1"]
-    elastic = {"max_restarts": 3, "min_nodes": 1}
+    # torchft's jobs come between ours: a lab job makes a node lost by the one before whole
+    # again (a fresh sshfs mount), which torchft's own launch (lab.popen) does not
+    order = [("ours", "free"), ("torchft", "free"), ("torchft", "fault"), ("ours", "fault")]
     with Cluster(2, 2, "1gbit") as lab:
         runs = {}
-        for name, faults in (("free", []), ("fault", [Fault("kill-node", 1, on_output=trigger)])):
-            program = [str(REPO / "examples" / "train.py"), *ours_flags]
-            program += ["--out", str(lab.shared_dir / f"ours-{name}")]
-            result = lab.run(program, env=env, faults=faults, timeout=timeout, **elastic)
-            lines = [
-                (result.started_at + t, ln)
-                for t, ln in zip(
-                    result.line_times, result.output.splitlines(keepends=True), strict=False
-                )
-            ]
-            struck = result.started_at + result.faults[0].at_s if result.faults else None
-            runs[("ours", name)] = (lines, struck, result.seconds, result.returncode)
-            print(f"recovery: ours, {name}: exit status {result.returncode}", file=sys.stderr)
-        if missing is None:
-            for name, at in (("free", None), ("fault", trigger)):
+        for system, name in order:
+            if system == "ours":
+                runs[(system, name)] = _ours(lab, ours_flags, name, trigger, env, timeout)
+            elif missing is None:
+                at = trigger if name == "fault" else None
                 run = run_torchft(
                     lab, flags, name=f"torchft-{name}", kill_node_at=at, env=env, timeout=timeout
                 )
                 rc = run.returncodes[0] if run.returncodes else None
-                runs[("torchft", name)] = (run.lines[0], run.struck_at, run.seconds, rc)
-                print(f"recovery: torchft, {name}: exit status {rc}", file=sys.stderr)
+                runs[(system, name)] = (run.lines[0], run.struck_at, run.seconds, rc)
+                if rc != 0:
+                    tail = "".join(ln for _t, ln in run.lines[0][-15:])
+                    print(f"recovery: torchft, {name}: last lines\n{tail}", file=sys.stderr)
+            status = runs[(system, name)][3] if (system, name) in runs else "not run"
+            print(f"recovery: {system}, {name}: exit status {status}", file=sys.stderr)
     for system in ("ours", "torchft"):
         if (system, "free") not in runs:
             out[f"error_{system}"] = missing
             continue
         free_lines, _, free_wall, free_rc = runs[(system, "free")]
+        if not _steps(free_lines):
+            tail = " | ".join(ln.strip() for _t, ln in free_lines[-5:])
+            out[f"error_{system}"] = f"no step line (exit status {free_rc}): {tail}"
+            continue
         step_ms = statistics.median(ms for _s, _l, ms, _t in _steps(free_lines))
         free = figures(free_lines, None, free_wall, step_ms, steps)
         lines, struck, wall, rc = runs[(system, "fault")]

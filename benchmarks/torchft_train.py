@@ -118,7 +118,8 @@ def main() -> None:
             if p.grad is not None:
                 manager.allreduce(p.grad.to_local()).wait()
         fsdp_ext.clip_grad_norm_(params, cfg.grad_clip)
-        if opt.step():  # committed: every live replica agreed
+        opt.step()  # steps the optimizer only if every live replica agrees (should_commit)
+        if manager.current_step() > step:  # committed
             scheduler.step()
             ms = (time.perf_counter() - t0) * 1e3
             if rank == 0 and (manager.current_step() % cfg.log_every == 0):
