@@ -82,6 +82,7 @@ def test_the_slowed_node_is_named_within_20_steps(job):
     assert striker.killed, "node 2 was never cut"
     assert result.returncode == 0, result.output[-3000:]
     named = [tuple(map(int, m.groups())) for m in NAMED.finditer(result.output)]
+    print("".join(ln for ln in result.output.splitlines(keepends=True) if "straggler:" in ln))
     assert named, result.output[-3000:]
     first = next(((r, n, a, b) for r, n, a, b in named if b > CUT_AT), None)
     assert first is not None and first[:2] == (2, 2), named
