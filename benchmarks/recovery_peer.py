@@ -5,7 +5,10 @@ train.py). Each system runs twice: without a fault, and with node 1 lost, unanno
 process of its namespace killed), when rank 0 prints step 30 of 100 (--quick: 12 of 40).
 
 - ours: train.py under the lab's torchrun, ``--max-restarts 3 --min-nodes 1``, checkpoints
-  every 10 steps and ``--snapshot-every 1``: the survivors restart and resume on node 0;
+  every 10 steps and ``--snapshot-every 1``: the survivors restart and resume on node 0, from
+  the disk (a snapshot holds one world size's shards, and the world went from 4 to 2);
+- ``ours_replaced``: the same with ``--replace-failed`` instead: a fresh node 1 joins, the
+  world stays 4, and the ranks resume from the in-memory snapshot (node 1's from node 0's copy);
 - torchft 0.2.0: one replica group per node (benchmarks/torchft_train.py), its lighthouse on
   node 0; the survivor drops node 1 from its quorum and goes on, with no restart.
 
@@ -64,11 +67,25 @@ def figures(lines, struck_at: float | None, wall_s: float, step_ms: float, steps
     return row
 
 
-def _ours(lab: Cluster, flags: list[str], name: str, trigger: str, env: dict, timeout: float):
-    """(lines with when, struck at, wall s, exit status) of train.py in the lab, elastic."""
+def _ours(
+    lab: Cluster,
+    flags: list[str],
+    name: str,
+    trigger: str,
+    env: dict,
+    timeout: float,
+    replace: bool = False,
+):
+    """(lines with when, struck at, wall s, exit status) of train.py in the lab, elastic:
+    the survivors go on (``--min-nodes 1``), or a fresh node 1 comes (``--replace-failed``)."""
     faults = [Fault("kill-node", 1, on_output=trigger)] if name == "fault" else []
-    program = [str(REPO / "examples" / "train.py"), *flags, "--out", str(lab.shared_dir / name)]
-    result = lab.run(program, env=env, faults=faults, timeout=timeout, max_restarts=3, min_nodes=1)
+    out = lab.shared_dir / f"{name}{'-replaced' if replace else ''}"
+    program = [str(REPO / "examples" / "train.py"), *flags, "--out", str(out)]
+    elastic = {"replace_failed": True} if replace else {"min_nodes": 1}
+    result = lab.run(program, env=env, faults=faults, timeout=timeout, max_restarts=3, **elastic)
+    if result.returncode != 0:
+        tail = "".join(result.output.splitlines(keepends=True)[-12:])
+        print(f"recovery: ours, {name}: {result.problems}\n{tail}", file=sys.stderr)
     text = result.output.splitlines(keepends=True)
     lines = [(result.started_at + t, ln) for t, ln in zip(result.line_times, text, strict=False)]
     struck = result.started_at + result.faults[0].at_s if result.faults else None
@@ -96,11 +113,13 @@ def compare(quick: bool, timeout: float, torchft_path: str | None) -> dict:
     # torchft's jobs come between ours: a lab job makes a node lost by the one before whole
     # again (a fresh sshfs mount), which torchft's own launch (lab.popen) does not
     order = [("ours", "free"), ("torchft", "free"), ("torchft", "fault"), ("ours", "fault")]
+    order += [("ours_replaced", "fault")]
     with Cluster(2, 2, "1gbit") as lab:
         runs = {}
         for system, name in order:
-            if system == "ours":
-                runs[(system, name)] = _ours(lab, ours_flags, name, trigger, env, timeout)
+            if system.startswith("ours"):
+                replace = system == "ours_replaced"
+                runs[(system, name)] = _ours(lab, ours_flags, name, trigger, env, timeout, replace)
             elif missing is None:
                 at = trigger if name == "fault" else None
                 run = run_torchft(
@@ -113,7 +132,8 @@ def compare(quick: bool, timeout: float, torchft_path: str | None) -> dict:
                     print(f"recovery: torchft, {name}: last lines\n{tail}", file=sys.stderr)
             status = runs[(system, name)][3] if (system, name) in runs else "not run"
             print(f"recovery: {system}, {name}: exit status {status}", file=sys.stderr)
-    for system in ("ours", "torchft"):
+    runs[("ours_replaced", "free")] = runs[("ours", "free")]  # the same fault-free run
+    for system in ("ours", "ours_replaced", "torchft"):
         if (system, "free") not in runs:
             out[f"error_{system}"] = missing
             continue
