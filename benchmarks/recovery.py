@@ -1,6 +1,7 @@
 """How long a lab job takes to recover by itself when node 1 is lost, and what it costs.
 
     python benchmarks/recovery.py [--quick] [--plot docs/recovery_loss.png]
+    python benchmarks/recovery.py --peer torchft [--quick] [--torchft-path DIR]
 
 The lab: 2 nodes x 2 ranks, 1 Gbit/s links and storage, examples/train.py (tiny model,
 --comm stock) with checkpoints on the shared directory, torchrun --max-restarts 3
@@ -196,7 +197,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="16 steps, checkpoints every 4")
     parser.add_argument("--plot", type=Path, default=None, help="loss curve PNG (step scenario)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
+    parser.add_argument(
+        "--peer",
+        choices=("torchft",),
+        default=None,
+        help="node 1 lost at step 30 of 100 under ours and under the peer, side by side",
+    )
+    parser.add_argument(
+        "--torchft-path",
+        default=os.environ.get("TORCHFT_PATH"),
+        help="directories to import torchft from (pip install --target DIR torchft==0.2.0)",
+    )
     args = parser.parse_args(argv)
+    if args.peer == "torchft":
+        from benchmarks.recovery_peer import compare
+
+        summary = compare(args.quick, args.timeout, args.torchft_path)
+        print(json.dumps(summary))
+        return summary
     steps, every = (16, 4) if args.quick else (60, 10)
     results, parsed = {}, {}
     env = {**os.environ, "LOGLEVEL": "INFO"}  # torchrun's agent logs its steps, with times

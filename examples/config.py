@@ -203,6 +203,12 @@ class TrainConfig:
         f"which a job on another host that owned --out counts as dead and is taken over "
         f"(at least {MIN_LEASE_S:g}: {BEATS_PER_LEASE} heartbeats)",
     )
+    straggler_every: int = _arg(
+        0,
+        "every N steps, name a rank whose own work per step (its forward without the waits "
+        "for the others) is 1.5x the median rank's, in one line (0: never)",
+        low=0,
+    )
     stop_after: int = _arg(
         0, "end this run after N steps, schedule unchanged (0: run to --steps)", low=0
     )

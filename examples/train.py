@@ -173,8 +173,12 @@ def _train_loop(run: Run, mode: str, clock: StartupClock) -> dict:
     losses, step_ms = [], []
     start_step = step
     end_step = min(cfg.steps, start_step + cfg.stop_after) if cfg.stop_after else cfg.steps
+    every = cfg.straggler_every
+    watch = fsdp_ext.StragglerWatch(par.parts, every=every) if every else None
     while step < end_step:
         t0 = time.perf_counter()
+        if watch is not None:
+            watch.begin()
         losses.append(par.train_step(*run.batch(corpus.train, cfg.seed, step)))
         fsdp_ext.clip_grad_norm_(params, cfg.grad_clip, pp_mesh=par.pp_mesh)
         run.optimizer.step()
@@ -182,6 +186,8 @@ def _train_loop(run: Run, mode: str, clock: StartupClock) -> dict:
         run.scheduler.step()
         step += 1
         step_ms.append((time.perf_counter() - t0) * 1e3)
+        if watch is not None and (straggler := watch.end(step)) is not None:
+            log(straggler)
         if not clock.reported:
             clock.mark("first step")
             clock.reported = True

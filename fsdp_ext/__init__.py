@@ -56,6 +56,7 @@ from fsdp_ext.pipeline import (
     reduce_pipeline_loss,
     split_stages,
 )
+from fsdp_ext.straggler import Straggler, StragglerWatch, name_straggler
 from fsdp_ext.wrap import (
     CostModel,
     GranularityPolicy,
@@ -95,6 +96,8 @@ __all__ = [
     "SpreadFileSystemWriter",
     "SpreadSavePlanner",
     "StagePlan",
+    "Straggler",
+    "StragglerWatch",
     "UnsafeCheckpointError",
     "UnshardedBytesTracker",
     "VerifiedFileSystemReader",
@@ -109,6 +112,7 @@ __all__ = [
     "clip_grad_norm_",
     "enable",
     "latest_intact",
+    "name_straggler",
     "node_local_reshard",
     "pipeline_step",
     "plan_stages",

@@ -7,10 +7,17 @@ every node with a real multi-node rendezvous; the interface counters say what cr
 link. See docs/cluster.md.
 """
 
-from fsdp_ext.lab.cleanup import clean_stale
+from fsdp_ext.lab.cleanup import clean_stale, namespace_pids
 from fsdp_ext.lab.cluster import DEFAULT_TIMEOUT_S, Cluster, LabResult
 from fsdp_ext.lab.counters import NodeBytes
-from fsdp_ext.lab.faults import Fault, FaultEvent, process_environ
+from fsdp_ext.lab.faults import (
+    Fault,
+    FaultEvent,
+    kill_namespace,
+    link_down,
+    process_environ,
+    rank_pids,
+)
 from fsdp_ext.lab.network import FABRIC_DEVICE
 from fsdp_ext.lab.rates import parse_rate
 from fsdp_ext.lab.requirements import APT_INSTALL, LabUnavailable, unavailable_reason
@@ -28,7 +35,11 @@ __all__ = [
     "NodeBytes",
     "NodeLoss",
     "clean_stale",
+    "kill_namespace",
+    "link_down",
+    "namespace_pids",
     "parse_rate",
     "process_environ",
+    "rank_pids",
     "unavailable_reason",
 ]

@@ -27,7 +27,16 @@ from fsdp_ext.lab.cleanup import namespace_pids
 from fsdp_ext.lab.network import FABRIC_DEVICE
 from fsdp_ext.lab.system import run_tool
 
-__all__ = ["FAULT_KINDS", "Fault", "FaultEvent", "FaultInjector", "process_environ", "rank_pids"]
+__all__ = [
+    "FAULT_KINDS",
+    "Fault",
+    "FaultEvent",
+    "FaultInjector",
+    "kill_namespace",
+    "link_down",
+    "process_environ",
+    "rank_pids",
+]
 
 FAULT_KINDS = ("kill-node", "kill-rank", "link-down", "storage-down")
 KILL_DEADLINE_S = 10.0
