@@ -46,7 +46,7 @@ from fsdp_ext.checkpoint.catalog import (
     read_catalog,
     sweep,
 )
-from fsdp_ext.checkpoint.file_groups import group_items, safe_name
+from fsdp_ext.checkpoint.file_groups import group_items, safe_name, split_results
 from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
 from fsdp_ext.checkpoint.location import blob_store_for
 from fsdp_ext.checkpoint.manifest import (
@@ -220,14 +220,7 @@ class BlobStorageWriter(StorageWriter):
         prefix = self.prefix
         if prefix is None:
             raise RuntimeError("finish() without prepare_global_plan(): not the coordinator")
-        records: dict[str, FileRecord] = {}
-        storage_data = {}
-        for rank_results in results:
-            for wr in rank_results:
-                if wr.index.fqn.startswith(_FILE_RECORD):
-                    records[wr.storage_data.name] = wr.storage_data
-                else:
-                    storage_data[wr.index] = wr.storage_data
+        records, storage_data = split_results(results, _FILE_RECORD)
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()

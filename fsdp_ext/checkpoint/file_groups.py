@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Any
 
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from fsdp_ext.checkpoint.layers import LayerKey, layer_of
 
-__all__ = ["group_items", "item_file_bytes", "safe_name"]
+__all__ = ["group_items", "item_file_bytes", "safe_name", "split_results"]
 
 OTHER = "other"
 
@@ -69,3 +71,19 @@ def _natural(name: str) -> tuple:
 
 def safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def split_results(
+    results: list[list[WriteResult]], file_prefix: str
+) -> tuple[dict[str, Any], dict[Any, Any]]:
+    """Every rank's write results, split into the per-file records a writer smuggles through
+    DCP under ``file_prefix`` (by file name) and the items' own storage data (by index)."""
+    records: dict[str, Any] = {}
+    storage_data: dict[Any, Any] = {}
+    for rank_results in results:
+        for wr in rank_results:
+            if wr.index.fqn.startswith(file_prefix):
+                records[wr.storage_data.name] = wr.storage_data
+            else:
+                storage_data[wr.index] = wr.storage_data
+    return records, storage_data

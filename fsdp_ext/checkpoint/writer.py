@@ -49,7 +49,7 @@ from torch.futures import Future
 
 from fsdp_ext._torch import write_files
 from fsdp_ext.checkpoint.fence import DirectoryFencedError, Fence
-from fsdp_ext.checkpoint.file_groups import group_items, item_file_bytes, safe_name
+from fsdp_ext.checkpoint.file_groups import group_items, item_file_bytes, safe_name, split_results
 from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
 from fsdp_ext.checkpoint.location import posix_storage
 from fsdp_ext.checkpoint.lock import LockOwner, acquire, release
@@ -449,14 +449,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         ``.metadata``, last (stock's commit point)."""
         fs, staging = self.fs, save.staging
         in_place = save.layout == IN_PLACE
-        records: dict[str, FileRecord] = {}
-        storage_data = {}
-        for rank_results in results:
-            for wr in rank_results:
-                if wr.index.fqn.startswith(_FILE_RECORD_PREFIX):
-                    records[wr.storage_data.name] = wr.storage_data
-                else:
-                    storage_data[wr.index] = wr.storage_data
+        records, storage_data = split_results(results, _FILE_RECORD_PREFIX)
         missing = sorted(set(save.expected) - set(records))
         if missing:
             raise RuntimeError(
