@@ -22,8 +22,14 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
     exit 2
 fi
 
-OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
+# GPU_CHECK_LOGS=DIR keeps every step's whole log there (the device tool's $OUT, say).
+if [ -n "${GPU_CHECK_LOGS:-}" ]; then
+    OUT=$GPU_CHECK_LOGS
+    mkdir -p "$OUT"
+else
+    OUT=$(mktemp -d)
+    trap 'rm -rf "$OUT"' EXIT
+fi
 status() { [ "$1" -eq 0 ] && echo pass || echo fail; }
 
 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py >"$OUT/kernels.log" 2>&1
