@@ -1,6 +1,9 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both bootstrap .venv on first use.
 PY := .venv/bin/python
 NPROC ?= 2
+# pytest workers: lab tests share one (tests/conftest.py), the rest spread over both
+TEST_WORKERS ?= 2
+PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: venv demo test test-floor test-newest test-slow torchtitan bench lint format lab
 
@@ -19,7 +22,7 @@ test: venv
 	@scripts/lab-packages.sh --best-effort
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) $(PYTEST)
 
 # The default suite on the oldest torch we support and on the newest release, each in its own
 # venv (scripts/bootstrap-torch.sh; the index's CUDA wheel, about 5 GB). Point FLOOR_VENV or
@@ -31,11 +34,11 @@ NEWEST_VENV ?= .venv-newest
 
 test-floor:
 	@scripts/bootstrap-torch.sh $(TORCH_FLOOR) $(FLOOR_VENV) "numpy<2.4"
-	PYTHONPATH=$(CURDIR) $(FLOOR_VENV)/bin/python -m pytest -q
+	PYTHONPATH=$(CURDIR) $(FLOOR_VENV)/bin/python $(PYTEST)
 
 test-newest:
 	@scripts/bootstrap-torch.sh $(TORCH_NEWEST) $(NEWEST_VENV)
-	PYTHONPATH=$(CURDIR) $(NEWEST_VENV)/bin/python -m pytest -q
+	PYTHONPATH=$(CURDIR) $(NEWEST_VENV)/bin/python $(PYTEST)
 
 # torchtitan 0.3.0 with its full dependency set would downgrade huggingface_hub (2.x -> 1.33)
 # under transformers 5.23, so it goes in without dependencies, plus the pure-python packages
