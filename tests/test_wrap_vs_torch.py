@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_ext
 from fsdp_ext.testing import WireCounter, fsdp_units, run_distributed
+from fsdp_ext.wrap.apply import NATIVE_UNUSED_PARAM_REDUCE_SCATTER
 
 pytest.importorskip("transformers")
 
@@ -115,7 +116,14 @@ def test_ours_and_torch_per_layer_make_the_same_collectives_when_the_plans_are_e
         kinds = Counter(kind for kind, _ in ours["logs"][0])
         assert kinds == {"all_gather": 4, "reduce_scatter": 3}, kinds
         assert all(nbytes > 0 for _, nbytes in ours["logs"][0])
-        assert ours["hooks"] == torch_["hooks"]
+        want = dict(torch_["hooks"])
+        if not NATIVE_UNUSED_PARAM_REDUCE_SCATTER:
+            # torch 2.11's FSDP2 cannot reduce-scatter a parameter that got no gradient, so
+            # each MoE block gets one forward hook that gives idle experts a zero gradient
+            for name in ("model.layers.0.mlp", "model.layers.1.mlp"):
+                pre, fwd, bpre, bwd = want[name]
+                want[name] = (pre, fwd + 1, bpre, bwd)
+        assert ours["hooks"] == want
         assert ours["losses"] == torch_["losses"]
 
 
