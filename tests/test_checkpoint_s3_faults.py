@@ -327,3 +327,28 @@ def _same(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> bool:
     state = model.state_dict()
     same = state.keys() == expected.keys()
     return same and all(torch.equal(value, expected[name]) for name, value in state.items())
+
+
+def test_train_py_reports_a_dead_server_as_one_line(server, location, monkeypatch, capsys):
+    """``examples/train.py``'s own handler: the Checkpointer's error is one ``train.py:
+    error:`` line and exit 1 (its training loop swapped for one save, to keep this cheap)."""
+    from examples import train as train_py
+    from tests.test_train_job_life import TINY
+
+    def save_into_a_dead_server(cfg, clock) -> dict:
+        with (
+            Checkpointer(cfg.checkpoint_root, model=_model(1.0)) as ckpt,
+            kill_server(server, location, "PutObject", ".distcp", when="before"),
+        ):
+            ckpt.save(1)
+        return {}
+
+    monkeypatch.setattr(train_py, "train", save_into_a_dead_server)
+    with pytest.raises(SystemExit) as exit_:
+        train_py.main([*TINY.split(), "--steps", "2", "--out", location])
+    server.restart()
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if "error" in x.lower() or "Traceback" in x]
+    assert line.startswith(f"train.py: error: argument --out: {location}/checkpoints/step-1/")
+    assert CAUSE in line and "Connection refused" in line, line
