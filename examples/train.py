@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None, *, own_process_group: bool = True) -> di
             _fail(f"argument --out: {exc}", FENCED)
         except fsdp_ext.CheckpointSpaceError as exc:
             _fail(str(exc), 1)
+        except fsdp_ext.checkpoint.BlobAccessError as exc:  # the S3 server died mid-run
+            _fail(f"argument --out: {exc}", 1)
         if dist.get_rank() == 0:
             report(cfg, summary, time.perf_counter() - t0)
         return summary

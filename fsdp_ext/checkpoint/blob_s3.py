@@ -9,20 +9,32 @@ range is inclusive, ours ends before ``end``); ``list`` pages through ``ListObje
 
 The endpoint, the credentials and the retries come the usual way, never from our own
 config: ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``), ``AWS_ACCESS_KEY_ID`` /
-``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE`` and ``~/.aws/config``, ``AWS_MAX_ATTEMPTS``.
+``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE`` and ``~/.aws/config``, ``AWS_MAX_ATTEMPTS`` and
+``AWS_RETRY_MODE``.
 
 The first request of a store checks the bucket (``HeadBucket``), so that a missing bucket,
 refused credentials or an endpoint that does not answer each give one
 :class:`~fsdp_ext.checkpoint.blob.BlobAccessError` naming the location, the cause and the
 fix, instead of a 404 that would read as "no such object". The boto3 client is made on first
 use in each process (a store pickles without it) and is shared by threads.
+
+**A server that dies** (killed, its host gone) fails each request within a bounded time, as
+one ``BlobAccessError`` naming the object, the endpoint and the cause ("stopped answering":
+the store had answered before). Bounds, with botocore's default retries (``standard`` mode,
+3 attempts, at most 0.1 s and then 0.2 s of backoff between them): a refused connection (the process
+is gone, its host is up) fails in well under a second; an endpoint that drops packets (the
+host is gone) fails after 3 x :data:`CONNECT_TIMEOUT_S`; a server that accepts and then
+never answers, after 3 x botocore's 60 s read timeout. A body cut mid-transfer (a GET whose
+server died while sending) is fetched again, :data:`BODY_ATTEMPTS` times in all.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -53,6 +65,10 @@ _CREDENTIALS_REFUSED = {
     "SignatureDoesNotMatch",
 }
 _CONFLICT_RETRIES = 5  # S3 answers 409 ConditionalRequestConflict to racing conditional puts
+# seconds to open a connection (botocore's default: 60; its "standard" defaults mode: 3.1):
+# an endpoint whose host is gone fails after 3 attempts of this, not 3 minutes
+CONNECT_TIMEOUT_S = 5.0
+BODY_ATTEMPTS = 3  # a GET whose body was cut mid-transfer is sent again, up to this in all
 _CREDENTIALS_FIX = (
     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, to credentials this "
     "server accepts"
@@ -104,9 +120,34 @@ def _code(exc: Exception) -> str:
     return code or str(status or "")
 
 
+def _cause(exc: BaseException) -> str:
+    """``exc``'s text on one line, with the system's reason where one lies beneath (botocore
+    says "Could not connect to the endpoint URL"; the socket said "Connection refused")."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.strerror and e.strerror not in text:
+            return f"{text}: {e.strerror}"
+        kwargs = getattr(e, "kwargs", None)
+        todo += [e.__cause__, e.__context__, *(getattr(e, "args", ()) or ())]
+        if isinstance(kwargs, dict):
+            todo.append(kwargs.get("error"))
+        todo = [t for t in todo if isinstance(t, BaseException)]
+    return text
+
+
 def _status(exc: Exception) -> int | None:
     response = getattr(exc, "response", None) or {}
     return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+
+def _read_body(reply: dict) -> bytes:
+    with reply["Body"] as body:
+        return body.read()
 
 
 class S3BlobStore(BlobStore):
@@ -153,8 +194,10 @@ class S3BlobStore(BlobStore):
                         f"{self.location}: S3 locations need boto3; pip install boto3 "
                         "(or fsdp-ext[s3])"
                     ) from exc
+                from botocore.config import Config
+
                 self._client = boto3.session.Session(botocore_session=_botocore_session()).client(
-                    "s3"
+                    "s3", config=Config(connect_timeout=CONNECT_TIMEOUT_S)
                 )
                 _CLIENTS[key] = self._client
             client = self._client
@@ -181,8 +224,10 @@ class S3BlobStore(BlobStore):
             NoCredentialsError,
             PartialCredentialsError,
         )
+        from urllib3.exceptions import HTTPError  # a body cut mid-transfer, raw
 
         where = self.where(key) if key else self.location
+        reached, started = self._checked and not checking, time.monotonic()
         try:
             return request()
         except (NoCredentialsError, PartialCredentialsError) as exc:
@@ -207,9 +252,16 @@ class S3BlobStore(BlobStore):
                     "AWS_REGION (or the profile's region) to the bucket's"
                 ) from exc
             raise
-        except BotoCoreError as exc:  # no connection, timeouts, a bad endpoint URL
+        except (BotoCoreError, HTTPError) as exc:  # no connection, timeouts, a bad endpoint URL
+            if reached:  # it answered this process before: the server died or hangs
+                raise BlobAccessError(
+                    f"{where}: the S3 endpoint {self.endpoint} stopped answering "
+                    f"({_cause(exc)}; gave up after {time.monotonic() - started:.1f} s of "
+                    "retries); what is published there is unchanged: retry once the server is "
+                    "back"
+                ) from exc
             raise BlobAccessError(
-                f"{where}: cannot reach the S3 endpoint {self.endpoint} ({exc}); check "
+                f"{where}: cannot reach the S3 endpoint {self.endpoint} ({_cause(exc)}); check "
                 "AWS_ENDPOINT_URL (or the profile's endpoint_url) and that the server runs"
             ) from exc
 
@@ -264,19 +316,24 @@ class S3BlobStore(BlobStore):
         extra = {}
         if first or end is not None:
             extra["Range"] = f"bytes={first}-{'' if end is None else end - 1}"
-        try:
-            reply = self._call(
-                lambda: client.get_object(Bucket=self.bucket, Key=name, **extra), key
-            )
-        except Exception as exc:
-            code = _code(exc)
-            if code in ("NoSuchKey", "404"):
-                raise BlobNotFoundError(f"{self.where(key)}: no such object") from None
-            if code == "InvalidRange" or _status(exc) == 416:  # starts at or past the end
-                return b""
-            raise
-        with reply["Body"] as body:
-            return body.read()
+        for attempt in range(BODY_ATTEMPTS):
+            try:
+                reply = self._call(
+                    lambda: client.get_object(Bucket=self.bucket, Key=name, **extra), key
+                )
+            except Exception as exc:
+                code = _code(exc)
+                if code in ("NoSuchKey", "404"):
+                    raise BlobNotFoundError(f"{self.where(key)}: no such object") from None
+                if code == "InvalidRange" or _status(exc) == 416:  # starts at or past the end
+                    return b""
+                raise
+            try:
+                return self._call(functools.partial(_read_body, reply), key)
+            except BlobAccessError:  # cut mid-transfer: ask again (a dead server refuses)
+                if attempt + 1 == BODY_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
 
     def head(self, key: str) -> BlobInfo | None:
         client, name = self._s3(), self._object(key)

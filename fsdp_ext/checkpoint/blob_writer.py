@@ -25,7 +25,7 @@ import io
 import pickle
 import uuid
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 
 import torch
@@ -206,8 +206,14 @@ class BlobStorageWriter(StorageWriter):
             return results
 
         with ThreadPoolExecutor(max(1, min(self.thread_count, len(assignment.files)))) as pool:
-            done = [pool.submit(write_file, *f) for f in assignment.files]
-            results = [r for f in done for r in f.result()]
+            futures = [pool.submit(write_file, *f) for f in assignment.files]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f.done() and f.exception()), None)
+            if failed is not None:  # a dead store: the files not started are not tried
+                for f in futures:  # (each would wait out its own retries first)
+                    f.cancel()
+                raise failed.exception()
+            results = [r for f in futures for r in f.result()]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut

@@ -93,8 +93,8 @@ class BlobOwnership:
         if self.joined:
             return
         self.stop_renewing()
-        if self.fence.lost() is None:
-            with contextlib.suppress(BlobError, OSError):
+        with contextlib.suppress(BlobError, OSError):  # a store that died: the lease expires
+            if self.fence.lost() is None:
                 self.store.put(beat_key(self.owner.generation), RELEASED.encode())
 
 

@@ -5,6 +5,12 @@ The same promises as on POSIX, on the blob primitives alone: a save publishes wi
 conditional replace of the catalog, fenced by this job's owner generation; a prune
 unpublishes first and deletes after; a resume loads the newest step that verifies and falls
 back to older ones, one warning each.
+
+A store that cannot be used (:class:`BlobAccessError`: the server died, refused the
+credentials...) is no fault of a checkpoint: it is raised as it is, one line naming the
+location and the cause, on every rank; DCP's ``CheckpointException`` around it is taken off
+(:func:`store_error`), and a resume never skips a step for it (it would start over from step
+0 while the checkpoints are intact).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fsdp_ext.checkpoint.blob import BlobAccessError
 from fsdp_ext.checkpoint.blob_reader import BlobStorageReader
 from fsdp_ext.checkpoint.blob_writer import BlobStorageWriter
 from fsdp_ext.checkpoint.catalog import BlobFence, read_catalog, remove_steps
@@ -25,7 +32,18 @@ from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, UnsafeCheckpo
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner
 from fsdp_ext.checkpoint.reader import SafeLoadPlanner
 
-__all__ = ["load_newest", "prune_steps", "published_steps", "save_step"]
+__all__ = ["load_newest", "prune_steps", "published_steps", "save_step", "store_error"]
+
+
+def store_error(exc: BaseException) -> BlobAccessError | None:
+    """The :class:`BlobAccessError` a failure carries: itself, or a rank's failure inside
+    DCP's ``CheckpointException`` (every rank gets the same one); None when there is none."""
+    causes = exc.failures.values() if isinstance(exc, CheckpointException) else [exc]
+    for cause in causes:
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        if isinstance(cause, BlobAccessError):
+            return cause
+    return None
 
 
 def published_steps(location: str) -> list[int]:
@@ -40,12 +58,14 @@ def save_step(
     fence: BlobFence | None,
     group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Save ``state`` as ``step`` (collective); what a failed save wrote is deleted."""
+    """Save ``state`` as ``step`` (collective); what a failed save wrote is deleted (when the
+    store answers: else the next save's commit sweeps it)."""
     writer = BlobStorageWriter(location, step, fence=fence)
     try:
         dcp.save(state, storage_writer=writer, planner=SpreadSavePlanner(), process_group=group)
-    except BaseException:
-        writer.abandon()
+    except BaseException as exc:
+        if store_error(exc) is None:
+            writer.abandon()
         raise
 
 
@@ -65,11 +85,18 @@ def load_newest(
     """Load the newest step that verifies into ``state`` (collective: rank 0's catalog is
     every rank's); return it, or None when none does. A step that fails its checks on any
     rank is skipped with a warning naming the cause."""
-    steps = published_steps(location) if _leader() else None
+    steps: list[int] | str | None = None
+    if _leader():
+        try:
+            steps = published_steps(location)
+        except BlobAccessError as exc:  # every rank raises it, none waits for rank 0
+            steps = str(exc)
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [steps]
         dist.broadcast_object_list(box, src=0)
         steps = box[0]
+    if isinstance(steps, str):
+        raise BlobAccessError(steps)
     for step in reversed(steps or []):
         reader = BlobStorageReader(location, step)
         try:
@@ -81,6 +108,9 @@ def load_newest(
             )
             return step
         except (CheckpointIntegrityError, UnsafeCheckpointError, CheckpointException) as exc:
+            unusable = store_error(exc)
+            if unusable is not None:  # the store failed, not the checkpoint
+                raise unusable from None
             warnings.warn(
                 f"resume: step {step} of {location} does not load, trying an older one: "
                 f"{_first_line(exc)}",

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from fsdp_ext.checkpoint.blob import BlobAccessError
 from fsdp_ext.checkpoint.fence import DirectoryFencedError, Fence
 from fsdp_ext.checkpoint.location import blob_store_for, is_object_store
 from fsdp_ext.checkpoint.lock import check_lease
@@ -236,11 +237,11 @@ class Checkpointer:
                     self._ownership = claim_blob(blob_store_for(self.location), lease_s=lease_s)
                 else:
                     self._ownership = claim(self.root, lease_s=lease_s, fs=fs)
-            except DirectoryOwnedError as exc:
-                error = str(exc)
+            except (DirectoryOwnedError, BlobAccessError) as exc:
+                error = (type(exc), str(exc))
         error = _agree(error)
         if error is not None:
-            raise DirectoryOwnedError(error)
+            raise error[0](error[1])
 
     def path(self, step: int) -> Path | str:
         if self.location is not None:
@@ -266,10 +267,15 @@ class Checkpointer:
         fence = self.fence
         lost = None
         if fence is not None:
-            lost = fence.lost()
+            try:
+                lost = fence.lost()
+            except BlobAccessError as exc:  # raised on every rank, none left waiting
+                lost = (BlobAccessError, str(exc))
             if lost is None and self.location is None:
                 set_aside(path, self.fs)  # a corrupt checkpoint of this step is kept
         lost = _agree(lost)
+        if isinstance(lost, tuple):
+            raise lost[0](lost[1])
         if lost is not None:
             raise DirectoryFencedError(lost)
         if blocking:
@@ -337,6 +343,9 @@ class Checkpointer:
                     state, storage_writer=writer, planner=SpreadSavePlanner(), process_group=group
                 )
         except (Exception, CheckpointException) as exc:  # failed on every rank alike
+            unusable = blob_run.store_error(exc)
+            if unusable is not None:  # the store died (every rank has this failure): one line
+                raise unusable from None  # not DCP's traceback of each rank
             if writer is not None:
                 writer.abandon()
             lost = _agree(None if fence is None else fence.lost(), group)
@@ -349,12 +358,17 @@ class Checkpointer:
         lost = None
         if _leader():
             try:
-                self.prune()
-            except (OSError, DirectoryFencedError):  # a prune a takeover fenced: nothing removed
-                lost = None if fence is None else fence.lost()
-                if lost is None:
-                    raise
+                try:
+                    self.prune()
+                except (OSError, DirectoryFencedError):  # a prune a takeover fenced
+                    lost = None if fence is None else fence.lost()
+                    if lost is None:
+                        raise
+            except BlobAccessError as exc:  # the store died after the commit: every rank
+                lost = (BlobAccessError, str(exc))  # raises it, none is left waiting
         lost = _agree(lost, group)
+        if isinstance(lost, tuple):
+            raise lost[0](lost[1])
         if lost is not None:
             raise DirectoryFencedError(lost)
 
