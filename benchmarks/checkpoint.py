@@ -44,6 +44,19 @@ give ``lab_save_speedup_vs_lowest_rank``, ``lab_save_ratio_vs_dcp_default`` and
 interface counters give the bytes it sent and received per save and load.
 
     python benchmarks/checkpoint.py --lab --lab-link 100,200,400     # docs/checkpoint_lab.png
+
+With ``--storage s3`` the lab's storage node runs an S3 server (SeaweedFS) instead of sshfs,
+and two savers take turns on the same ranks and server: stock ``FsspecWriter`` /
+``FsspecReader`` on s3fs with the stock planners, and our ``BlobStorageWriter`` /
+``BlobStorageReader`` with ours; the last line has ``s3_save_ratio_vs_fsspec`` and
+``s3_load_ratio_vs_fsspec`` (ours / stock, first rate, replicated layout) and the bytes each
+node's storage link carried. s3fs cannot share this venv (its aiobotocore pins an older
+botocore than our boto3): install it, with the boto3 it agrees with, into a directory of its
+own and name it with ``--s3fs-path`` or ``FSDP_EXT_S3FS_PATH``. ``--quick`` with ``--lab``
+measures the replicated layout only.
+
+    python -m pip install --target /tmp/s3fs-site s3fs boto3
+    FSDP_EXT_S3FS_PATH=/tmp/s3fs-site python benchmarks/checkpoint.py --lab --storage s3 --quick
 """
 
 from __future__ import annotations
@@ -90,7 +103,12 @@ from fsdp_ext.checkpoint import (
     spread_plans,
 )
 from fsdp_ext.lab import FABRIC_DEVICE, Cluster, unavailable_reason
-from fsdp_ext.testing import create_write_items, dedup_save_plans, run_distributed
+from fsdp_ext.testing import (
+    create_write_items,
+    dedup_save_plans,
+    fsspec_writer_and_reader,
+    run_distributed,
+)
 
 WORLD = 4
 LAYOUTS = ("replicated", "hsdp", "fsdp")
@@ -615,18 +633,16 @@ def _s3_writer_and_planner(variant: str, location: str):
     to ``os.sync()`` of the whole host (an S3 file has no descriptor), which only slows it;
     a finished S3 put is durable anyway."""
     if variant == "fsspec":
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
+        fsspec_writer, _ = fsspec_writer_and_reader()
         endpoint = os.environ["AWS_ENDPOINT_URL"]
-        return FsspecWriter(location, sync_files=False, endpoint_url=endpoint), None
+        return fsspec_writer(location, sync_files=False, endpoint_url=endpoint), None
     return BlobStorageWriter(location, 1), SpreadSavePlanner()
 
 
 def _s3_reader_and_planner(variant: str, location: str):
     if variant == "fsspec":
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(location, endpoint_url=os.environ["AWS_ENDPOINT_URL"]), None
+        _, fsspec_reader = fsspec_writer_and_reader()
+        return fsspec_reader(location, endpoint_url=os.environ["AWS_ENDPOINT_URL"]), None
     return BlobStorageReader(location, 1), SafeLoadPlanner()
 
 
