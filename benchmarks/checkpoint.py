@@ -44,6 +44,19 @@ give ``lab_save_speedup_vs_lowest_rank``, ``lab_save_ratio_vs_dcp_default`` and
 interface counters give the bytes it sent and received per save and load.
 
     python benchmarks/checkpoint.py --lab --lab-link 100,200,400     # docs/checkpoint_lab.png
+
+With ``--storage s3`` the lab's storage node runs an S3 server (SeaweedFS) instead of sshfs,
+and two savers take turns on the same ranks and server: stock ``FsspecWriter`` /
+``FsspecReader`` on s3fs with the stock planners, and our ``BlobStorageWriter`` /
+``BlobStorageReader`` with ours; the last line has ``s3_save_ratio_vs_fsspec`` and
+``s3_load_ratio_vs_fsspec`` (ours / stock, first rate, replicated layout) and the bytes each
+node's storage link carried. s3fs cannot share this venv (its aiobotocore pins an older
+botocore than our boto3): install it, with the boto3 it agrees with, into a directory of its
+own and name it with ``--s3fs-path`` or ``FSDP_EXT_S3FS_PATH``. ``--quick`` with ``--lab``
+measures the replicated layout only.
+
+    python -m pip install --target /tmp/s3fs-site s3fs boto3
+    FSDP_EXT_S3FS_PATH=/tmp/s3fs-site python benchmarks/checkpoint.py --lab --storage s3 --quick
 """
 
 from __future__ import annotations
@@ -55,6 +68,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -78,6 +92,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp_ext.checkpoint import (
+    BlobStorageReader,
+    BlobStorageWriter,
     SafeLoadPlanner,
     SpreadFileSystemWriter,
     SpreadSavePlanner,
@@ -87,7 +103,12 @@ from fsdp_ext.checkpoint import (
     spread_plans,
 )
 from fsdp_ext.lab import FABRIC_DEVICE, Cluster, unavailable_reason
-from fsdp_ext.testing import create_write_items, dedup_save_plans, run_distributed
+from fsdp_ext.testing import (
+    create_write_items,
+    dedup_save_plans,
+    fsspec_writer_and_reader,
+    run_distributed,
+)
 
 WORLD = 4
 LAYOUTS = ("replicated", "hsdp", "fsdp")
@@ -576,6 +597,11 @@ def plot_simulation(sim: dict, path: Path) -> None:
 # -- the cluster lab -------------------------------------------------------------------------
 
 LAB_VARIANTS = ("lowest_rank", "dcp_default", "ours")  # checksums on
+# --storage s3: stock DCP's FsspecWriter/FsspecReader on s3fs, and our blob writer and reader
+S3_VARIANTS = ("fsspec", "ours")
+S3FS_ENV = "FSDP_EXT_S3FS_PATH"  # where s3fs (with its own botocore and boto3) is installed
+S3FS_INSTALL = f"{sys.executable} -m pip install --target"
+S3_TARGETS = {"s3_save_ratio_vs_fsspec": 0.8, "s3_load_ratio_vs_fsspec": 1.0}  # issue 39
 LAB_MODEL = {"dim": 256, "vocab": 12288, "n_layers": 12}  # 66 MB; the embedding 1.5x a share
 
 
@@ -601,59 +627,147 @@ def _lab_round(fn, key: int) -> tuple[float, list[list[int]]]:
     return seconds, [int(g) for g in gathered]
 
 
-def lab_worker(root: str, reps: int, layouts: tuple[str, ...]) -> dict:
-    """Run under torchrun on every node of a lab: save and load each layout with the three
-    writers on the shared directory, median of ``reps`` rounds after a warm-up round."""
+def _s3_writer_and_planner(variant: str, location: str):
+    """On S3: stock ``FsspecWriter`` (s3fs) with the stock planner, or our blob writer with
+    ours. Stock gets ``sync_files=False``: with the default, every file's fsync falls back
+    to ``os.sync()`` of the whole host (an S3 file has no descriptor), which only slows it;
+    a finished S3 put is durable anyway."""
+    if variant == "fsspec":
+        fsspec_writer, _ = fsspec_writer_and_reader()
+        endpoint = os.environ["AWS_ENDPOINT_URL"]
+        return fsspec_writer(location, sync_files=False, endpoint_url=endpoint), None
+    return BlobStorageWriter(location, 1), SpreadSavePlanner()
+
+
+def _s3_reader_and_planner(variant: str, location: str):
+    if variant == "fsspec":
+        _, fsspec_reader = fsspec_writer_and_reader()
+        return fsspec_reader(location, endpoint_url=os.environ["AWS_ENDPOINT_URL"]), None
+    return BlobStorageReader(location, 1), SafeLoadPlanner()
+
+
+_S3FS_CHECK = """
+import json, sys
+if sys.argv[1]:
+    sys.path.insert(0, sys.argv[1])
+import boto3, botocore, s3fs
+print(json.dumps({m.__name__: [m.__version__, m.__file__] for m in (s3fs, boto3, botocore)}))
+"""
+
+
+def check_s3fs(path: str | None, python: str = sys.executable) -> dict[str, str]:
+    """The versions of s3fs, boto3 and botocore that the stock baseline's ranks will import
+    (``path`` first on sys.path, when given); SystemExit with one line when they cannot."""
+    proc = subprocess.run(
+        [python, "-c", _S3FS_CHECK, path or ""], capture_output=True, text=True, timeout=300
+    )
+    where = f" from {path}" if path else " (no --s3fs-path, no $" + S3FS_ENV + ")"
+    if proc.returncode != 0:
+        cause = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(
+            f"--storage s3: the stock baseline (FsspecWriter/FsspecReader) needs s3fs, which "
+            f"does not import{where} ({cause}); install it apart from this venv (s3fs's "
+            f"aiobotocore pins an older botocore than this venv's boto3): {S3FS_INSTALL} DIR "
+            f"s3fs boto3, then pass --s3fs-path DIR or set {S3FS_ENV}=DIR"
+        )
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    inside = {name: bool(path) and file.startswith(str(Path(path).resolve()))
+              for name, (_, file) in found.items()}  # fmt: skip
+    if path and inside["botocore"] != inside["boto3"]:
+        raise SystemExit(
+            f"--s3fs-path {path}: botocore {found['botocore'][0]} and boto3 "
+            f"{found['boto3'][0]} come from different places ({found['botocore'][1]}, "
+            f"{found['boto3'][1]}); install boto3 beside s3fs: {S3FS_INSTALL} {path} s3fs boto3"
+        )
+    return {name: version for name, (version, _) in found.items()}
+
+
+def use_s3fs(path: str | None) -> dict[str, str]:
+    """Put ``path`` first on this rank's sys.path (before any botocore is imported), so that
+    s3fs, its aiobotocore and the botocore and boto3 they agree on are the ones loaded; both
+    variants then share one botocore. Returns the versions loaded."""
+    if path:
+        if "botocore" in sys.modules:
+            raise RuntimeError("use_s3fs must run before botocore is imported")
+        sys.path.insert(0, path)
+    import boto3
+    import botocore
+    import s3fs
+
+    return {m.__name__: m.__version__ for m in (s3fs, boto3, botocore)}
+
+
+def lab_worker(
+    root: str,
+    reps: int,
+    layouts: tuple[str, ...],
+    storage: str = "sshfs",
+    s3fs_path: str | None = None,
+) -> dict:
+    """Run under torchrun on every node of a lab: save and load each layout with each
+    writer on the shared storage (``root``: the shared directory, or an ``s3://`` location),
+    median of ``reps`` rounds after a warm-up round, the writers interleaved and rotated."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     shapes = model_shapes(LAB_MODEL["dim"], LAB_MODEL["vocab"], LAB_MODEL["n_layers"])
     out: dict = {"model_mb": round(sum(math.prod(s) * 4 for s in shapes.values()) / 2**20, 1)}
+    if storage == "s3":
+        out["versions"] = use_s3fs(s3fs_path)
+        variants = S3_VARIANTS
+        make_writer, make_reader = _s3_writer_and_planner, _s3_reader_and_planner
+    else:
+        variants = LAB_VARIANTS
+
+        def make_writer(variant: str, location: str):
+            return writer_and_planner(variant, Path(location))
+
+        def make_reader(variant: str, location: str):
+            return reader_and_planner(variant, Path(location))
+
+    n = len(variants)
     for layout in layouts:
         state = build_state(layout, shapes)
-        save_s: dict[str, list[float]] = {v: [] for v in LAB_VARIANTS}
+        save_s: dict[str, list[float]] = {v: [] for v in variants}
         sent: dict[str, list[int]] = {}
         for rep in range(reps + 1):
-            order = LAB_VARIANTS[rep % 3 :] + LAB_VARIANTS[: rep % 3]
-            for variant in order:
+            for variant in variants[rep % n :] + variants[: rep % n]:
                 # a fresh path each round: nothing to remove, no cache of a removed directory
-                path = Path(root) / f"{layout}-{variant}-{rep}"
-                writer, planner = writer_and_planner(variant, path)
+                writer, planner = make_writer(variant, f"{root}/{layout}-{variant}-{rep}")
                 save = functools.partial(dcp.save, state, storage_writer=writer, planner=planner)
                 seconds, per_rank = _lab_round(save, key=0)
                 if rep:
                     save_s[variant].append(seconds)
                     sent[variant] = per_rank
-        load_s: dict[str, list[float]] = {v: [] for v in LAB_VARIANTS}
+        load_s: dict[str, list[float]] = {v: [] for v in variants}
         received: dict[str, list[int]] = {}
-        exact = dict.fromkeys(LAB_VARIANTS, True)
+        exact = dict.fromkeys(variants, True)
         for rep in range(reps + 1):
-            for variant in LAB_VARIANTS[rep % 3 :] + LAB_VARIANTS[: rep % 3]:
+            for variant in variants[rep % n :] + variants[: rep % n]:
                 target = zeros_like_state(state)
-                reader, planner = reader_and_planner(variant, Path(root) / f"{layout}-{variant}-1")
+                reader, planner = make_reader(variant, f"{root}/{layout}-{variant}-1")
                 load = functools.partial(dcp.load, target, storage_reader=reader, planner=planner)
                 seconds, per_rank = _lab_round(load, key=1)
                 exact[variant] &= same(target, state)
                 if rep:
                     load_s[variant].append(seconds)
                     received[variant] = per_rank
-        flags = torch.tensor([int(exact[v]) for v in LAB_VARIANTS])
+        flags = torch.tensor([int(exact[v]) for v in variants])
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        out[layout] = {
-            variant: {
+        out[layout] = {}
+        for i, variant in enumerate(variants):
+            row = {
                 "save_s": round(statistics.median(save_s[variant]), 3),
                 "save_s_all": [round(t, 3) for t in save_s[variant]],
                 "load_s": round(statistics.median(load_s[variant]), 3),
                 "load_s_all": [round(t, 3) for t in load_s[variant]],
                 "storage_sent_mb_per_rank": [round(b / 2**20, 1) for b in sent[variant]],
                 "storage_received_mb_per_rank": [round(b / 2**20, 1) for b in received[variant]],
-                "disk_mb_per_rank": [
-                    round(b / 2**20, 1)
-                    for b in bytes_per_rank(Path(root) / f"{layout}-{variant}-1")
-                ],
                 "loads_equal": bool(flags[i]),
             }
-            for i, variant in enumerate(LAB_VARIANTS)
-        }
+            if storage != "s3":
+                path = Path(root) / f"{layout}-{variant}-1"
+                row["disk_mb_per_rank"] = [round(b / 2**20, 1) for b in bytes_per_rank(path)]
+            out[layout][variant] = row
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
@@ -687,40 +801,100 @@ def plot_lab(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def s3_summary(
+    args, nodes: int, rates: list[int], layouts: tuple[str, ...], per_rate: dict, versions
+) -> dict:
+    """The last line of ``--lab --storage s3``: our blob writer and reader against stock
+    ``FsspecWriter``/``FsspecReader`` on s3fs, per rate and layout, the first rate's
+    replicated layout (or the first layout) as the headline."""
+    first = per_rate[str(rates[0])]
+    head = first["replicated" if "replicated" in layouts else layouts[0]]
+    storage_mb = {
+        variant: {
+            "save_sent_total": round(sum(head[variant]["storage_sent_mb_per_rank"]), 1),
+            "save_sent_max_rank": max(head[variant]["storage_sent_mb_per_rank"]),
+            "load_received_total": round(sum(head[variant]["storage_received_mb_per_rank"]), 1),
+        }
+        for variant in S3_VARIANTS
+    }
+    result = {
+        "bench": "checkpoint_lab_s3",
+        "nodes": nodes,
+        "ranks_per_node": WORLD // nodes,
+        "link_mbit": rates,
+        "model_mb": first["model_mb"],
+        "reps": args.lab_reps,
+        "layouts": list(layouts),
+        "versions": {"ranks": first["versions"], "checked": versions},
+        "per_rate": per_rate,
+        "storage_link_mb": storage_mb,
+        "by_rate": {
+            rate: {
+                layout: {
+                    "save_ratio_vs_fsspec": round(
+                        m[layout]["ours"]["save_s"] / m[layout]["fsspec"]["save_s"], 2
+                    ),
+                    "load_ratio_vs_fsspec": round(
+                        m[layout]["ours"]["load_s"] / m[layout]["fsspec"]["load_s"], 2
+                    ),
+                }
+                for layout in layouts
+            }
+            for rate, m in per_rate.items()
+        },
+        "loads_equal": all(
+            row["loads_equal"]
+            for m in per_rate.values()
+            for layout in layouts
+            for row in m[layout].values()
+        ),
+        "targets": S3_TARGETS,
+        "s3_save_ratio_vs_fsspec": round(head["ours"]["save_s"] / head["fsspec"]["save_s"], 2),
+        "s3_load_ratio_vs_fsspec": round(head["ours"]["load_s"] / head["fsspec"]["load_s"], 2),
+    }
+    return result
+
+
 def lab_main(args) -> dict:
-    """Build a lab (4 ranks on ``--lab-nodes`` nodes, sshfs shared storage, each node's links
-    capped), run :func:`lab_worker` in it once per link rate, report the ratios."""
-    reason = unavailable_reason()
+    """Build a lab (4 ranks on ``--lab-nodes`` nodes, each node's links capped, the storage
+    node serving sshfs or S3), run :func:`lab_worker` in it once per link rate, report the
+    ratios."""
+    reason = unavailable_reason(storage=args.storage)
     if reason is not None:
         raise SystemExit(f"--lab: {reason}")
+    versions = check_s3fs(args.s3fs_path) if args.storage == "s3" else None
     nodes = args.lab_nodes
     rates = [int(r) for r in args.lab_link.split(",")]
-    layouts = tuple(args.lab_layouts.split(","))
+    layouts = ("replicated",) if args.quick else tuple(args.lab_layouts.split(","))
     per_rate: dict[str, dict] = {}
     with Cluster(
-        nodes=nodes, ranks_per_node=WORLD // nodes, link=f"{rates[0]}mbit", timeout=3000
+        nodes=nodes,
+        ranks_per_node=WORLD // nodes,
+        link=f"{rates[0]}mbit",
+        timeout=3000,
+        storage=args.storage,
     ) as lab:
+        if args.lab_echo:
+            print(f"lab: {lab.describe()}", file=sys.stderr, flush=True)
         for rate in rates:
             lab.set_link(f"{rate}mbit")
             lab.set_storage_link(f"{rate}mbit")
-            root = lab.shared_dir / f"ckpt-{rate}"
-            job = lab.run(
-                [
-                    str(Path(__file__).resolve()),
-                    "--lab-worker",
-                    str(root),
-                    "--lab-reps",
-                    str(args.lab_reps),
-                    "--lab-layouts",
-                    ",".join(layouts),
-                ],
-                echo=sys.stderr if args.lab_echo else None,
-            )
+            worker = [str(Path(__file__).resolve()), "--lab-worker"]
+            worker += [f"{lab.storage_location}/ckpt-{rate}", "--lab-reps", str(args.lab_reps)]
+            worker += ["--lab-layouts", ",".join(layouts), "--storage", args.storage]
+            if args.s3fs_path:
+                worker += ["--s3fs-path", args.s3fs_path]
+            job = lab.run(worker, echo=sys.stderr if args.lab_echo else None)
             measured = job.last_json()
             if job.returncode != 0 or measured is None:
+                others = "".join(
+                    f"\nrank {r}'s stderr:\n{err[-1500:]}"
+                    for r, err in enumerate(job.rank_stderr)
+                    if r and err.strip()
+                )
                 raise SystemExit(
                     f"--lab: the job at {rate} Mbit/s failed (exit {job.returncode}, timed out "
-                    f"{job.timed_out}):\n{job.output[-4000:]}"
+                    f"{job.timed_out}):\n{job.output[-4000:]}{others[:4000]}"
                 )
             measured["job_s"] = round(job.seconds, 1)
             measured["link_bytes_mb"] = [
@@ -728,6 +902,10 @@ def lab_main(args) -> dict:
             ]
             per_rate[str(rate)] = measured
             print(f"lab {rate} Mbit/s: " + json.dumps(measured), flush=True)
+    if args.storage == "s3":
+        result = s3_summary(args, nodes, rates, layouts, per_rate, versions)
+        print(json.dumps(result), flush=True)
+        return result
     head = per_rate[str(rates[0])]["replicated" if "replicated" in layouts else layouts[0]]
     result = {
         "bench": "checkpoint_lab",
@@ -806,6 +984,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lab-reps", type=int, default=3, help="timed rounds (median), >= 1")
     p.add_argument("--lab-layouts", default="replicated,hsdp,fsdp")
     p.add_argument("--lab-echo", action="store_true", help="stream node 0's console")
+    p.add_argument(
+        "--storage",
+        choices=("sshfs", "s3"),
+        default="sshfs",
+        help="with --lab: what the storage node serves. s3: SeaweedFS, ours against stock "
+        "FsspecWriter/FsspecReader on s3fs (needs --s3fs-path)",
+    )
+    p.add_argument(
+        "--s3fs-path",
+        default=os.environ.get(S3FS_ENV) or None,
+        help=f"with --storage s3: a directory holding s3fs and the boto3 and botocore it agrees "
+        f"with ({S3FS_INSTALL} DIR s3fs boto3), put first on the lab ranks' sys.path; "
+        f"default ${S3FS_ENV}",
+    )
     p.add_argument("--lab-worker", default="", help=argparse.SUPPRESS)  # inside the lab
     args = p.parse_args(argv)
     worlds = tuple(int(w) for w in args.sim_worlds.split(","))
@@ -814,8 +1006,16 @@ def main(argv: list[str] | None = None) -> dict:
     bad = set(args.lab_layouts.split(",")) - set(LAYOUTS)
     if bad:
         p.error(f"--lab-layouts: unknown {sorted(bad)}; choose from {list(LAYOUTS)}")
+    if args.storage != "sshfs" and not (args.lab or args.lab_worker):
+        p.error(f"--storage {args.storage}: only with --lab (the lab's storage node serves it)")
     if args.lab_worker:
-        return lab_worker(args.lab_worker, args.lab_reps, tuple(args.lab_layouts.split(",")))
+        return lab_worker(
+            args.lab_worker,
+            args.lab_reps,
+            tuple(args.lab_layouts.split(",")),
+            args.storage,
+            args.s3fs_path,
+        )
     if args.lab:
         return lab_main(args)
 

@@ -135,6 +135,7 @@ __all__ = [
     "fsdp_params",
     "fsdp_state_id",
     "fsdp_units",
+    "fsspec_writer_and_reader",
     "gather_dtype",
     "gathered_bytes",
     "gathering_for_backward",
@@ -166,6 +167,16 @@ __all__ = [
     "write_item_to",
     "write_tensor_archive",
 ]
+
+
+def fsspec_writer_and_reader() -> tuple[type, type]:
+    """Stock DCP's ``FsspecWriter`` and ``FsspecReader`` (2.11-2.15: only in the private
+    ``_fsspec_filesystem``; ``torch.distributed.checkpoint`` does not re-export them), the
+    baseline of the S3 benchmark. Imported on call: the module imports fsspec."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    return FsspecWriter, FsspecReader
+
 
 # 2.13 renamed the tensor collectives (``*_single``); 2.11-2.12 have only the old names.
 # Looked up at each call, so that a benchmark wrapping ``dist``'s collectives to count the

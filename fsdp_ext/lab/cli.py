@@ -3,7 +3,9 @@
 python -m fsdp_ext.lab run --nodes 2 --ranks-per-node 2 --link 200mbit -- examples/train.py
 python -m fsdp_ext.lab run --nodes 2 --ranks-per-node 2 --link 1gbit --max-restarts 3 \
     --min-nodes 1 --kill-node 1 --kill-after 20 -- examples/train.py --out SHARED/run ...
-python -m fsdp_ext.lab check     # can the lab run here? (one line)
+python -m fsdp_ext.lab run --nodes 2 --ranks-per-node 2 --link 1gbit --storage s3 \
+    -- examples/train.py --out s3://lab/run ...     # S3 (SeaweedFS) on the storage node
+python -m fsdp_ext.lab check [--storage s3]    # can the lab run here? (one line)
 python -m fsdp_ext.lab clean     # remove what labs killed with SIGKILL left behind
 """
 
@@ -20,7 +22,7 @@ from fsdp_ext.lab.faults import Fault
 from fsdp_ext.lab.launcher import LOST, RDZV_BACKENDS
 from fsdp_ext.lab.network import MAX_NODES
 from fsdp_ext.lab.rates import parse_rate
-from fsdp_ext.lab.requirements import LabUnavailable, unavailable_reason
+from fsdp_ext.lab.requirements import STORAGE_SERVICES, LabUnavailable, unavailable_reason
 
 __all__ = ["main"]
 
@@ -60,7 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--shared-dir", default=None, help="served by the storage, same path on every node"
     )
-    run.add_argument("--no-storage", action="store_true", help="no sshd/sshfs, no shared dir")
+    run.add_argument(
+        "--storage",
+        choices=STORAGE_SERVICES,
+        default=None,
+        help="what the storage node serves: sshfs (default: a directory at the same path on "
+        "every node) or s3 (a SeaweedFS S3 server: s3://lab, AWS_ENDPOINT_URL and the "
+        "credentials in the job's environment)",
+    )
+    run.add_argument("--no-storage", action="store_true", help="no storage node, no shared dir")
     run.add_argument("--rdzv", choices=RDZV_BACKENDS, default="c10d")
     run.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before the job is stopped"
@@ -88,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kill-on", metavar="TEXT", help="... or when rank 0 first prints a line with TEXT"
     )
     run.add_argument("program", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
-    sub.add_parser("check", help="say whether the lab can run on this machine")
+    check = sub.add_parser("check", help="say whether the lab can run on this machine")
+    check.add_argument("--storage", choices=STORAGE_SERVICES, default="sshfs")
     sub.add_parser("clean", help="remove resources of labs whose owner process is gone")
     return parser
 
@@ -172,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "check":
-        reason = unavailable_reason()
-        print(reason or "fsdp_ext.lab: this machine can run the lab")
+        reason = unavailable_reason(storage=args.storage)
+        can = "" if args.storage == "sshfs" else f" with --storage {args.storage}"
+        print(reason or f"fsdp_ext.lab: this machine can run the lab{can}")
         return 1 if reason else 0
     if args.command == "clean":
         removed = clean_stale()
@@ -182,8 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
         parser.error("run needs the program after --: run ... -- SCRIPT ARGS...")
-    if args.no_storage and (args.shared_dir or args.storage_link):
-        parser.error("argument --no-storage: --shared-dir and --storage-link need the storage")
+    if args.no_storage and (args.shared_dir or args.storage_link or args.storage):
+        parser.error(
+            "argument --no-storage: --storage, --shared-dir and --storage-link need the storage"
+        )
+    if args.storage == "s3" and args.shared_dir:
+        parser.error("argument --shared-dir: only with --storage sshfs (S3 serves s3://lab)")
     if args.timeout <= 0:
         parser.error(
             f"argument --timeout: must be a positive number of seconds, got {args.timeout}"
@@ -200,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         args.link,
         storage_link=args.storage_link,
         shared_dir=args.shared_dir,
-        storage=not args.no_storage,
+        storage=False if args.no_storage else args.storage or "sshfs",
         rdzv=args.rdzv,
         timeout=args.timeout,
     )

@@ -47,7 +47,8 @@ from fsdp_ext.lab.names import RunNames
 from fsdp_ext.lab.network import MAX_NODES, Topology, build_network, rebuild_node, set_rate
 from fsdp_ext.lab.rates import format_rate, parse_rate
 from fsdp_ext.lab.rendezvous import start_etcd
-from fsdp_ext.lab.requirements import check_requirements
+from fsdp_ext.lab.requirements import check_requirements, storage_service
+from fsdp_ext.lab.s3 import S3_BUCKET, lab_s3_env, start_s3
 from fsdp_ext.lab.storage import StorageServer, mount_node_ram, mount_shared, start_sshd
 from fsdp_ext.lab.supervisor import LossPolicy, NodeLoss, namespace_exists
 
@@ -96,6 +97,9 @@ class Cluster:
     ``storage_link`` caps each node's own link to the storage (default: ``link``).
     ``shared_dir`` is served by the storage namespace and mounted at the same path on every
     node (default: a directory of the run, removed with it); from the host it is the disk.
+    ``storage``: True or "sshfs" (that shared directory), "s3" (an S3 server, SeaweedFS, in
+    the storage namespace, at ``storage_location`` = ``s3://lab`` with the endpoint and
+    credentials in every job's environment; see ``fsdp_ext/lab/s3.py``), or False (none).
     """
 
     def __init__(
@@ -106,7 +110,7 @@ class Cluster:
         *,
         storage_link: str | int | None = None,
         shared_dir: str | os.PathLike | None = None,
-        storage: bool = True,
+        storage: bool | str = True,
         rdzv: str = "c10d",
         timeout: float = DEFAULT_TIMEOUT_S,
         python: str = sys.executable,
@@ -120,8 +124,12 @@ class Cluster:
             raise ValueError(f"rdzv must be one of {', '.join(RDZV_BACKENDS)}, got {rdzv!r}")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if shared_dir is not None and not storage:
-            raise ValueError("shared_dir needs storage=True (the shared directory is sshfs)")
+        service = storage_service(storage)
+        if shared_dir is not None and service != "sshfs":
+            raise ValueError(
+                f"shared_dir needs storage=True or 'sshfs' (the shared directory is sshfs), "
+                f"got storage={storage!r}"
+            )
         self.nodes = nodes
         self.ranks_per_node = rpn
         self.link_bits = parse_rate(link, name="link")
@@ -130,12 +138,13 @@ class Cluster:
             if storage_link is None
             else parse_rate(storage_link, name="storage_link")
         )
-        self.storage = storage
+        self.storage = service is not None
+        self.storage_service = service  # "sshfs", "s3" or None
         self.rdzv = rdzv
         self.timeout = float(timeout)
         self.python = python
         self.names = RunNames.new()
-        self.topology = Topology(self.names, nodes, storage, infra=rdzv == "etcd")
+        self.topology = Topology(self.names, nodes, self.storage, infra=rdzv == "etcd")
         self.shared_dir = (
             self.names.workdir / "shared" if shared_dir is None else Path(shared_dir).resolve()
         )
@@ -150,7 +159,12 @@ class Cluster:
 
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> Cluster:
-        check_requirements(storage=self.storage, names=self.names, rdzv=self.rdzv)
+        check_requirements(
+            storage=self.storage_service or False,
+            names=self.names,
+            rdzv=self.rdzv,
+            python=self.python,
+        )
         clean_stale()
         self.names.write_owner()
         self._built = True
@@ -172,6 +186,10 @@ class Cluster:
         if self.topology.infra:
             self._services.append(start_etcd(self.topology, self.names.workdir, logs / "etcd.log"))
         if not self.storage:
+            return
+        if self.storage_service == "s3":
+            log = logs / "s3.log"
+            self._services.append(start_s3(self.topology, self.names.workdir, log, self.python))
             return
         self.shared_dir.mkdir(parents=True, exist_ok=True)
         self._server = StorageServer(self.names.workdir, self.shared_dir)
@@ -253,6 +271,14 @@ class Cluster:
     @property
     def run_id(self) -> str:
         return self.names.run_id
+
+    @property
+    def storage_location(self) -> str | None:
+        """Where jobs keep what every node shares: the shared directory (sshfs), the bucket
+        ``s3://lab`` (S3), or None without storage."""
+        if self.storage_service == "s3":
+            return f"s3://{S3_BUCKET}"
+        return str(self.shared_dir) if self.storage else None
 
     @property
     def namespaces(self) -> list[str]:
@@ -369,6 +395,8 @@ class Cluster:
         problems = self._remount_lost_storage()
         base = dict(os.environ if env is None else env)
         job_env = node_env(base, self.topology, self.ranks_per_node)
+        if self.storage_service == "s3":
+            job_env = lab_s3_env(job_env)
         logdir = self.names.workdir / "logs" / f"job{time.monotonic_ns()}"
         job_env[JOB_MARK] = logdir.name
         logdir.mkdir(parents=True)
@@ -480,8 +508,11 @@ class Cluster:
             raise ValueError(
                 f"{fault.kind}: node must be from 0 to {self.nodes - 1}, got {fault.target}"
             )
-        if fault.kind == "storage-down" and not self.storage:
-            raise ValueError("storage-down needs the storage (storage=True)")
+        if fault.kind == "storage-down" and self.storage_service != "sshfs":
+            raise ValueError(
+                "storage-down needs sshfs storage (storage=True or 'sshfs': it kills a node's "
+                f"sshfs), got storage={self.storage_service or False!r}"
+            )
         if fault.kind == "link-down" and self.nodes < 2:
             raise ValueError("link-down needs 2 nodes or more (a single node has no link)")
 
@@ -556,10 +587,12 @@ class Cluster:
     def describe(self) -> str:
         """One line: the shape of the lab."""
         storage = (
-            f", storage {format_rate(self.storage_bits)} per node at {self.shared_dir}"
+            f", storage {format_rate(self.storage_bits)} per node at {self.storage_location}"
             if self.storage
             else ""
         )
+        if self.storage_service == "s3":
+            storage += " (SeaweedFS; AWS_ENDPOINT_URL on every node)"
         return (
             f"{self.nodes} nodes x {self.ranks_per_node} ranks, links "
             f"{format_rate(self.link_bits)} each way{storage} ({self.run_id})"

@@ -23,6 +23,7 @@ __all__ = [
     "MAX_NODES",
     "RDZV_HOST",
     "STORAGE_DEVICE",
+    "STORAGE_HOST",
     "Topology",
     "build_network",
     "rebuild_node",
@@ -35,6 +36,8 @@ INFRA_DEVICE = "infra0"  # a node's link to the infrastructure namespace (the re
 # the rendezvous server's name on every node (its /etc/hosts), as a cluster's DNS names a
 # service: each node reaches it over its own infra link
 RDZV_HOST = "rendezvous"
+# the storage server's name on every node: the storage side of the node's own storage link
+STORAGE_HOST = "storage"
 ETCD_CLIENT_PORT = 2379
 GONE_WAIT_S = 10.0  # a dead namespace's links vanish asynchronously
 MAX_NODES = 150
@@ -137,6 +140,8 @@ class Topology:
         names += [(node_address(i), f"node{i}") for i in range(self.nodes)]
         if self.infra and namespace in nodes:
             names.append((infra_addresses(nodes.index(namespace))[1], RDZV_HOST))
+        if self.storage and namespace in nodes:
+            names.append((storage_addresses(nodes.index(namespace))[1], STORAGE_HOST))
         lines = ["::1 localhost"] + [f"{address} {name}" for address, name in names]
         # the rendezvous store sees peers as IPv4-mapped IPv6 addresses and looks them up
         lines += [f"::ffff:{address} {name}" for address, name in names]

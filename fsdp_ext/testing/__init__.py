@@ -2,12 +2,12 @@
 its FSDP test helpers under ``torch.testing``): run a function on real multi-process gloo ranks,
 count what a rank's collectives send (:class:`WireCounter`, the one wire-byte count of the
 benchmarks), kernel launches and host syncs (``gpu_counters``), and DCP's stock planning
-steps for simulated plans.
+steps for simulated plans and its stock fsspec writer and reader (a benchmark's baseline).
 
 Not imported by the library itself.
 """
 
-from fsdp_ext._torch import create_write_items, dedup_save_plans
+from fsdp_ext._torch import create_write_items, dedup_save_plans, fsspec_writer_and_reader
 from fsdp_ext.testing.collectives import (
     CountingAllGather,
     CountingReduceScatter,
@@ -28,6 +28,7 @@ __all__ = [
     "create_write_items",
     "dedup_save_plans",
     "fsdp_units",
+    "fsspec_writer_and_reader",
     "run_distributed",
     "sent_bytes",
 ]
