@@ -166,9 +166,11 @@ LAB_MODULES = frozenset(
     {
         "test_chaos_benchmark",
         "test_checkpoint_benchmark",
+        "test_cluster_benchmark",
         "test_comm_auto_lab",
         "test_ownership_lab",
         "test_recovery",
+        "test_recovery_torchft",
     }
 )
 
