@@ -132,7 +132,7 @@ class QuantizedWeightAllGather(AllGather):
         self.stats = WeightGatherStats()
 
     @property
-    def param_group(self) -> FSDPParamGroup:
+    def unit_group(self) -> FSDPParamGroup:
         """The FSDP param group (unit) this comm gathers."""
         return self._group
 

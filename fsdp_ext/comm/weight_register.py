@@ -144,7 +144,7 @@ def _overlap_gathers(
     module order, the root first) on each unit that has none; returns how to undo it."""
     undo: list[Callable[[], None]] = []
     for _, comm in by_name.values():
-        group = comm.param_group
+        group = comm.unit_group
         before = group_unshard_async_op(group)
         set_group_unshard_async_op(group, True)
         undo.append(lambda g=group, b=before: set_group_unshard_async_op(g, b))
