@@ -13,14 +13,31 @@ of docs/comm.md computed from FSDP's own shard sizes. The validation-loss gap of
 fp32 is averaged over seeds (mean and standard error).
 
 The last line printed is one JSON object; ``val_loss_gap_zeropp`` is in percent.
+
+    python benchmarks/zeropp.py --limit            # the lab: 2 nodes x 2 at 25/50/100 Mbit/s
+
+``--limit`` (root and the lab's tools, docs/cluster.md) runs the ZeRO++ job
+(``examples/train.py --zeropp``) in the cluster lab (fsdp_ext.lab), in one run: once with
+every rank on one node (the loopback step: compute, no link), then on 2 nodes of 2 behind
+a tbf-capped link at each ``--rates`` rate, reading each node's link bytes per step from the
+kernel's interface counter. The limit of a step at rate R is ``max(loopback step, link
+bytes per node / R)``, the loopback step measured before and after the rates (their mean;
+both are reported). ``zeropp_over_limit_<R>`` is the measured step over it (1.0: the
+communication hides wholly behind compute, or the link is busy all the time). The link
+bytes are checked against the hand formula of :func:`predicted_bytes` per node (a ring
+all-gather crosses the node boundary once per node, ``(W - 1)`` payloads; each of the ``r``
+ranks sends its own all-to-all rows across), from the shards of a one-step local run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -29,8 +46,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+from benchmarks.cluster import run_job, step_intervals_ms  # noqa: E402
+from benchmarks.cluster import summarize as summarize_lab  # noqa: E402
 from examples.train import TrainConfig, parallelize, train  # noqa: E402
+from fsdp_ext.lab import Cluster, LabUnavailable, unavailable_reason  # noqa: E402
 from fsdp_ext.testing import WireCounter, fsdp_units, run_distributed  # noqa: E402
+
+LIMIT_RATES_MBIT = (25, 50, 100)
+LIMIT_CONFIG = {"zeropp": ["--zeropp"]}  # examples/train.py's flags for the lab job
 
 WORLD, NODE = 4, 2
 MODES = {
@@ -208,9 +231,99 @@ def summarize(runs: dict[str, list[dict]], base: TrainConfig) -> dict:
     return out
 
 
+def node_link_formula(predicted: dict[str, int]) -> int:
+    """Bytes one node sends over its link per step under ZeRO++, from the per-rank formula
+    of :func:`predicted_bytes`: the ring all-gather over all ranks crosses the boundary once
+    per node (a rank sending ``(W - 1)`` payloads to the next node's first rank); the
+    all-to-all runs between the ranks of equal local index, each of a node's ``r`` ranks
+    sending its rows for the other nodes. Everything else stays inside the node."""
+    return predicted["all_gather_inter"] + NODE * predicted["all_to_all_inter"]
+
+
+def limit_keys(loopback_ms: float, rows: dict[int, dict], formula_bytes: int) -> dict:
+    """The ``--limit`` JSON keys from the loopback step (ms) and, per rate in Mbit/s, the lab
+    run's median step (``step_ms``) and link bytes per step and node (``link_bytes``)."""
+    out: dict = {
+        "loopback_step_ms": round(loopback_ms, 1),
+        "link_bytes_per_step_formula": formula_bytes,
+    }
+    for mbit, row in sorted(rows.items()):
+        link_ms = row["link_bytes"] * 8 / (mbit * 1e6) * 1e3
+        limit = max(loopback_ms, link_ms)
+        out[f"step_ms_{mbit}"] = round(row["step_ms"], 1)
+        out[f"link_ms_{mbit}"] = round(link_ms, 1)
+        out[f"link_bytes_per_step_{mbit}"] = round(row["link_bytes"])
+        out[f"link_bytes_vs_formula_rel_err_{mbit}"] = round(
+            abs(row["link_bytes"] - formula_bytes) / formula_bytes, 4
+        )
+        out[f"limit_ms_{mbit}"] = round(limit, 1)
+        out[f"zeropp_over_limit_{mbit}"] = round(row["step_ms"] / limit, 4)
+    return out
+
+
+def measure_limit(
+    base: TrainConfig, rates: list[int], steps: int, warmup: int, timeout: float
+) -> dict:
+    """The ``--limit`` run: the loopback step, then each rate on 2 nodes x 2 (see the
+    module doc); returns :func:`limit_keys` plus the load and the formula's inputs."""
+    reason = unavailable_reason(storage=False)
+    if reason is not None:
+        raise LabUnavailable(reason)
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    local = run(replace(base, steps=1), [base.seed], ("zeropp",))["zeropp"][0]
+    formula = node_link_formula(predicted_bytes(local["shards"], "zeropp", base.qwz_group_size))
+    with tempfile.TemporaryDirectory(prefix="zeropp-limit-") as out_dir:
+        common = ["--steps", str(steps), "--val-batches", "1", "--log-every", str(10**6)]
+        common += ["--out", out_dir]
+
+        def loopback() -> float:
+            """Median step with every rank on one node (no link)."""
+            with Cluster(1, WORLD, "1gbit", storage=False, timeout=timeout) as lab:
+                records = run_job(lab, LIMIT_CONFIG, common, timeout, 1, 0)["zeropp"]
+            lead = min(records[0], key=lambda r: r["rank"])
+            return statistics.median(step_intervals_ms(lead["steps"], warmup))
+
+        loopback_each = [loopback()]
+        rows, loads = {}, {}
+        nodes = WORLD // NODE
+        with Cluster(nodes, NODE, f"{rates[0]}mbit", storage=False, timeout=timeout) as lab:
+            for mbit in rates:
+                lab.set_link(f"{mbit}mbit")
+                before = os.getloadavg()[0]
+                records = run_job(lab, LIMIT_CONFIG, common, timeout, 1, 0)["zeropp"]
+                lab_row = summarize_lab(records[0], nodes, NODE, warmup)
+                rows[mbit] = {
+                    "step_ms": lab_row["step_ms"],
+                    "link_bytes": lab_row["link_bytes_per_step"],
+                }
+                loads[str(mbit)] = [round(before, 2), round(os.getloadavg()[0], 2)]
+                print(
+                    f"# zeropp {mbit} Mbit/s: {lab_row['step_ms']:.0f} ms/step, "
+                    f"{lab_row['link_bytes_per_step'] / 1e6:.2f} MB/step/node",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        # once more after the rates: load from other work drifts during the run, and the
+        # limit takes the mean of the loopback steps before and after
+        loopback_each.append(loopback())
+    loopback_ms = statistics.fmean(loopback_each)
+    return {
+        "benchmark": "zeropp_limit",
+        "loopback_step_ms_each": [round(t, 1) for t in loopback_each],
+        "world": WORLD,
+        "node_size": NODE,
+        "steps": steps,
+        "warmup": warmup,
+        "rates_mbit": rates,
+        "load": load,
+        "load_per_rate": loads,
+        **limit_keys(loopback_ms, rows, formula),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=None, help="150; 12 with --limit")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
         "--modes",
@@ -219,9 +332,48 @@ def main(argv: list[str] | None = None) -> dict:
         default=list(DEFAULT_MODES),
         help="fp32 always runs (the baseline); the others one part of ZeRO++ at a time",
     )
+    parser.add_argument(
+        "--limit",
+        action="store_true",
+        help="in the cluster lab (root): the loopback step and each rate's step and link "
+        "bytes, zeropp_over_limit_<rate> (see the module doc)",
+    )
+    parser.add_argument(
+        "--rates",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"link rates in Mbit/s for --limit (default {' '.join(map(str, LIMIT_RATES_MBIT))})",
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="--limit: steps left out")
+    parser.add_argument("--timeout", type=float, default=1800, help="--limit: per lab job, s")
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="--limit: run the lab jobs at this niceness (e.g. -10 on a shared machine; root)",
+    )
     args = parser.parse_args(argv)
+    if args.rates is not None and not args.limit:
+        parser.error("argument --rates: only with --limit")
+    rates = list(args.rates or LIMIT_RATES_MBIT)
+    if any(r <= 0 for r in rates):
+        parser.error(f"argument --rates: rates must be positive Mbit/s, got {rates}")
+    steps = args.steps or (12 if args.limit else 150)
+    if args.limit and steps < args.warmup + 2:
+        parser.error(
+            f"argument --steps: --limit needs at least --warmup + 2 = {args.warmup + 2} steps, "
+            f"got {steps}"
+        )
+    if args.limit:
+        if args.nice:
+            os.nice(args.nice)  # the lab's processes inherit it
+        base = TrainConfig(verbose=False, log_every=10**9)
+        summary = measure_limit(base, rates, steps, args.warmup, args.timeout)
+        print(json.dumps(summary), flush=True)
+        return summary
     modes = ("fp32", *(m for m in args.modes if m != "fp32"))
-    base = TrainConfig(steps=args.steps, verbose=False, log_every=10**9)
+    base = TrainConfig(steps=steps, verbose=False, log_every=10**9)
     summary = summarize(run(base, args.seeds, modes), base)
     print(json.dumps(summary), flush=True)
     return summary

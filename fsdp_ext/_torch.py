@@ -131,6 +131,7 @@ __all__ = [
     "dedup_save_plans",
     "default_fsdp_mesh_on_cuda",
     "flatten_mesh",
+    "forward_prefetch_targets",
     "fsdp_mesh_info",
     "fsdp_params",
     "fsdp_state_id",
@@ -142,6 +143,7 @@ __all__ = [
     "group_device",
     "group_modules",
     "group_reshard_after_forward",
+    "group_unshard_async_op",
     "has_all_gather_in_flight",
     "is_hsdp_group",
     "is_sharded_post_forward",
@@ -153,6 +155,7 @@ __all__ = [
     "param_mp_policy",
     "reduce_scatter_into",
     "run_fsdp1_policy",
+    "set_group_unshard_async_op",
     "set_state_dict_element",
     "shard_process_group",
     "sharded_param",
@@ -398,6 +401,31 @@ def gathering_for_backward(group: FSDPParamGroup) -> bool:
     """Whether the group's all-gather now is a backward one (its own or a prefetch), 2.11-2.15:
     FSDP sets ``PRE_BACKWARD`` before unsharding in backward, also on a prefetched group."""
     return group._training_state == TrainingState.PRE_BACKWARD
+
+
+def group_unshard_async_op(group: FSDPParamGroup) -> bool:
+    """Whether FSDP calls the group's all-gather comm with ``async_op=True``, 2.11-2.15."""
+    return bool(group.unshard_async_op)
+
+
+def set_group_unshard_async_op(group: FSDPParamGroup, async_op: bool) -> None:
+    """Make FSDP call this group's all-gather comm with ``async_op`` (2.11-2.15: the
+    attribute ``FSDPModule._set_unshard_async_op`` sets on every group below a module; set
+    here on one group only). Pre-forward, pre-backward and every prefetch (forward explicit,
+    backward implicit or explicit) pass it; copy-out then calls ``wait()`` on the returned
+    ``Work``, in the unit's own pre-forward or pre-backward."""
+    group.unshard_async_op = bool(async_op)
+
+
+def forward_prefetch_targets(module: FSDPModule) -> list[nn.Module]:
+    """The modules ``module`` prefetches in forward (``set_modules_to_forward_prefetch``),
+    2.11-2.15: read from its FSDP state's list of target states."""
+    targets = module._get_fsdp_state()._states_to_forward_prefetch
+    found = []
+    for state in targets:
+        modules = getattr(state, "_modules", ())
+        found.extend(modules[:1])
+    return found
 
 
 def has_all_gather_in_flight(group: FSDPParamGroup) -> bool:

@@ -45,3 +45,42 @@ def test_formula_by_hand():
     f = predicted_bytes([([1000], True), ([4, 6], False)], "fp32", 256)
     assert f["all_gather_inter"] == 3 * 4000 + 2 * 3 * 40
     assert f["reduce_scatter_inter"] == 3 * 4040
+
+
+def test_limit_keys_and_the_node_formula():
+    """``--limit``'s JSON: per rate, the step over max(loopback step, link bytes / rate),
+    and the link bytes against the per-node formula."""
+    from benchmarks.zeropp import limit_keys, node_link_formula
+
+    per_rank = predicted_bytes([([1000], False)], "zeropp", 256)
+    # the ring all-gather crosses once per node; both ranks of a node send all-to-all rows
+    assert node_link_formula(per_rank) == per_rank["all_gather_inter"] + 2 * 8 * 68
+    rows = {
+        25: {"step_ms": 660.0, "link_bytes": 1.5e6},
+        100: {"step_ms": 330.0, "link_bytes": 1.5e6},
+    }
+    keys = limit_keys(300.0, rows, 1_500_000)
+    # 25 Mbit/s: 1.5 MB take 480 ms > 300 ms of compute; 100 Mbit/s: 120 ms < 300 ms
+    assert keys["limit_ms_25"] == 480.0 and keys["zeropp_over_limit_25"] == 1.375
+    assert keys["limit_ms_100"] == 300.0 and keys["zeropp_over_limit_100"] == 1.1
+    assert keys["link_bytes_vs_formula_rel_err_25"] == 0.0
+    assert {"loopback_step_ms", "link_bytes_per_step_formula", "step_ms_25", "link_ms_100"} <= set(
+        keys
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--rates", "25"], "--rates: only with --limit"),
+        (["--limit", "--rates", "25", "0"], "rates must be positive"),
+        (["--limit", "--steps", "3"], "needs at least --warmup"),
+    ],
+)
+def test_limit_argument_errors(argv, needle, capsys):
+    """Bad ``--limit`` arguments stop before anything runs, naming the argument."""
+    from benchmarks.zeropp import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert needle in capsys.readouterr().err

@@ -34,7 +34,7 @@ Which gathers are quantised:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +55,7 @@ from fsdp_ext.comm.codec import Codec, WireChoice, choose_wire
 from fsdp_ext.comm.registry import make_codec
 from fsdp_ext.comm.weight_config import WeightQuantConfig
 
-__all__ = ["QuantizedWeightAllGather", "WeightGatherStats"]
+__all__ = ["DecodeOnWait", "QuantizedWeightAllGather", "WeightGatherStats"]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -110,7 +110,8 @@ class MixedUnitLayout:
 class QuantizedWeightAllGather(AllGather):
     """FSDP2 ``AllGather`` of one unit (its param group): int8 on the wire (see module doc).
 
-    Runs synchronously and returns ``None`` (FSDP then waits on nothing).
+    Synchronous (returns ``None``) when FSDP calls it with ``async_op=False``; with
+    ``async_op=True`` it returns a :class:`DecodeOnWait` after starting the transfer.
     """
 
     def __init__(
@@ -129,6 +130,11 @@ class QuantizedWeightAllGather(AllGather):
         self._wire_cache: dict[tuple[int, torch.dtype], WireChoice] = {}
         self._mixed_cache: dict[int, MixedUnitLayout | None] = {}
         self.stats = WeightGatherStats()
+
+    @property
+    def unit_group(self) -> FSDPParamGroup:
+        """The FSDP param group (unit) this comm gathers."""
+        return self._group
 
     @property
     def wire(self) -> WireChoice:
@@ -217,46 +223,65 @@ class QuantizedWeightAllGather(AllGather):
         input_tensor: torch.Tensor,
         group: dist.ProcessGroup,
         async_op: bool = False,
-    ) -> None:
+    ) -> dist.Work | None:
+        """Gather ``input_tensor`` of every rank into ``output_tensor``.
+
+        ``async_op=False``: encode, gather, decode, then return ``None``. ``async_op=True``
+        (FSDP's ``unshard_async_op``, which :func:`register_weight_all_gather` turns on):
+        encode, start the gather and return a :class:`DecodeOnWait`, whose ``wait()`` (FSDP's
+        copy-out, in the unit's own pre-forward or pre-backward) waits for it and decodes,
+        so a prefetched unit's transfer runs behind the current unit's compute. The
+        unquantised gathers return the collective's own ``Work``. Stats count at the call.
+        """
         world, n = group.size(), input_tensor.numel()
         kind = self._kind(input_tensor, group)
         plain = (world - 1) * n * input_tensor.element_size()
-        if kind == "intra_node":
-            all_gather_into(output_tensor, input_tensor, group=group)
-            self.stats.intra_node_bytes += plain
-            self.stats.intra_node_gathers += 1
-            return None
-        if kind == "full_precision":
-            all_gather_into(output_tensor, input_tensor, group=group)
-            self.stats.full_precision_bytes += plain
-            self.stats.full_precision_gathers += 1
-            return None
+        if kind in ("intra_node", "full_precision"):
+            work = all_gather_into(output_tensor, input_tensor, group=group, async_op=async_op)
+            if kind == "intra_node":
+                self.stats.intra_node_bytes += plain
+                self.stats.intra_node_gathers += 1
+            else:
+                self.stats.full_precision_bytes += plain
+                self.stats.full_precision_gathers += 1
+            return work if async_op else None
         if input_tensor.dtype == torch.uint8:
-            width = self._gather_mixed(output_tensor, input_tensor, group)
-            self.stats.bytes_sent += (world - 1) * width
-            self.stats.bytes_uncompressed += plain
-            self.stats.quantized_gathers += 1
-            return None
-        segments = self._segments(n)
-        width = self.codec.unit_payload_bytes(segments)
-        payload = torch.empty(1, width, dtype=torch.uint8, device=input_tensor.device)
-        # input_tensor is this rank's slot of output_tensor: encode all of it before the
-        # decoded rows overwrite it. One launch each way for the whole unit (with the
-        # block-wise codec), read and written in place: no per-parameter copies.
-        self.codec.encode_unit(input_tensor.view(1, n), payload, segments)
-        gathered = torch.empty(world, width, dtype=torch.uint8, device=payload.device)
-        all_gather_into(gathered.view(-1), payload.view(-1), group=group)
-        self.codec.decode_unit(gathered, output_tensor.view(world, n), segments)
-        self.stats.bytes_sent += (world - 1) * payload.shape[1]
+            width, work, decode = self._start_mixed(output_tensor, input_tensor, group, async_op)
+        else:
+            segments = self._segments(n)
+            width = self.codec.unit_payload_bytes(segments)
+            payload = torch.empty(1, width, dtype=torch.uint8, device=input_tensor.device)
+            # input_tensor is this rank's slot of output_tensor: encode all of it before the
+            # decoded rows overwrite it. One launch each way for the whole unit (with the
+            # block-wise codec), read and written in place: no per-parameter copies.
+            self.codec.encode_unit(input_tensor.view(1, n), payload, segments)
+            gathered = torch.empty(world, width, dtype=torch.uint8, device=payload.device)
+            work = all_gather_into(
+                gathered.view(-1), payload.view(-1), group=group, async_op=async_op
+            )
+
+            def decode() -> None:
+                self.codec.decode_unit(gathered, output_tensor.view(world, n), segments)
+
+        self.stats.bytes_sent += (world - 1) * width
         self.stats.bytes_uncompressed += plain
         self.stats.quantized_gathers += 1
-        return None
+        if not async_op:
+            decode()
+            return None
+        return DecodeOnWait(work, decode)
 
-    def _gather_mixed(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
-    ) -> int:
+    def _start_mixed(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool,
+    ) -> tuple[int, dist.Work | None, Callable[[], None]]:
         """The byte gather of a unit with non-float parameters: the float spans encoded as one
-        unit, the others' bytes appended raw; returns the payload row's bytes."""
+        unit, the others' bytes appended raw. Encodes and starts the gather; returns the
+        payload row's bytes, the gather's ``Work`` (``None`` when synchronous) and the
+        decode to run once it is done."""
         world, n = group.size(), input_tensor.numel()
         layout = self.mixed_layout(n)
         spans = [input_tensor[at : at + b] for at, b in layout.spans]
@@ -269,17 +294,47 @@ class QuantizedWeightAllGather(AllGather):
         if raws:
             payload[0, encoded:] = torch.cat(raws)
         gathered = torch.empty(world, layout.payload_bytes, dtype=torch.uint8, device=values.device)
-        all_gather_into(gathered.view(-1), payload.view(-1), group=group)
-        decoded = torch.empty(world, values.numel(), dtype=layout.dtype, device=values.device)
-        self.codec.decode_unit(gathered[:, :encoded], decoded, layout.segments)
-        decoded_bytes = decoded.view(torch.uint8)
-        out = output_tensor.view(world, n)
-        float_at, raw_at = 0, encoded
-        for (at, b), is_float in zip(layout.spans, layout.encoded, strict=True):
-            if is_float:
-                out[:, at : at + b] = decoded_bytes[:, float_at : float_at + b]
-                float_at += b
+        work = all_gather_into(gathered.view(-1), payload.view(-1), group=group, async_op=async_op)
+
+        def decode() -> None:
+            decoded = torch.empty(world, values.numel(), dtype=layout.dtype, device=values.device)
+            self.codec.decode_unit(gathered[:, :encoded], decoded, layout.segments)
+            decoded_bytes = decoded.view(torch.uint8)
+            out = output_tensor.view(world, n)
+            float_at, raw_at = 0, encoded
+            for (at, b), is_float in zip(layout.spans, layout.encoded, strict=True):
+                if is_float:
+                    out[:, at : at + b] = decoded_bytes[:, float_at : float_at + b]
+                    float_at += b
+                else:
+                    out[:, at : at + b] = gathered[:, raw_at : raw_at + b]
+                    raw_at += b
+
+        return layout.payload_bytes, work, decode
+
+
+class DecodeOnWait(dist.Work):
+    """The ``Work`` an asynchronous quantised gather returns: ``wait()`` waits for the
+    payload all-gather, then decodes every rank's row into FSDP's output (once; a second
+    ``wait()`` only returns). FSDP2's copy-out calls ``wait()`` on whatever ``Work`` its
+    all-gather comm returned, in the gathered unit's own pre-forward or pre-backward."""
+
+    def __init__(self, work: dist.Work, decode: Callable[[], None]):
+        super().__init__()
+        self._work: dist.Work | None = work
+        self._decode: Callable[[], None] | None = decode
+
+    def wait(self, timeout: object = None) -> bool:
+        if self._work is not None:
+            work, self._work = self._work, None
+            if timeout is None:
+                work.wait()
             else:
-                out[:, at : at + b] = gathered[:, raw_at : raw_at + b]
-                raw_at += b
-        return layout.payload_bytes
+                work.wait(timeout)
+        if self._decode is not None:
+            decode, self._decode = self._decode, None
+            decode()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._decode is None

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+
 import torch
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_ext._torch import (
     DefaultAllGather,
+    forward_prefetch_targets,
     group_device,
+    group_unshard_async_op,
+    set_group_unshard_async_op,
     shard_process_group,
 )
 from fsdp_ext.comm.codec import Codec, WireChoice
@@ -27,8 +33,13 @@ class WeightGatherHandle:
     straight run quantised the same weights.
     """
 
-    def __init__(self, comms: dict[str, tuple[FSDPModule, QuantizedWeightAllGather]]):
+    def __init__(
+        self,
+        comms: dict[str, tuple[FSDPModule, QuantizedWeightAllGather]],
+        undo: list[Callable[[], None]] | None = None,
+    ):
         self._comms = comms
+        self._undo = undo or []
         self._removed = False
 
     @property
@@ -63,11 +74,17 @@ class WeightGatherHandle:
             return
         for module, _ in self._comms.values():
             module.set_custom_all_gather(None if DefaultAllGather is None else DefaultAllGather())
+        for undo in reversed(self._undo):
+            undo()
         self._removed = True
 
 
 def register_weight_all_gather(
-    model: torch.nn.Module, config: WeightQuantConfig | None = None, *, codec: Codec | None = None
+    model: torch.nn.Module,
+    config: WeightQuantConfig | None = None,
+    *,
+    codec: Codec | None = None,
+    overlap: bool = True,
 ) -> WeightGatherHandle:
     """Install a :class:`QuantizedWeightAllGather` on every FSDP unit of ``model``.
 
@@ -77,6 +94,15 @@ def register_weight_all_gather(
     takes one all-gather comm per unit; so is a group size the CUDA kernels lack.
     ``config``: a weight codec's options (default :class:`WeightQuantConfig`); ``codec``:
     built from it once and shared by every unit (built here when not given).
+
+    ``overlap`` (default on): each unit's gather runs behind the compute before it. FSDP
+    calls the gathers with ``async_op=True`` (its ``unshard_async_op``, set on these units'
+    param groups), so a prefetched gather returns at once and is waited for and decoded in
+    the unit's own pre-forward or pre-backward; backward prefetches one unit ahead
+    (FSDP2's default), and a unit with no forward prefetch set (by the wrap plan or the
+    user) prefetches the next unit in module order, as ZeRO++ does. That keeps one more
+    unit gathered at a time. ``overlap=False`` leaves FSDP's defaults: each gather runs to
+    its end where FSDP asks for it. Both give the same bits; ``remove()`` undoes either.
     """
     config = config if config is not None else WeightQuantConfig()
     if not hasattr(config, "backward"):
@@ -107,4 +133,24 @@ def register_weight_all_gather(
         )
     for module, comm in by_name.values():
         module.set_custom_all_gather(comm)
-    return WeightGatherHandle(by_name)
+    undo = _overlap_gathers(by_name) if overlap else []
+    return WeightGatherHandle(by_name, undo)
+
+
+def _overlap_gathers(
+    by_name: dict[str, tuple[FSDPModule, QuantizedWeightAllGather]],
+) -> list[Callable[[], None]]:
+    """Asynchronous gathers on every unit, and a forward prefetch of the next unit (in
+    module order, the root first) on each unit that has none; returns how to undo it."""
+    undo: list[Callable[[], None]] = []
+    for _, comm in by_name.values():
+        group = comm.unit_group
+        before = group_unshard_async_op(group)
+        set_group_unshard_async_op(group, True)
+        undo.append(lambda g=group, b=before: set_group_unshard_async_op(g, b))
+    modules = [module for module, _ in by_name.values()]
+    for unit, ahead in itertools.pairwise(modules):
+        if not forward_prefetch_targets(unit):
+            unit.set_modules_to_forward_prefetch([ahead])
+            undo.append(lambda u=unit: u.set_modules_to_forward_prefetch([]))
+    return undo
