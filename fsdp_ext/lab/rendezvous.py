@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from fsdp_ext.lab.network import ETCD_CLIENT_PORT, Topology
-from fsdp_ext.lab.system import LabCommandError
+from fsdp_ext.lab.system import LabCommandError, start_daemon
 
 __all__ = ["ETCD", "ETCD_INSTALL", "etcd_missing", "start_etcd"]
 
@@ -48,14 +48,7 @@ def start_etcd(topology: Topology, workdir: Path, log: Path) -> subprocess.Popen
     peer = "http://127.0.0.1:2380"
     argv += ["--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer]
     argv += ["--initial-cluster", f"lab={peer}"]
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            argv,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    proc = start_daemon(argv, log)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while READY_LINE not in log.read_text(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from fsdp_ext.lab.network import STORAGE_HOST, Topology
-from fsdp_ext.lab.system import LabCommandError
+from fsdp_ext.lab.system import LabCommandError, start_daemon
 
 __all__ = [
     "S3_BUCKET",
@@ -128,15 +128,7 @@ def start_s3(topology: Topology, workdir: Path, log: Path, python: str) -> subpr
     argv += ["-s3.port.iceberg", "0", "-s3.port.lance", "0", "-s3.autoCreateBucket=false"]
     argv += ["-master.telemetry=false", "-master.volumeSizeLimitMB", "64", "-volume.max", "0"]
     argv += ["-volume.preStopSeconds", "0"]
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            argv,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=data.parent,
-            start_new_session=True,
-        )
+    proc = start_daemon(argv, log, cwd=data.parent)
     deadline = time.time() + READY_TIMEOUT_S
     endpoint = f"http://127.0.0.1:{S3_PORT}"
     probe_argv = ["ip", "netns", "exec", ns, python, "-c", _PROBE, endpoint, S3_BUCKET]

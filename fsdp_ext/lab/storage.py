@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fsdp_ext.lab.network import Topology, storage_addresses
 from fsdp_ext.lab.requirements import SSHD
-from fsdp_ext.lab.system import LabCommandError, run_tool
+from fsdp_ext.lab.system import LabCommandError, run_tool, start_daemon
 
 __all__ = [
     "SSHFS_OPTIONS",
@@ -111,14 +111,7 @@ def mount_shared(
     argv = ["ip", "netns", "exec", topology.node_namespaces[node], "sshfs", "-f", "-F", "/dev/null"]
     argv += ["-o", f"IdentityFile={server.client_key},{SSHFS_OPTIONS}"]
     argv += [f"root@{storage_side}:{path}", path]
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            argv,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    proc = start_daemon(argv, log)
     _wait_for(lambda: path in fuse_mount_points(proc.pid), proc, log, f"sshfs on node {node}")
     return proc
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 
-__all__ = ["LabCommandError", "run_tool"]
+__all__ = ["LabCommandError", "run_tool", "start_daemon"]
 
 
 class LabCommandError(RuntimeError):
@@ -24,3 +25,17 @@ def run_tool(
     if check and done.returncode != 0:
         raise LabCommandError(f"{' '.join(argv)}: {done.stderr.strip() or done.returncode}")
     return done
+
+
+def start_daemon(argv: Sequence[str], log: Path, *, cwd: Path | None = None) -> subprocess.Popen:
+    """Start a lab service (etcd, sshfs, weed) in a session of its own, so that teardown can
+    end its whole process group, with its output appended to ``log``."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            list(argv),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            start_new_session=True,
+        )
