@@ -30,7 +30,7 @@ from fsdp_ext.checkpoint.catalog import BlobFence, read_catalog, remove_steps
 from fsdp_ext.checkpoint.location import blob_store_for
 from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, UnsafeCheckpointError
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner
-from fsdp_ext.checkpoint.reader import SafeLoadPlanner
+from fsdp_ext.job.resume import load_present
 
 __all__ = ["load_newest", "prune_steps", "published_steps", "save_step", "store_error"]
 
@@ -98,14 +98,8 @@ def load_newest(
     if isinstance(steps, str):
         raise BlobAccessError(steps)
     for step in reversed(steps or []):
-        reader = BlobStorageReader(location, step)
         try:
-            saved = reader.read_metadata().state_dict_metadata
-            dcp.load(
-                {k: v for k, v in state.items() if k not in optional or _has(saved, k)},
-                storage_reader=reader,
-                planner=SafeLoadPlanner(),
-            )
+            load_present(state, optional, BlobStorageReader(location, step))
             return step
         except (CheckpointIntegrityError, UnsafeCheckpointError, CheckpointException) as exc:
             unusable = store_error(exc)
@@ -117,10 +111,6 @@ def load_newest(
                 stacklevel=2,
             )
     return None
-
-
-def _has(saved: dict, key: str) -> bool:
-    return any(fqn == key or fqn.startswith(f"{key}.") for fqn in saved)
 
 
 def _leader() -> bool:

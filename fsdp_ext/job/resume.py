@@ -148,6 +148,17 @@ def _cause(exc: BaseException) -> BaseException | None:
     return None
 
 
+def load_present(state: dict[str, Any], optional: Collection[str], reader: Any) -> None:
+    """``dcp.load`` through our planner, leaving out the ``optional`` keys that the
+    checkpoint (its ``.metadata``, read by ``reader``) does not hold."""
+    saved = reader.read_metadata().state_dict_metadata
+    dcp.load(
+        {k: v for k, v in state.items() if k not in optional or _has(saved, k)},
+        storage_reader=reader,
+        planner=SafeLoadPlanner(),
+    )
+
+
 def _has(saved: Collection[str], key: str) -> bool:
     return any(k == key or k.startswith(f"{key}.") for k in saved)
 
@@ -186,13 +197,7 @@ def load_intact(
             return None
         step, path = choice
         try:
-            reader = VerifiedFileSystemReader(path, fs=fs)
-            saved = reader.read_metadata().state_dict_metadata
-            dcp.load(
-                {k: v for k, v in state.items() if k not in optional or _has(saved, k)},
-                storage_reader=reader,
-                planner=SafeLoadPlanner(),
-            )
+            load_present(state, optional, VerifiedFileSystemReader(path, fs=fs))
             return step
         except BaseException as exc:
             cause = _cause(exc)
