@@ -2,7 +2,13 @@
 
 The public surface: every name below, re-exported from its room (``fsdp_ext.wrap``,
 ``fsdp_ext.comm``, ``fsdp_ext.moe``, ``fsdp_ext.checkpoint``, ``fsdp_ext.pipeline``).
+
+The pipeline names load on first use: ``torch.distributed.pipelining`` imports
+``torch._dynamo``, about 1 s of CPU in every process that imports fsdp_ext, which only a
+pipelined job should pay.
 """
+
+from typing import TYPE_CHECKING
 
 from fsdp_ext.checkpoint import (
     CheckpointBusyError,
@@ -46,16 +52,6 @@ from fsdp_ext.moe import (
     shard_moe_model,
 )
 from fsdp_ext.parallel_dims import ParallelDims
-from fsdp_ext.pipeline import (
-    FSDPPipelineStage,
-    PipelineState,
-    StagePlan,
-    build_pipeline,
-    pipeline_step,
-    plan_stages,
-    reduce_pipeline_loss,
-    split_stages,
-)
 from fsdp_ext.straggler import Straggler, StragglerWatch, name_straggler
 from fsdp_ext.wrap import (
     CostModel,
@@ -67,6 +63,40 @@ from fsdp_ext.wrap import (
     plan_units,
     shard_by_policy,
 )
+
+if TYPE_CHECKING:
+    from fsdp_ext.pipeline import (
+        FSDPPipelineStage,
+        PipelineState,
+        StagePlan,
+        build_pipeline,
+        pipeline_step,
+        plan_stages,
+        reduce_pipeline_loss,
+        split_stages,
+    )
+
+_PIPELINE_NAMES = frozenset(
+    {
+        "FSDPPipelineStage",
+        "PipelineState",
+        "StagePlan",
+        "build_pipeline",
+        "pipeline_step",
+        "plan_stages",
+        "reduce_pipeline_loss",
+        "split_stages",
+    }
+)
+
+
+def __getattr__(name: str) -> object:
+    if name in _PIPELINE_NAMES:
+        from fsdp_ext import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'fsdp_ext' has no attribute {name!r}")
+
 
 __all__ = [
     "AllToAllStats",

@@ -65,7 +65,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 # 2.11-2.15: the base class of FSDP1's policy objects (ModuleWrapPolicy, CustomPolicy).
 from torch.distributed.fsdp.wrap import _Policy as FSDP1Policy
-from torch.distributed.pipelining import PipelineStage
 
 # 2.11-2.15: pytree mapping (no public equivalent).
 from torch.utils._pytree import tree_map
@@ -119,7 +118,7 @@ __all__ = [
     "FSDP1Policy",
     "FSDPParamGroup",
     "FSDPUnit",
-    "PipelineStageBase",
+    "MetadataInferenceSeam",
     "ReduceScatter",
     "ShardPlacementResult",
     "TorchDispatchMode",
@@ -552,12 +551,15 @@ def compiled_inner(module: nn.Module) -> nn.Module:
     return getattr(module, "_orig_mod", module)
 
 
-class PipelineStageBase(PipelineStage):
-    """``PipelineStage`` with a seam around its shape-inference backward.
+class MetadataInferenceSeam:
+    """A mixin for ``PipelineStage``: a seam around its shape-inference backward.
 
     2.12-2.15 infer gradient shapes on the first step with an autograd pass over the stage
     (``_backward_metadata_inference``); a subclass wraps it in
     :meth:`metadata_inference_context`. 2.11 has no such pass, and the seam is never used.
+    A mixin rather than a subclass, so that importing this module does not import
+    ``torch.distributed.pipelining`` (and with it ``torch._dynamo``, about 1 s of CPU in
+    every process): only a pipelined job pays for it.
     """
 
     def metadata_inference_context(self) -> contextlib.AbstractContextManager[None]:

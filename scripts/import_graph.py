@@ -375,8 +375,22 @@ def surface_problems(graph: Graph) -> list[str]:
             problems.append(f"{rel}: no __all__ (every package lists its public names)")
             continue
         imported = set()
+        # names a package loads on first use (PEP 562): imported under ``if TYPE_CHECKING:``
+        # for readers and type checkers, and served by the package's ``__getattr__``
+        lazy = {
+            alias.asname or alias.name
+            for node in tree.body
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+            for sub in node.body
+            if isinstance(sub, ast.ImportFrom)
+            for alias in sub.names
+        }
+        if lazy and not any(
+            isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body
+        ):
+            problems.append(f"{rel}: imports {sorted(lazy)} under TYPE_CHECKING, no __getattr__")
         for node in tree.body:
-            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            if isinstance(node, ast.ImportFrom) and node.module not in ("__future__", "typing"):
                 for alias in node.names:
                     if alias.asname is not None and alias.asname == alias.name:
                         problems.append(
@@ -391,7 +405,7 @@ def surface_problems(graph: Graph) -> list[str]:
             for t in n.targets
             if isinstance(t, ast.Name)
         }
-        for missing in sorted(exported - imported - defined):
+        for missing in sorted(exported - imported - defined - lazy):
             problems.append(f"{rel}: __all__ lists {missing!r}, which it does not define")
         for unlisted in sorted(imported - exported):
             problems.append(f"{rel}: imports {unlisted!r} without listing it in __all__")

@@ -176,6 +176,13 @@ def test_checker_passes_a_clean_tree(tmp_path):
             {"benchmarks/bench.py": "from fsdp_ext.wrap import b\nfrom fsdp_ext.comm import x\n"},
             "benchmarks.bench imports fsdp_ext.comm.x, a room's internals",
         ),
+        (  # names loaded on first use with nothing to load them
+            {
+                "fsdp_ext/comm/__init__.py": "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n    from fsdp_ext.comm.x import hook\n__all__ = ['hook']\n"
+            },
+            "fsdp_ext/comm/__init__.py: imports ['hook'] under TYPE_CHECKING, no __getattr__",
+        ),
         (  # re-export by alias instead of __all__
             {"fsdp_ext/comm/__init__.py": "from fsdp_ext.comm.x import hook as hook\n"},
             "fsdp_ext/comm/__init__.py: no __all__",

@@ -85,3 +85,31 @@ def test_importing_fsdp_ext_changes_no_signal_handler_import_hook_or_disposition
         elif old != new:
             changed[key] = (old, new)
     assert changed == {}
+
+
+LAZY = r"""
+import json, sys
+import examples.train, fsdp_ext
+eager = sorted(m for m in ("torch.distributed.pipelining", "torch._dynamo") if m in sys.modules)
+stage = fsdp_ext.FSDPPipelineStage
+print(json.dumps({"eager": eager, "later": "torch._dynamo" in sys.modules,
+                  "same": stage is __import__("fsdp_ext.pipeline").pipeline.FSDPPipelineStage}))
+"""
+
+
+def test_a_job_without_a_pipeline_does_not_import_pipelining_or_dynamo(tmp_path):
+    """``torch.distributed.pipelining`` imports ``torch._dynamo``: about 1 s of CPU in every
+    rank, launcher and tool that imports fsdp_ext (mutant: ``fsdp_ext/__init__.py`` importing
+    ``fsdp_ext.pipeline`` eagerly again). The pipeline names still resolve, to the same
+    objects, on first use."""
+    out = subprocess.run(
+        [sys.executable, "-c", LAZY],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"eager": [], "later": True, "same": True}

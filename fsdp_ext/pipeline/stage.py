@@ -19,13 +19,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
 
-from fsdp_ext._torch import PipelineStageBase, finalize_each_backward, fsdp_units
+from fsdp_ext._torch import MetadataInferenceSeam, finalize_each_backward, fsdp_units
 
 GRAD_SYNC_MODES = ("deferred", "per_microbatch")
 
 
-class FSDPPipelineStage(PipelineStageBase):
+class FSDPPipelineStage(MetadataInferenceSeam, PipelineStage):
     """``PipelineStage`` over an FSDP-sharded stage module, with a choice of ``grad_sync``."""
 
     def __init__(
