@@ -164,21 +164,21 @@ def test_bad_keys_are_refused_alike(store, key):
 
 _RACER = textwrap.dedent(
     """
-    import os, sys, time, types
-    # the blob modules alone, without the package's __init__ (torch): a racer is ready in
-    # about a second, not seven, on a loaded machine
-    repo, location, key, me, go, etag = sys.argv[1:7]
+    import importlib, json, os, sys, types
+    # the store's own module alone, without the packages' __init__ and the location
+    # resolver (both import torch): a racer is ready in a fraction of a second
+    repo, store_json, key, me, etag = sys.argv[1:6]
     for name in ("fsdp_ext", "fsdp_ext.checkpoint"):
         package = types.ModuleType(name)
         package.__path__ = [os.path.join(repo, *name.split("."))]
         sys.modules[name] = package
     from fsdp_ext.checkpoint.blob import BlobConditionError
-    from fsdp_ext.checkpoint.location import blob_store_for
-    store = blob_store_for(location)
+    spec = json.loads(store_json)
+    module, cls = spec["class"].rsplit(".", 1)
+    store = getattr(importlib.import_module(module), cls)(*spec["args"], location=spec["location"])
     store.head("warm-up")  # the client made and the bucket checked before the start
     print("ready", flush=True)
-    while not os.path.exists(go):
-        time.sleep(0.001)
+    sys.stdin.readline()  # blocks until the parent starts every racer at once
     try:
         if etag == "-":
             store.put_if_absent(key, me.encode())
@@ -192,12 +192,20 @@ _RACER = textwrap.dedent(
 WRITERS = 3
 
 
-def _race(store, key: str, tmp_path, etag: str = "-") -> list[str]:
-    """``WRITERS`` processes, each ready (imported, connected), then started at once."""
-    go = tmp_path / f"go-{uuid.uuid4().hex}"
+def _store_spec(store) -> str:
+    """How a racer builds the same store as ``store`` without the location resolver."""
+    args = [store.root] if isinstance(store, PosixBlobStore) else [store.bucket, store.prefix]
+    cls = f"{type(store).__module__}.{type(store).__name__}"
+    return json.dumps({"class": cls, "args": args, "location": store.location})
+
+
+def _race(store, key: str, etag: str = "-") -> list[str]:
+    """``WRITERS`` processes, each ready (imported, connected), then started at once: each
+    blocks on a line of its stdin, and the parent writes all the lines back to back."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _RACER, REPO, store.location, key, f"writer {i}", str(go), etag],
+            [sys.executable, "-c", _RACER, REPO, _store_spec(store), key, f"writer {i}", etag],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -207,7 +215,9 @@ def _race(store, key: str, tmp_path, etag: str = "-") -> list[str]:
     try:
         for proc in procs:
             assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-        go.touch()
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
         results = []
         for proc in procs:
             out, err = proc.communicate(timeout=60)
@@ -220,16 +230,16 @@ def _race(store, key: str, tmp_path, etag: str = "-") -> list[str]:
     return results
 
 
-def test_racing_creators_exactly_one_wins(store, tmp_path):
-    results = _race(store, "race/owner", tmp_path)
+def test_racing_creators_exactly_one_wins(store):
+    results = _race(store, "race/owner")
     assert sorted(results) == ["lost"] * (WRITERS - 1) + ["won"], results
     winner = results.index("won")
     assert store.get("race/owner") == f"writer {winner}".encode()
 
 
-def test_racing_conditional_replacers_exactly_one_wins(store, tmp_path):
+def test_racing_conditional_replacers_exactly_one_wins(store):
     etag = store.put("race/beat", b"beat 0")
-    results = _race(store, "race/beat", tmp_path, etag=etag)
+    results = _race(store, "race/beat", etag=etag)
     assert sorted(results) == ["lost"] * (WRITERS - 1) + ["won"], results
     assert store.get("race/beat") == f"writer {results.index('won')}".encode()
 
