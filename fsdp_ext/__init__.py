@@ -76,22 +76,10 @@ if TYPE_CHECKING:
         split_stages,
     )
 
-_PIPELINE_NAMES = frozenset(
-    {
-        "FSDPPipelineStage",
-        "PipelineState",
-        "StagePlan",
-        "build_pipeline",
-        "pipeline_step",
-        "plan_stages",
-        "reduce_pipeline_loss",
-        "split_stages",
-    }
-)
-
 
 def __getattr__(name: str) -> object:
-    if name in _PIPELINE_NAMES:
+    # called only for names not bound above: in __all__, those are the pipeline's
+    if name in __all__:
         from fsdp_ext import pipeline
 
         return getattr(pipeline, name)
