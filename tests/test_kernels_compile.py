@@ -114,6 +114,18 @@ def test_every_chosen_case_compiles_for_sm90(report):
     assert {r["arch"] for r in results} == {DEFAULT_ARCH}
 
 
+def test_registers_and_sass_size_read_from_the_cubin_equal_cuobjdumps(report):
+    """The ELF reading against Triton's bundled cuobjdump, on each module's first case."""
+    checked = [r for r in _results(report, "fsdp_ext.kernels") if "cuobjdump" in r]
+    assert len(checked) == 4, [r["case"] for r in checked]  # one per kernel module
+    for r in checked:
+        if r["cuobjdump"] is None:
+            pytest.skip("this Triton ships no cuobjdump")
+        assert r["registers"] and r["sass_instructions"], r["case"]
+        got = {"registers": r["registers"], "sass_instructions": r["sass_instructions"]}
+        assert got == r["cuobjdump"], r["case"]
+
+
 def _broken(report, kernel):
     (result,) = [r for r in _results(report, BROKEN) if r["arch"] == 90 and kernel in r["case"]]
     return result

@@ -6,7 +6,8 @@ compiles each variant its launcher can produce (the module's ``compile_cases()``
 requested architecture, and reports facts about the generated code that matter on hardware:
 FMA instructions, the widths of global loads, the integer width of pointer offsets, the IEEE
 divisions per value, whether a loop waits on its own loads, registers and SASS size (the
-last two from Triton's bundled ``cuobjdump``).
+last two read from the cubin's ELF sections, checked against Triton's bundled ``cuobjdump``
+on one case of each run).
 
 Run as ``python -m fsdp_ext.kernels.compile_check [--arch 80 90] [--json PATH] [--cover]``. It
 must run with ``TRITON_INTERPRET`` unset (the interpreter replaces kernels by Python functions).
@@ -23,6 +24,7 @@ import json
 import os
 import pkgutil
 import re
+import struct
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -65,9 +67,53 @@ def loads_used_in_their_iteration(ptx: str) -> bool:
     return False
 
 
-def _sass_facts(cubin: bytes) -> dict[str, Any]:
-    """Registers and SASS instruction count from Triton's bundled ``cuobjdump`` (None
-    where it is missing)."""
+# ELF64 section header: name, type, flags, addr, offset, size, link, info, align, entsize
+_SECTION = struct.Struct("<IIQQQQIIQQ")
+_EIATTR_REGCOUNT = 0x2F  # in .nv.info: (symbol index, registers), format EIFMT_SVAL (4)
+_SASS_BYTES = 16  # every instruction is 128 bits from sm_70 on
+
+
+def _elf_sections(cubin: bytes) -> dict[str, bytes]:
+    """The cubin's sections by name (a cubin is a little-endian ELF64 file)."""
+    if cubin[:5] != b"\x7fELF\x02":
+        raise ValueError("not an ELF64 cubin")
+    (offset,) = struct.unpack_from("<Q", cubin, 0x28)
+    entry, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [_SECTION.unpack_from(cubin, offset + i * entry) for i in range(count)]
+    names_at = headers[names_index][4]
+
+    def name(at: int) -> str:
+        start = names_at + at
+        return cubin[start : cubin.index(b"\0", start)].decode()
+
+    return {name(h[0]): cubin[h[4] : h[4] + h[5]] for h in headers}
+
+
+def cubin_facts(cubin: bytes) -> dict[str, Any]:
+    """Registers and SASS instruction count of a one-kernel cubin, read from its ELF
+    sections: what ``cuobjdump -res-usage`` and ``-sass`` print, without two processes per
+    kernel (those took most of the compile check's time on a warm Triton cache)."""
+    sections = _elf_sections(cubin)
+    registers = None
+    info, at = sections.get(".nv.info", b""), 0
+    while at + 4 <= len(info):  # attributes: format, attribute, payload size, payload
+        fmt, attribute, size = struct.unpack_from("<BBH", info, at)
+        if fmt != 4:  # the other formats carry no size field of their own
+            at += 4
+            continue
+        if attribute == _EIATTR_REGCOUNT:
+            registers = struct.unpack_from("<II", info, at + 4)[1]
+        at += 4 + size
+    text = [data for name, data in sections.items() if name.startswith(".text.")]
+    return {
+        "registers": registers,
+        "sass_instructions": sum(len(t) for t in text) // _SASS_BYTES if text else None,
+    }
+
+
+def cuobjdump_facts(cubin: bytes) -> dict[str, Any] | None:
+    """The same facts from Triton's bundled ``cuobjdump`` (None where it is missing): the
+    independent reading that ``cubin_facts`` is checked against."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -76,7 +122,7 @@ def _sass_facts(cubin: bytes) -> dict[str, Any]:
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
-        return {"registers": None, "sass_instructions": None}
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -122,7 +168,9 @@ def uncovered(functions: dict[str, Any], cases: dict[str, list]) -> list[str]:
     return sorted(name for name, f in functions.items() if f not in reached)
 
 
-def compile_case(case, arch: int, enable_fp_fusion: bool | None = None) -> dict[str, Any]:
+def compile_case(
+    case, arch: int, enable_fp_fusion: bool | None = None, cross_check: bool = False
+) -> dict[str, Any]:
     """Compile one case for ``sm_<arch>`` with the launchers' own options (or FP fusion
     forced to ``enable_fp_fusion``); returns facts about its PTX and TTIR."""
     import triton
@@ -174,14 +222,15 @@ def compile_case(case, arch: int, enable_fp_fusion: bool | None = None) -> dict[
         "div_rn": len(re.findall(r"\bdiv\.rn\.f32\b", ptx)),
         "values_per_thread": case.values // threads if case.values else None,
         "loads_used_in_their_iteration": loads_used_in_their_iteration(ptx),
-        **_sass_facts(compiled.asm["cubin"]),
+        **cubin_facts(compiled.asm["cubin"]),
+        **({"cuobjdump": cuobjdump_facts(compiled.asm["cubin"])} if cross_check else {}),
     }
 
 
 def _compile_job(job):
-    module, index, arch, fusion = job
+    module, index, arch, fusion, cross_check = job
     case = discover_cases_of(module)[index]
-    result = compile_case(case, arch, fusion)
+    result = compile_case(case, arch, fusion, cross_check)
     result.update(module=module, fused=bool(fusion))
     return result
 
@@ -219,10 +268,9 @@ def compile_all(
     """Compile the cases at these indices of each module's ``compile_cases()`` for every
     arch, ``workers`` processes at a time."""
     jobs = [
-        (module, i, arch, None)
+        (module, i, arch, None, n == 0)  # each module's first job is read by cuobjdump too
         for module, indices in cases.items()
-        for i in indices
-        for arch in archs
+        for n, (i, arch) in enumerate((i, arch) for i in indices for arch in archs)
     ]
     jobs += list(extra_jobs)
     if workers <= 1:
@@ -264,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             "variants": sum(len(c) for c in package_cases.values()),
         }
         cases.update(chosen)
-    extra = [(m, c[-1], args.arch[-1], True) for m, c in cases.items()]
+    extra = [(m, c[-1], args.arch[-1], True, False) for m, c in cases.items()]
     extra = extra if args.fused_probe else []
     results = compile_all(cases, args.arch, args.workers, extra)
     seconds = time.perf_counter() - start
