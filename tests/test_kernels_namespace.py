@@ -46,7 +46,10 @@ def _copy_of_the_project(dest: Path) -> Path:
 
 
 def _pip(venv: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [str(venv / "bin/python"), "-m", "pip", "install", "-q", "--no-deps", *args]
+    """This environment's pip installs into ``venv`` (``--python``): the venv needs no pip of
+    its own, whose ensurepip took 5 CPU-s."""
+    cmd = [sys.executable, "-m", "pip", "--python", str(venv / "bin/python")]
+    cmd += ["install", "-q", "--no-deps", *args]
     env = {**os.environ, "PIP_CONSTRAINT": "/dev/null"}
     env.pop("PYTHONPATH", None)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -58,7 +61,9 @@ def venv_with_pypi_triton_kernels(tmp_path_factory):
     ``triton-kernels`` installed beside it; torch comes from the test's own environment."""
     tmp = tmp_path_factory.mktemp("venv")
     venv = tmp / "v"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
     site = Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"])
     ours = sysconfig.get_paths()["purelib"]
     (site / "zz_torch_from_the_test_env.pth").write_text(
