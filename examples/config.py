@@ -172,6 +172,9 @@ class TrainConfig:
     )
     zeropp: bool = _arg(False, "the ZeRO++ stack: --comm loco --intra-node-size auto --qwz --hpz")
     log_every: int = _arg(25, "steps between progress lines", low=1)
+    no_plot: bool = _arg(
+        False, "do not draw --out/loss.png (matplotlib costs about 1.3 s of CPU at the end)"
+    )
     val_batches: int = _arg(8, "validation batches at the end of the run", low=1)
     ckpt_every: int = _arg(0, "save a checkpoint every N steps (0: never)", low=0)
     keep: int = _arg(3, "complete checkpoints kept on disk, the newest", low=1)

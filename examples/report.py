@@ -36,8 +36,7 @@ def _rounded(value: float | None, digits: int | None = None) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def report(cfg: TrainConfig, summary: dict, wall_s: float) -> None:
-    """Write --out/loss.png and print the run's one JSON line (the benchmarks read it)."""
+def _write_plot(cfg: TrainConfig, summary: dict) -> None:
     losses, entropy = summary["losses"], summary["unigram_entropy"]
     if is_object_store(cfg.out):  # the plot goes beside the checkpoints, as an object
         plot = io.BytesIO()
@@ -47,6 +46,14 @@ def report(cfg: TrainConfig, summary: dict, wall_s: float) -> None:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         plot_losses(losses, summary["start_step"], out / "loss.png", entropy)
+
+
+def report(cfg: TrainConfig, summary: dict, wall_s: float) -> None:
+    """Write --out/loss.png (unless --no-plot) and print the run's one JSON line (the
+    benchmarks read it)."""
+    losses, entropy = summary["losses"], summary["unigram_entropy"]
+    if not cfg.no_plot:
+        _write_plot(cfg, summary)
     result = {
         "train": "byte-lm",
         "world_size": summary["world_size"],

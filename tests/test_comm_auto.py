@@ -413,6 +413,7 @@ def test_train_comm_auto_explains_and_keeps_the_users_flags(tmp_path):
     rest, --explain prints the table, and the job trains with int8 weights."""
     args = ["--nproc-per-node", "2", "--comm", "auto", "--explain", "--qwz"]
     args += ["--intra-node-size", "1", "--steps", "2", "--val-batches", "1", "--batch-size", "4"]
+    args += ["--no-plot"]
     args += ["--seq-len", "32", "--dim", "32", "--n-layers", "1", "--n-heads", "2"]
     args += ["--hidden-dim", "64", "--out", str(tmp_path)]
     proc = subprocess.run(

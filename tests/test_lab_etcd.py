@@ -19,12 +19,10 @@ from fsdp_ext.lab import Cluster
 from fsdp_ext.lab.launcher import torchrun_argv
 from fsdp_ext.lab.rendezvous import etcd_missing
 from tests.lab_helpers import PROGRAMS, KillOnLine, leftovers, recovery_figures, require_lab
+from tests.train_flags import TINY
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "examples" / "train.py")
-TINY = ["--batch-size", "4", "--seq-len", "16", "--dim", "16", "--n-layers", "1"]
-TINY += ["--n-heads", "2", "--hidden-dim", "16", "--num-experts", "2", "--val-batches", "1"]
-TINY += ["--log-every", "1"]
 
 
 def _require_etcd() -> None:

@@ -20,12 +20,10 @@ import pytest
 
 from fsdp_ext.lab import Cluster, Fault
 from tests.lab_helpers import KillOnLine, leftovers, recovery_figures, require_lab
+from tests.train_flags import TINY
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "examples" / "train.py")
-TINY = ["--batch-size", "4", "--seq-len", "16", "--dim", "16", "--n-layers", "1"]
-TINY += ["--n-heads", "2", "--hidden-dim", "16", "--num-experts", "2", "--val-batches", "1"]
-TINY += ["--log-every", "1"]
 
 
 def _train(out: Path, steps: int, ckpt_every: int) -> list[str]:

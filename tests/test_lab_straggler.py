@@ -28,6 +28,7 @@ CUT_AT, WITHIN = 5, 20
 PROGRAM = [str(REPO / "examples" / "train.py"), "--batch-size", "6", "--seq-len", "32"]
 PROGRAM += ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--hidden-dim", "32"]
 PROGRAM += ["--num-experts", "2", "--val-batches", "1", "--log-every", "1", "--comm", "stock"]
+PROGRAM += ["--no-plot"]
 PROGRAM += ["--steps", "40", "--straggler-every", "5"]
 NAMED = re.compile(r"straggler: rank (\d+) on node (\d+) \(steps (\d+)-(\d+)\)")
 

@@ -21,12 +21,10 @@ from examples.model import ModelConfig
 from examples.train import TrainConfig, train
 from fsdp_ext.lab import process_environ
 from fsdp_ext.testing import run_distributed
+from tests.train_flags import TINY
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "examples" / "train.py")
-TINY = ["--batch-size", "4", "--seq-len", "16", "--dim", "16", "--n-layers", "1"]
-TINY += ["--n-heads", "2", "--hidden-dim", "16", "--num-experts", "2", "--val-batches", "1"]
-TINY += ["--log-every", "1"]
 STEPS, CKPT_EVERY, KILL_AFTER = 25, 5, 7
 SNAPSHOT_EVERY = 2
 TIMEOUT_S = 240
@@ -173,7 +171,7 @@ def _train(cfg: TrainConfig) -> dict:
 
 SMALL_FLAGS = ["--steps", "16", "--batch-size", "8", "--seq-len", "16", "--dim", "16"]
 SMALL_FLAGS += ["--n-layers", "1", "--n-heads", "2", "--hidden-dim", "16", "--num-experts", "2"]
-SMALL_FLAGS += ["--warmup-steps", "4", "--val-batches", "1", "--log-every", "1"]
+SMALL_FLAGS += ["--warmup-steps", "4", "--val-batches", "1", "--log-every", "1", "--no-plot"]
 
 
 def _logged_losses(stdout: str) -> list[float]:

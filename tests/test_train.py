@@ -111,6 +111,9 @@ def test_resume_refuses_a_checkpoint_that_cannot_load(tmp_path, capsys):
     flags += ["--n-heads", "2", "--hidden-dim", "16", "--num-experts", "2", "--val-batches", "1"]
     first = _cli([*flags, "--steps", "2", "--ckpt-every", "2", "--out", out])
     assert first.returncode == 0, first.stderr[-3000:]
+    plot = tmp_path / "run" / "loss.png"
+    assert plot.read_bytes()[:4] == b"\x89PNG"  # rank 0 drew the losses
+    plot.unlink()
     record = json.loads((tmp_path / "run" / "checkpoints" / "run.json").read_text())
     assert record["comm"] == "loco" and record["world_size"] == 1
     assert record["model"]["dim"] == 16 and record["model"]["max_seq_len"] == 16
@@ -129,9 +132,10 @@ def test_resume_refuses_a_checkpoint_that_cannot_load(tmp_path, capsys):
     for env, extra in (({"WORLD_SIZE": "2"}, []), ({}, ["--intra-node-size", "1"])):
         with mock.patch.dict(os.environ, env):
             parse_args([*resume, *extra], world_size=int(env.get("WORLD_SIZE", 1)))
-    again = _cli(resume)
+    again = _cli([*resume, "--no-plot"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout.strip().splitlines()[-1])["steps"] == 4
+    assert not plot.exists()  # --no-plot
 
 
 @pytest.mark.parametrize(

@@ -14,11 +14,11 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp_ext.checkpoint import checkpoint_steps
 from tests.host_helpers import power_off, start_on_host
+from tests.train_flags import TINY as TINY_FLAGS
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [sys.executable, str(REPO / "examples" / "train.py"), "--nproc-per-node", "2"]
-TINY = "--batch-size 4 --seq-len 16 --dim 16 --n-layers 1 --n-heads 2 --hidden-dim 16 "
-TINY += "--num-experts 2 --val-batches 1 --log-every 1 --warmup-steps 2"
+TINY = " ".join([*TINY_FLAGS, "--warmup-steps", "2"])
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
