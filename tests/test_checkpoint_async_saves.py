@@ -16,6 +16,7 @@ from torch import nn
 from fsdp_ext import Checkpointer, SafeLoadPlanner, VerifiedFileSystemReader
 from fsdp_ext.checkpoint import LocalStorage, checkpoint_steps, verify_checkpoint
 from tests.test_train_job_life import TINY, contents, same
+from tests.train_flags import train_in_ranks
 
 
 class _SlowBackground(LocalStorage):
@@ -132,14 +133,8 @@ def test_async_saves_killed_at_every_point_resume_bit_for_bit(tmp_path):
     assert [int(x.split()[2]) for x in kills] == list(range(len(KILL_POINTS))), (
         kills
     )  # every point was reached, in its attempt
-    straight = subprocess.run(
-        [*TRAIN2, *args, "--out", str(tmp_path / "straight")],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    straight = train_in_ranks([*args, "--out", str(tmp_path / "straight")], 2)
+    assert straight["steps"] == 20
     left = checkpoint_steps(tmp_path / "struck" / "checkpoints")
     assert [s for s, _ in left] == [20]
     for step, path in left:

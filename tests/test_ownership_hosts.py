@@ -24,6 +24,7 @@ from fsdp_ext.checkpoint.manifest import MANIFEST_NAME
 from fsdp_ext.job.ownership import claim
 from tests.host_helpers import power_off, signal_host, start_on_host
 from tests.test_train_job_life import TINY, contents, same
+from tests.train_flags import train_in_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).parent / "ckpt_programs"
@@ -114,8 +115,7 @@ def test_a_paused_owner_is_fenced_and_the_claimant_keeps_its_own_chain(tmp_path)
     assert all(m["replaces"] is None for m in after.values())
     # every checkpoint equals the one an uninterrupted run saves at that step
     alone = tmp_path / "alone"
-    ref = subprocess.run([*TRAIN, *flags, "--out", str(alone)], env=ENV, capture_output=True)
-    assert ref.returncode == 0, ref.stderr[-2000:]
+    train_in_ranks([*TINY.split(), *flags, "--out", str(alone)], 1)
     for step in (2, max(before), max(before) + 2, 40):
         name = f"step-{step:07d}"
         got, want = contents(out / "checkpoints" / name), contents(alone / "checkpoints" / name)
@@ -420,8 +420,7 @@ def probe_step2(tmp_path: Path) -> Path:
     """The uninterrupted run's step 2."""
     ref = tmp_path / "ref"
     flags = ["--steps", "2", "--ckpt-every", "2"]
-    done = subprocess.run([*TRAIN, *flags, "--out", str(ref)], env=ENV, capture_output=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    train_in_ranks([*TINY.split(), *flags, "--out", str(ref)], 1)
     return ref / "checkpoints" / "step-0000002"
 
 

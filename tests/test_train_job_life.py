@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from fsdp_ext.checkpoint import checkpoint_steps
 from tests.host_helpers import power_off, start_on_host
 from tests.train_flags import TINY as TINY_FLAGS
+from tests.train_flags import train_in_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = [sys.executable, str(REPO / "examples" / "train.py"), "--nproc-per-node", "2"]
@@ -75,7 +76,7 @@ def two_jobs(tmp_path: Path, delay: float) -> None:
     assert "on host" in line and "choose another output directory" in line
     # every checkpoint left is, value for value, what the job that ran saves by itself
     alone = tmp_path / "alone"
-    assert finish(job(alone, *flags, "--seed", str(winner)))[0] == 0
+    train_in_ranks([*TINY.split(), *flags, "--seed", str(winner), "--out", str(alone)], 2)
     left = checkpoint_steps(out / "checkpoints")
     assert [s for s, _ in left] == [2, 4, 6]
     for step, path in left:
