@@ -1,5 +1,8 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both bootstrap .venv on first use.
 PY := .venv/bin/python
+# Bytecode is written on first import, since the bootstrap compiles nothing ahead: a shell
+# that sets PYTHONDONTWRITEBYTECODE would have every process compile torch again.
+export PYTHONDONTWRITEBYTECODE :=
 NPROC ?= 2
 # pytest workers: lab tests share one (tests/conftest.py), the rest spread over both
 TEST_WORKERS ?= 2

@@ -3,8 +3,7 @@
 # torch==2.13.0 is named first: it is the CPU wheel on disk, while a bare "torch"
 # requirement would pull a multi-gigabyte CUDA build. pip finds that wheel (uv does not look
 # on this disk); uv then installs it with everything else, downloading and compiling in
-# parallel: 41 s against pip's 103 s on a 2-core machine with an empty cache. Without uv
-# (an index that lacks it), pip does it all.
+# parallel. Without uv (an index that lacks it), pip does it all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -27,10 +26,10 @@ if "${pip[@]}" uv 2>/dev/null; then
             "${torch[@]}"
         torch=("$wheels"/torch-*.whl)
     fi
-    # bytecode now: this machine's shells set PYTHONDONTWRITEBYTECODE, so a module left
-    # uncompiled would be compiled again in every process that imports it
-    .venv/bin/python -m uv pip install -q --python .venv/bin/python --compile-bytecode \
-        "${torch[@]}" -e ".[dev,hf]"
+    # no --compile-bytecode: it compiles all 11,100 modules (about 37 CPU-s), where the
+    # suite and the demo import about 2,200; `make` writes each one's bytecode on first
+    # import instead (PYTHONDONTWRITEBYTECODE is cleared for its Python commands)
+    .venv/bin/python -m uv pip install -q --python .venv/bin/python "${torch[@]}" -e ".[dev,hf]"
 else
     [[ ${#torch[@]} -eq 0 ]] || "${pip[@]}" "${torch[@]}"
     "${pip[@]}" -e ".[dev,hf]"
