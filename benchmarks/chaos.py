@@ -46,7 +46,7 @@ from benchmarks.chaos_state import (  # noqa: E402
     load_checkpoint,
 )
 from benchmarks.chaos_strike import Striker  # noqa: E402
-from fsdp_ext.lab import Cluster  # noqa: E402
+from fsdp_ext.lab import Cluster, teardown_on_termination  # noqa: E402
 
 __all__ = ["main", "measure"]
 
@@ -237,4 +237,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    teardown_on_termination()  # SIGTERM tears the lab down, as Ctrl-C does
     main()

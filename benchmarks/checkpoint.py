@@ -102,7 +102,7 @@ from fsdp_ext.checkpoint import (
     remove_checkpoint,
     spread_plans,
 )
-from fsdp_ext.lab import FABRIC_DEVICE, Cluster, unavailable_reason
+from fsdp_ext.lab import FABRIC_DEVICE, Cluster, teardown_on_termination, unavailable_reason
 from fsdp_ext.testing import (
     create_write_items,
     dedup_save_plans,
@@ -1142,4 +1142,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    teardown_on_termination()  # SIGTERM tears the lab down, as Ctrl-C does
     main()

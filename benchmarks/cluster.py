@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import itertools
 
 from examples.config import build_parser
-from fsdp_ext.lab import Cluster, LabUnavailable, unavailable_reason
+from fsdp_ext.lab import Cluster, LabUnavailable, teardown_on_termination, unavailable_reason
 
 RANK_PROGRAM = Path(__file__).resolve().parent / "cluster_rank.py"
 RECORD_TAG = "CLUSTER_RECORD "
@@ -606,4 +606,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    teardown_on_termination()  # SIGTERM tears the lab down, as Ctrl-C does
     main()

@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from fsdp_ext.lab import Cluster, Fault  # noqa: E402
+from fsdp_ext.lab import Cluster, Fault, teardown_on_termination  # noqa: E402
 
 TINY = ["--batch-size", "4", "--seq-len", "32", "--dim", "32", "--n-layers", "2"]
 TINY += ["--n-heads", "2", "--hidden-dim", "32", "--num-experts", "2", "--val-batches", "1"]
@@ -274,4 +274,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    teardown_on_termination()  # SIGTERM tears the lab down, as Ctrl-C does
     main()

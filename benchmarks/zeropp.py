@@ -49,7 +49,12 @@ sys.path.insert(0, str(REPO))
 from benchmarks.cluster import run_job, step_intervals_ms  # noqa: E402
 from benchmarks.cluster import summarize as summarize_lab  # noqa: E402
 from examples.train import TrainConfig, parallelize, train  # noqa: E402
-from fsdp_ext.lab import Cluster, LabUnavailable, unavailable_reason  # noqa: E402
+from fsdp_ext.lab import (  # noqa: E402
+    Cluster,
+    LabUnavailable,
+    teardown_on_termination,
+    unavailable_reason,
+)
 from fsdp_ext.testing import WireCounter, fsdp_units, run_distributed  # noqa: E402
 
 LIMIT_RATES_MBIT = (25, 50, 100)
@@ -380,4 +385,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    teardown_on_termination()  # SIGTERM tears the lab down, as Ctrl-C does
     main()

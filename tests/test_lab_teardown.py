@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from fsdp_ext.lab import Cluster
-from fsdp_ext.lab.cleanup import lab_runs, namespace_pids
-from fsdp_ext.lab.names import RunNames
+from fsdp_ext.lab.cleanup import clean_stale, lab_runs, namespace_pids
+from fsdp_ext.lab.names import PREFIX, RunNames
 from tests.lab_helpers import PROGRAMS, alive, leftovers, require_lab, sshfs_mounts_of
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,6 +77,58 @@ def test_ctrl_c_during_a_job_leaves_nothing():
         signal.signal(signal.SIGINT, previous)
     assert len(pids) == 2
     assert leftovers(run_id, pids=pids) == []
+
+
+def test_sigterm_to_a_lab_benchmark_tears_its_lab_down():
+    """A scheduler's or a timeout's SIGTERM to a benchmark in the middle of a lab job: the
+    benchmark unwinds as from Ctrl-C, and its lab (namespaces, the job's processes) is gone."""
+    require_lab()
+    argv = [sys.executable, str(REPO / "benchmarks" / "cluster.py"), "--plan", "1x1:100"]
+    argv += ["--configs", "stock_fp32", "--steps", "400", "--plot", ""]
+    bench = subprocess.Popen(
+        argv,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    prefix = f"{PREFIX}-{bench.pid}-"  # the run ids of the labs it owns
+    try:
+
+        def its_job_runs() -> bool:
+            runs = [r for r in lab_runs() if r.startswith(prefix)]
+            return bool(runs) and any(namespace_pids(ns) for ns in lab_runs()[runs[0]])
+
+        _wait_for(its_job_runs, 180, "the benchmark's lab job")
+        (run_id,) = [r for r in lab_runs() if r.startswith(prefix)]
+        pids = [pid for ns in lab_runs()[run_id] for pid in namespace_pids(ns)]
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=120)
+        assert bench.returncode != 0, err[-2000:]
+        assert leftovers(run_id, pids=pids) == [], err[-2000:]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        clean_stale()  # whatever a failure left
+
+
+def test_every_benchmark_that_builds_a_lab_tears_it_down_on_sigterm():
+    """The test above runs one; each program that builds a Cluster installs the same."""
+    import ast
+
+    missing = []
+    for path in sorted((REPO / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        mains = [
+            node
+            for node in tree.body
+            if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+        ]
+        program = "Cluster(" in path.read_text() and mains  # not a module of one
+        if program and "teardown_on_termination()" not in ast.unparse(mains[0]):
+            missing.append(path.name)
+    assert missing == []
 
 
 def _netns_add(name: str) -> None:

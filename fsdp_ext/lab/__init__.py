@@ -8,7 +8,7 @@ every node with a real multi-node rendezvous; the interface counters say what cr
 link. See docs/cluster.md.
 """
 
-from fsdp_ext.lab.cleanup import clean_stale, namespace_pids
+from fsdp_ext.lab.cleanup import clean_stale, namespace_pids, teardown_on_termination
 from fsdp_ext.lab.cluster import DEFAULT_TIMEOUT_S, Cluster, LabResult
 from fsdp_ext.lab.counters import NodeBytes
 from fsdp_ext.lab.faults import (
@@ -42,5 +42,6 @@ __all__ = [
     "parse_rate",
     "process_environ",
     "rank_pids",
+    "teardown_on_termination",
     "unavailable_reason",
 ]

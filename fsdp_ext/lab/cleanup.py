@@ -28,6 +28,7 @@ __all__ = [
     "namespace_pids",
     "netns_pids",
     "remove_run",
+    "teardown_on_termination",
 ]
 
 JOB_MARK = "FSDP_EXT_LAB_JOB"  # in the environment of every process of one lab job
@@ -148,3 +149,16 @@ def clean_stale() -> list[str]:
         remove_run(names, sorted(namespaces))
         removed.append(run_id)
     return removed
+
+
+def _unwind(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def teardown_on_termination() -> None:
+    """Make SIGTERM and SIGHUP unwind like Ctrl-C, so that a program's ``with Cluster(...)``
+    tears its lab down when a scheduler, a timeout or a user stops it (by default both end
+    the process at once and leave the lab running). For programs that build labs (the
+    lab's CLI, the benchmarks); importing the library installs nothing."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _unwind)

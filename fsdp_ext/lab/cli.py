@@ -15,7 +15,7 @@ import argparse
 import signal
 import sys
 
-from fsdp_ext.lab.cleanup import clean_stale
+from fsdp_ext.lab.cleanup import clean_stale, teardown_on_termination
 from fsdp_ext.lab.cluster import DEFAULT_TIMEOUT_S, Cluster, LabResult
 from fsdp_ext.lab.counters import NodeBytes
 from fsdp_ext.lab.faults import Fault
@@ -102,11 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--storage", choices=STORAGE_SERVICES, default="sshfs")
     sub.add_parser("clean", help="remove resources of labs whose owner process is gone")
     return parser
-
-
-def _terminate(signum, _frame):
-    # SIGTERM/SIGHUP unwind like Ctrl-C, so the lab's teardown runs
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _report(cluster: Cluster, link_bytes: list[NodeBytes]) -> str:
@@ -208,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         faults = _faults(args)
     except ValueError as exc:
         parser.error(str(exc))
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _terminate)
+    teardown_on_termination()
     cluster = Cluster(
         args.nodes,
         args.ranks_per_node,
