@@ -283,6 +283,7 @@ class Ours(_Saver):
         call = time.perf_counter()
         self.ckpt.save(step, blocking=self.blocking)
         rec = self.record(step, call)
+        rec["phases"] = self.ckpt.stats.phases_s[-1]  # where the blocked time went
         if self.blocking:
             rec["done"] = rec["ret"]
 
@@ -647,6 +648,16 @@ def summarize_writer(writer: str, run: dict) -> dict:
         "train_peak_over_rss_mb": round(train_peak / MB, 1),
         "helper_processes_peak_mb": [round(sum(h) / MB, 1) for h in run["helpers"]],
     }
+    if all("phases" in s for t in timelines for s in t["saves"]):  # ours: per phase, the
+        names = timelines[0]["saves"][0]["phases"]  # slowest rank's, median over the saves
+        row["blocked_ms_phases"] = {
+            name: _round(
+                _median([max(t["saves"][i]["phases"][name] for t in timelines) for i in range(n)])
+                * 1e3,
+                1,
+            )
+            for name in names
+        }
     staged = [t["staging_bytes"] for t in timelines]
     if all(b is not None for b in staged):
         row["staging_bytes_over_state"] = _round(sum(staged) / state)
@@ -801,7 +812,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             print(
                 f"{writer:>20}: blocked {r['blocked_ms']} ms, background {r['background_s']} s, "
                 f"step x{r['step_slowdown']}, staging/state {r['staging_over_state']} "
-                f"({time.perf_counter() - began:.0f} s)",
+                f"({time.perf_counter() - began:.0f} s)"
+                + (f" phases ms {r['blocked_ms_phases']}" if "blocked_ms_phases" in r else ""),
                 file=sys.stderr,
                 flush=True,
             )
