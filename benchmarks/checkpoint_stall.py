@@ -166,7 +166,7 @@ def stock_writer(root: str, step: int):
     location = f"{root}/step-{step}"
     if not root.startswith("s3://"):
         return dcp.FileSystemWriter(location)
-    from fsdp_ext._torch import fsspec_writer_and_reader
+    from fsdp_ext.testing import fsspec_writer_and_reader
 
     fsspec_writer, _ = fsspec_writer_and_reader()
     return fsspec_writer(location, sync_files=False, endpoint_url=os.environ["AWS_ENDPOINT_URL"])

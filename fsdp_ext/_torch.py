@@ -129,6 +129,7 @@ __all__ = [
     "create_write_items",
     "dedup_save_plans",
     "default_fsdp_mesh_on_cuda",
+    "dtensor_local_tensor",
     "flatten_mesh",
     "forward_prefetch_targets",
     "fsdp_mesh_info",
