@@ -1,6 +1,7 @@
 """How long a checkpoint save stops training: stock DCP, torch-checkpointing and ours, side by side.
 
     python benchmarks/checkpoint_stall.py [--quick] [--world 2] [--plot docs/checkpoint_stall.png]
+    python benchmarks/checkpoint_stall.py --lab [--storage sshfs|s3] [--lab-link 200]   # root
 
 The main job's model (examples/model.py, MoE blocks, stock fp32 gradient comms), FSDP over
 ``--world`` gloo ranks (examples/train.py's ``parallelize``) and AdamW, trained on the main
@@ -43,6 +44,15 @@ for its previous save, as each library requires. Per save (median over the run's
                         torch-checkpointing's writers) are reported apart, as their own VmHWM
                         (an interpreter with torch, plus what they map). For ours also from
                         ``Checkpointer.stats.staging_bytes``.
+
+In the cluster lab (``--lab``, root; ``python -m fsdp_ext.lab``, docs/cluster.md) each writer
+runs as a job of its own on ``--world`` emulated nodes of one rank each, the links between nodes
+capped at ``--lab-fabric`` Mbit/s, each node's link to the storage node at ``--lab-link``
+Mbit/s, the checkpoints on the lab's shared sshfs directory or (``--storage s3``) its S3
+server (SeaweedFS; ours through the blob layer, stock DCP through s3fs's ``FsspecWriter``,
+which ``--s3fs-path`` provides; torch-checkpointing writes to local files only and is
+skipped). The ranks read their own /proc (no parent on their host) and rank 0 prints each
+writer's row; the JSON adds ``lab`` (storage, link rates, bytes each node sent to storage).
 
 The last line is one JSON object: ``<metric>_<writer>`` for the six writers and for
 ``stock_async`` (the better of its two modes by blocked_ms), the ratios
@@ -146,6 +156,22 @@ class _Saver:
         return None
 
 
+def stock_writer(root: str, step: int):
+    """Stock DCP's writer for ``root/step-N``: ``FileSystemWriter`` on a directory, or on S3
+    (``s3://``) ``FsspecWriter`` through s3fs, ``sync_files=False`` (an S3 file has no
+    descriptor: its fsync falls back to ``os.sync()`` of the host; a finished put is
+    durable), as ``benchmarks/checkpoint.py --lab --storage s3`` runs it."""
+    import torch.distributed.checkpoint as dcp
+
+    location = f"{root}/step-{step}"
+    if not root.startswith("s3://"):
+        return dcp.FileSystemWriter(location)
+    from fsdp_ext.testing import fsspec_writer_and_reader
+
+    fsspec_writer, _ = fsspec_writer_and_reader()
+    return fsspec_writer(location, sync_files=False, endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+
+
 class StockSync(_Saver):
     def __init__(self, root, state):
         super().__init__(root)
@@ -155,7 +181,7 @@ class StockSync(_Saver):
         import torch.distributed.checkpoint as dcp
 
         call = time.perf_counter()
-        dcp.save(self.state, storage_writer=dcp.FileSystemWriter(self.root / f"step-{step}"))
+        dcp.save(self.state, storage_writer=stock_writer(self.root, step))
         rec = self.record(step, call)
         rec["done"] = rec["ret"]
 
@@ -201,7 +227,7 @@ class StockAsync(_Saver):
             self.future.result()
         self.future = dcp.async_save(
             self.state,
-            storage_writer=dcp.FileSystemWriter(self.root / f"step-{step}"),
+            storage_writer=stock_writer(self.root, step),
             async_checkpointer_type=self.kind,
             async_stager=self.stager,
             process_group=self.group,
@@ -251,7 +277,7 @@ class TorchCheckpointing(_Saver):
     def save(self, step: int) -> None:
         call = time.perf_counter()
         payload = {"model": self.state["model"].state_dict()}
-        self.future = self.manager.save(str(self.root / f"step-{step}"), payload)
+        self.future = self.manager.save(f"{self.root}/step-{step}", payload)
         _when_done(self.future, self.record(step, call))
 
     def optimizer_step(self, optimizer) -> float:
@@ -283,6 +309,7 @@ class Ours(_Saver):
         call = time.perf_counter()
         self.ckpt.save(step, blocking=self.blocking)
         rec = self.record(step, call)
+        rec["phases"] = self.ckpt.stats.phases_s[-1]  # where the blocked time went
         if self.blocking:
             rec["done"] = rec["ret"]
 
@@ -302,7 +329,7 @@ class Ours(_Saver):
         return self.ckpt.stats.staging_bytes
 
 
-def make_saver(writer: str, root: Path, model, optimizer) -> _Saver:
+def make_saver(writer: str, root: str, model, optimizer) -> _Saver:
     from fsdp_ext.job import ModelOptimizerState
 
     state = {"model": ModelOptimizerState(model, optimizer)}  # what Checkpointer saves
@@ -345,8 +372,44 @@ def _hold(word: str) -> None:
         raise RuntimeError(f"expected 'go' from the parent after {word!r}, got {line!r}")
 
 
+class _SelfMeasured:
+    """In the lab (no parent on this machine reads /proc for the rank): the same memory
+    readings, taken by the rank itself at the same points (``/proc/self``)."""
+
+    def __init__(self) -> None:
+        self.base_rss = self.clean_hwm = 0
+
+    def hold(self, word: str) -> None:
+        if word == "ready":
+            self.base_rss = proc_status(os.getpid())["VmRSS"]
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        elif word == "clean":
+            self.clean_hwm = proc_status(os.getpid())["VmHWM"]
+
+    def finish(self, writer: str, timeline: dict) -> None:
+        """Gather every rank's timeline and readings on rank 0, which prints the writer's
+        row as one JSON line (what the parent reads back from the job's output)."""
+        import torch.distributed as dist
+
+        mine = {
+            "timeline": timeline,
+            "base_rss": self.base_rss,
+            "clean_hwm": self.clean_hwm,
+            "end_hwm": proc_status(os.getpid())["VmHWM"],
+            "helpers": [proc_status(p).get("VmHWM", 0) for p in descendants(os.getpid())],
+        }
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if gathered is not None:
+            run = {"timelines": [g["timeline"] for g in gathered]}
+            run |= {k: [g[k] for g in gathered] for k in ("base_rss", "clean_hwm", "end_hwm")}
+            run["helpers"] = [g["helpers"] for g in gathered]
+            print(json.dumps({"writer": writer, "row": summarize_writer(writer, run)}), flush=True)
+
+
 def worker(args: argparse.Namespace) -> None:
-    """One rank: train, save through ``args.worker``, report its timeline to the parent."""
+    """One rank: train, save through ``args.worker``, report its timeline to the parent
+    (or, in the lab, ``--lab-worker``: measure itself, rank 0 prints the writer's row)."""
     import torch
     import torch.distributed as dist
 
@@ -358,6 +421,12 @@ def worker(args: argparse.Namespace) -> None:
 
     with contextlib.suppress(OSError, AttributeError):  # die with the parent (Linux)
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if args.lab_worker and args.storage == "s3" and args.worker.startswith("stock"):
+        from benchmarks.checkpoint import use_s3fs
+
+        use_s3fs(args.s3fs_path)  # before anything imports botocore
+    inside = _SelfMeasured() if args.lab_worker else None
+    hold = _hold if inside is None else inside.hold
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -414,14 +483,14 @@ def worker(args: argparse.Namespace) -> None:
         train_step("warmup")
     nbytes = state_bytes(model, optimizer)
     dist.barrier()
-    _hold("ready")  # the parent resets VmHWM
+    hold("ready")  # the parent resets VmHWM
     for _ in range(args.clean):
         train_step("clean")
-    _hold("clean")  # the parent reads the training's own peak
+    hold("clean")  # the parent reads the training's own peak
     # An untimed first save, waited for: it starts the writers' helper processes (DCP's
     # daemon, torch-checkpointing's writer: an interpreter importing torch) and allocates the
     # staging buffers, which a long run pays once. Its blocked time is reported apart.
-    saver = make_saver(args.worker, Path(args.dir), model, optimizer)
+    saver = make_saver(args.worker, args.dir, model, optimizer)
     saver.save(step)
     saver.finish()
     first = saver.records.pop()
@@ -442,8 +511,12 @@ def worker(args: argparse.Namespace) -> None:
         "saves": saver.records,
         "first_save": first,
     }
-    _say("done", timeline)
-    line = sys.stdin.readline().strip()  # the parent reads VmHWM first
+    if inside is not None:
+        inside.finish(args.worker, timeline)
+        line = "exit"
+    else:
+        _say("done", timeline)
+        line = sys.stdin.readline().strip()  # the parent reads VmHWM first
     saver.close()
     dist.barrier()
     dist.destroy_process_group()
@@ -647,6 +720,16 @@ def summarize_writer(writer: str, run: dict) -> dict:
         "train_peak_over_rss_mb": round(train_peak / MB, 1),
         "helper_processes_peak_mb": [round(sum(h) / MB, 1) for h in run["helpers"]],
     }
+    if all("phases" in s for t in timelines for s in t["saves"]):  # ours: per phase, the
+        names = timelines[0]["saves"][0]["phases"]  # slowest rank's, median over the saves
+        row["blocked_ms_phases"] = {
+            name: _round(
+                _median([max(t["saves"][i]["phases"][name] for t in timelines) for i in range(n)])
+                * 1e3,
+                1,
+            )
+            for name in names
+        }
     staged = [t["staging_bytes"] for t in timelines]
     if all(b is not None for b in staged):
         row["staging_bytes_over_state"] = _round(sum(staged) / state)
@@ -683,6 +766,107 @@ def summarize(rows: dict[str, dict], skipped: dict[str, str], meta: dict) -> dic
     out["skipped"] = skipped
     out["writers"] = {w: r for w, r in rows.items() if w != "stock_async"}
     return out
+
+
+# ---------------------------------------------------------------- the cluster lab
+
+
+def lab_writers(writers: list[str], storage: str, s3fs_path: str | None) -> dict[str, str]:
+    """The writers that cannot run on this storage, each with the reason."""
+    skipped = {}
+    for writer in writers:
+        if storage == "s3" and writer == "torch_checkpointing":
+            skipped[writer] = "torch-checkpointing 0.1.1 writes to a local filesystem only"
+        elif storage == "s3" and writer.startswith("stock") and not s3fs_path:
+            skipped[writer] = (
+                "stock DCP on S3 needs s3fs (FsspecWriter), installed apart from this venv: "
+                "pass --s3fs-path DIR or set FSDP_EXT_S3FS_PATH (see benchmarks/checkpoint.py)"
+            )
+    return skipped
+
+
+def lab_worker_argv(writer: str, location: str, sizes: dict, args: argparse.Namespace) -> list:
+    """What torchrun runs on every node for one writer (``--lab-worker``)."""
+    argv = [str(Path(__file__).resolve()), "--worker", writer, "--lab-worker", "--dir", location]
+    argv += ["--threads", str(args.threads), "--storage", args.storage]
+    if args.s3fs_path:
+        argv += ["--s3fs-path", args.s3fs_path]
+    for key, value in sizes.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
+def lab_main(args: argparse.Namespace, sizes: dict, writers: list[str], skipped: dict) -> dict:
+    """Each writer in its own job on a lab of ``--world`` nodes (one rank each), every
+    node's link to the storage capped at ``--lab-link`` Mbit/s (and the links between
+    nodes at ``--lab-fabric``), the checkpoints on the lab's sshfs storage or its S3
+    server; one JSON line, as without ``--lab``, plus what each node sent to the storage."""
+    from fsdp_ext.lab import Cluster, unavailable_reason
+
+    reason = unavailable_reason(storage=args.storage)
+    if reason is not None:
+        raise SystemExit(f"--lab: {reason}")
+    if args.storage == "s3" and args.s3fs_path and any(w.startswith("stock") for w in writers):
+        from benchmarks.checkpoint import check_s3fs
+
+        check_s3fs(args.s3fs_path)
+    for writer, why in lab_writers(writers, args.storage, args.s3fs_path).items():
+        writers.remove(writer)
+        skipped[writer] = why
+    load_start = os.getloadavg()
+    rows, storage_mb, job_s = {}, {}, {}
+    with Cluster(
+        nodes=args.world,
+        ranks_per_node=1,
+        link=f"{args.lab_fabric}mbit",
+        storage_link=f"{args.lab_link}mbit",
+        storage=args.storage,
+        timeout=args.timeout,
+    ) as lab:
+        if args.lab_echo:
+            print(f"lab: {lab.describe()}", file=sys.stderr, flush=True)
+        for writer in writers:
+            location = f"{lab.storage_location}/stall-{writer}"
+            if args.storage == "sshfs":
+                Path(location).mkdir()  # the shared directory is this machine's disk
+            argv = lab_worker_argv(writer, location, sizes, args)
+            job = lab.run(argv, echo=sys.stderr if args.lab_echo else None)
+            measured = job.last_json()
+            if job.returncode != 0 or measured is None or measured.get("writer") != writer:
+                skipped[writer] = (
+                    f"its lab job failed (exit {job.returncode}, timed out {job.timed_out}): "
+                    + " | ".join(job.output.strip().splitlines()[-6:])[-1500:]
+                )
+                print(f"{writer:>20}: {skipped[writer]}", file=sys.stderr, flush=True)
+                continue
+            rows[writer] = measured["row"]
+            job_s[writer] = round(job.seconds, 1)
+            # what each node sent over its storage link during the job
+            storage_mb[writer] = [round(b.as_dict().get("storage_tx", 0) / MB, 1)
+                                  for b in job.link_bytes]  # fmt: skip
+            if args.storage == "sshfs":
+                shutil.rmtree(location, ignore_errors=True)
+            r = rows[writer]
+            print(
+                f"{writer:>20}: blocked {r['blocked_ms']} ms, background {r['background_s']} s, "
+                f"step x{r['step_slowdown']} ({job.seconds:.0f} s)"
+                + (f" phases ms {r['blocked_ms_phases']}" if "blocked_ms_phases" in r else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+    meta = _meta(args, sizes, rows, load_start)
+    meta["lab"] = {
+        "storage": args.storage,
+        "nodes": args.world,
+        "ranks_per_node": 1,
+        "storage_link_mbit": args.lab_link,
+        "fabric_link_mbit": args.lab_fabric,
+        "job_s": job_s,
+        "storage_sent_mb_per_node": storage_mb,
+    }
+    summary = summarize(rows, skipped, meta)
+    print(json.dumps(summary), flush=True)
+    return summary
 
 
 # ---------------------------------------------------------------- the plot
@@ -763,12 +947,82 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per writer")
     for key, value in FULL.items():  # sizes: --quick's, or the full run's, unless given
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"({value})")
+    parser.add_argument(
+        "--lab",
+        action="store_true",
+        help="run in the cluster lab (root): --world nodes of one rank, the checkpoints on "
+        "the lab's shared storage behind capped links",
+    )
+    parser.add_argument(
+        "--storage",
+        choices=("sshfs", "s3"),
+        default=None,
+        help="with --lab: what the lab's storage node serves (default sshfs); s3: SeaweedFS, "
+        "stock DCP through s3fs (--s3fs-path)",
+    )
+    parser.add_argument(
+        "--lab-link", type=int, default=200, help="with --lab: each node's storage link, Mbit/s"
+    )
+    parser.add_argument(
+        "--lab-fabric", type=int, default=1000, help="with --lab: the links between nodes, Mbit/s"
+    )
+    parser.add_argument("--lab-echo", action="store_true", help="with --lab: node 0's console")
+    parser.add_argument(
+        "--s3fs-path",
+        default=os.environ.get("FSDP_EXT_S3FS_PATH") or None,
+        help="with --storage s3: where s3fs, boto3 and botocore are installed apart from this "
+        "venv, for the stock writers (default $FSDP_EXT_S3FS_PATH; without: they are skipped)",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--lab-worker", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The lab's options make sense together (parser.error, exit 2, otherwise); fills in
+    ``--storage``'s default."""
+    if not args.lab and args.worker is None:
+        given = [f"--{n.replace('_', '-')}" for n in ("storage", "lab_echo") if getattr(args, n)]
+        given += [f"--{n.replace('_', '-')}" for n, d in (("lab_link", 200), ("lab_fabric", 1000))
+                  if getattr(args, n) != d]  # fmt: skip
+        if given:
+            parser.error(f"{', '.join(given)}: only with --lab")
+        return
+    if args.worker is not None:
+        return
+    if args.dir is not None:
+        parser.error("--dir: with --lab the checkpoints go to the lab's shared storage")
+    if args.replot is not None:
+        parser.error("--replot draws a --raw file; it runs nothing, in the lab or not")
+    if args.plot is not None or args.raw is not None:
+        parser.error("--plot and --raw are not kept with --lab (rank 0 reports the rows)")
+    for name in ("lab_link", "lab_fabric"):
+        if getattr(args, name) <= 0:
+            parser.error(
+                f"--{name.replace('_', '-')}: a rate in Mbit/s > 0, got {getattr(args, name)}"
+            )
+    if args.world < 1:
+        parser.error(f"--world: at least one node, got {args.world}")
+    args.storage = args.storage or "sshfs"
+
+
+def _meta(args: argparse.Namespace, sizes: dict, rows: dict, load_start) -> dict:
+    return {
+        "quick": args.quick,
+        "world": args.world,
+        "threads_per_rank": args.threads,
+        "cpus": os.cpu_count(),
+        "sizes": sizes,
+        "state_mb": next(iter(rows.values()))["state_mb"] if rows else None,
+        "loadavg_start": round(load_start[0], 2),
+        "loadavg_end": round(os.getloadavg()[0], 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict | None:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     defaults = QUICK if args.quick else FULL
     sizes = {
         k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()
@@ -790,6 +1044,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     if reason is not None and "torch_checkpointing" in writers:
         writers.remove("torch_checkpointing")
         skipped["torch_checkpointing"] = reason
+    if args.lab:
+        return lab_main(args, sizes, writers, skipped)
     load_start = os.getloadavg()
     runs, rows = {}, {}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="ckpt_stall_") as tmp:
@@ -801,20 +1057,12 @@ def main(argv: list[str] | None = None) -> dict | None:
             print(
                 f"{writer:>20}: blocked {r['blocked_ms']} ms, background {r['background_s']} s, "
                 f"step x{r['step_slowdown']}, staging/state {r['staging_over_state']} "
-                f"({time.perf_counter() - began:.0f} s)",
+                f"({time.perf_counter() - began:.0f} s)"
+                + (f" phases ms {r['blocked_ms_phases']}" if "blocked_ms_phases" in r else ""),
                 file=sys.stderr,
                 flush=True,
             )
-    meta = {
-        "quick": args.quick,
-        "world": args.world,
-        "threads_per_rank": args.threads,
-        "cpus": os.cpu_count(),
-        "sizes": sizes,
-        "state_mb": next(iter(rows.values()))["state_mb"] if rows else None,
-        "loadavg_start": round(load_start[0], 2),
-        "loadavg_end": round(os.getloadavg()[0], 2),
-    }
+    meta = _meta(args, sizes, rows, load_start)
     summary = summarize(rows, skipped, meta)
     if args.raw is not None:
         args.raw.write_text(json.dumps({"summary": summary, "runs": runs}))

@@ -117,3 +117,32 @@ def test_the_background_write_runs_at_a_lower_priority_than_training(tmp_path):
     ckpt.close()
     assert fs.nice == {min(19, own + 19)}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # untouched
+
+
+def test_an_async_save_checks_the_fence_in_its_write_and_says_where_its_time_went(tmp_path):
+    """``save(blocking=False)`` runs no collective and reads no ownership record: a takeover
+    is found by its background write, which publishes nothing and raises at ``close``."""
+    from fsdp_ext.checkpoint import LocalStorage, checkpoint_steps
+    from fsdp_ext.checkpoint.fence import OWNER_DIR, DirectoryFencedError, record_name
+    from fsdp_ext.checkpoint.lock import LockOwner
+
+    root = tmp_path / "out"
+    model = nn.Linear(8, 4)
+    ckpt = Checkpointer(root, model=model, keep=None)
+    ckpt.save(1, blocking=False)
+    ckpt.wait()
+    ckpt.save(2)
+    assert set(ckpt.stats.phases_s[0]) == {"wait", "state_dict", "stage", "start"}
+    assert set(ckpt.stats.phases_s[1]) == {"wait", "fence", "write"}
+    for blocked, phases in zip(ckpt.stats.blocked_s, ckpt.stats.phases_s, strict=True):
+        assert abs(sum(phases.values()) - blocked) < 1e-9
+    other = LockOwner.here("owner-other", lease_s=60.0, generation=2)  # another job took over
+    LocalStorage().symlink(other.encode(), root / OWNER_DIR / record_name(2))
+    ckpt.save(3, blocking=False)  # returns: the check runs in the write
+    try:
+        ckpt.close()
+    except DirectoryFencedError as exc:
+        assert "taken over" in str(exc)
+    else:
+        raise AssertionError("close() did not raise the fenced write's error")
+    assert [s for s, _ in checkpoint_steps(root)] == [1, 2]  # nothing of step 3 landed

@@ -11,6 +11,10 @@ import pytest
 from benchmarks.checkpoint_stall import (
     METRICS,
     REPORTED,
+    _parser,
+    check_args,
+    lab_worker_argv,
+    lab_writers,
     summarize,
     summarize_writer,
     torch_checkpointing_missing,
@@ -116,3 +120,76 @@ def test_quick_benchmark_prints_every_writer(tmp_path):
     assert out["staging_bytes_over_state_ours_async"] == pytest.approx(1.0, abs=0.05)
     assert plot.stat().st_size > 0
     assert list(tmp_path.iterdir()) == [plot]  # the checkpoints went with their temp dir
+
+
+def _args(argv):
+    parser = _parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--storage", "s3"], "--storage: only with --lab"),
+        (["--lab-link", "100"], "--lab-link: only with --lab"),
+        (["--lab", "--dir", "/tmp/x"], "--dir: with --lab"),
+        (["--lab", "--lab-link", "0"], "--lab-link: a rate in Mbit/s > 0"),
+        (["--lab", "--lab-fabric", "-5"], "--lab-fabric: a rate in Mbit/s > 0"),
+        (["--lab", "--plot", "x.png"], "--plot and --raw are not kept with --lab"),
+        (["--lab", "--storage", "nfs"], "invalid choice: 'nfs'"),
+    ],
+)
+def test_lab_arguments_that_do_not_fit_are_refused(argv, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _args(argv)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_lab_arguments_reach_every_node_and_writers_that_cannot_run_are_named():
+    args = _args(["--lab", "--quick", "--lab-link", "100", "--threads", "2"])
+    assert args.storage == "sshfs" and args.lab_link == 100 and args.lab_fabric == 1000
+    argv = lab_worker_argv("ours_async", "/shared/stall-ours_async", {"dim": 64, "every": 2}, args)
+    assert argv[0].endswith("checkpoint_stall.py")
+    flags = " ".join(argv[1:])
+    assert "--worker ours_async --lab-worker --dir /shared/stall-ours_async" in flags
+    assert "--threads 2 --storage sshfs --dim 64 --every 2" in flags
+    s3 = _args(["--lab", "--storage", "s3", "--s3fs-path", "/opt/s3fs"])
+    assert "--s3fs-path /opt/s3fs" in " ".join(lab_worker_argv("stock_sync", "s3://lab/x", {}, s3))
+    everyone = ["stock_sync", "stock_async_thread", "torch_checkpointing", "ours_async"]
+    assert lab_writers(everyone, "sshfs", None) == {}
+    on_s3 = lab_writers(everyone, "s3", None)
+    assert set(on_s3) == {"stock_sync", "stock_async_thread", "torch_checkpointing"}
+    assert "--s3fs-path" in on_s3["stock_sync"]
+    assert set(lab_writers(everyone, "s3", "/opt/s3fs")) == {"torch_checkpointing"}
+
+
+@pytest.mark.slow  # a lab (root, namespaces, sshfs), each writer in a job of its own
+@pytest.mark.parametrize("storage", ["sshfs", "s3"])
+def test_quick_benchmark_in_the_lab(storage):
+    from fsdp_ext.lab import unavailable_reason
+
+    reason = unavailable_reason(storage=storage)
+    if reason is not None:
+        pytest.skip(f"the lab cannot run here: {reason}")
+    script = REPO / "benchmarks" / "checkpoint_stall.py"
+    writers = "stock_sync,stock_async_thread,ours_async"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--lab", "--storage", storage,
+         "--writers", writers, "--lab-link", "200"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["lab"]["storage"] == storage and out["lab"]["storage_link_mbit"] == 200
+    ran = [w for w in writers.split(",") if w not in out["skipped"]]
+    assert "ours_async" in ran
+    for writer in ran:
+        assert out["writers"][writer]["blocked_ms"] > 0
+        assert sum(out["lab"]["storage_sent_mb_per_node"][writer]) > 0  # it went to storage
+    assert out["writers"]["ours_async"]["blocked_ms_phases"]["stage"] > 0

@@ -17,8 +17,9 @@ corrupt), and resumes from the newest checkpoint that verifies (``resume.py``)::
 
 A save with ``blocking=False`` copies the state into host buffers it keeps from save to save
 (``staging.py``), then writes them through the same writer, planner and commit protocol in a
-background thread, whose collectives run on a process group of their own: nothing of the
-save touches the training's group while a step runs. That thread runs at nice 19, so the
+background thread, whose collectives (the ownership check's broadcast, DCP's planning and
+commit) run on a process group of their own: ``save`` itself runs no collective, and nothing of
+the save touches the training's group. That thread runs at nice 19, so the
 write takes the cycles a step leaves, not the step's (``background_nice``). The next save
 waits for the previous write (and says how long), never drops one; ``close()`` waits for
 the last.
@@ -45,7 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -94,11 +95,19 @@ class ModelOptimizerState(Stateful):
             )
 
     def state_dict(self) -> dict[str, Any]:
+        """The model's entries, then the optimizer's (each part's model, then its optimizer's,
+        through one ``get_state_dict`` call: its checks of the model run once, not twice,
+        which is a quarter of the time on a 6-block MoE, 9.4 against 7.0 ms)."""
         state: dict[str, Any] = {}
-        for part in self.parts:
-            state.update(get_model_state_dict(part))
-        for part, opt in zip(self.parts, self.optimizers, strict=False):
-            state.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+        optims: dict[str, Any] = {}
+        for i, part in enumerate(self.parts):
+            if i < len(self.optimizers):
+                model_sd, optim_sd = get_state_dict(part, self.optimizers[i], options=_FLAT)
+                state.update(model_sd)
+                optims.update(optim_sd)
+            else:
+                state.update(get_model_state_dict(part))
+        state.update(optims)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -155,6 +164,9 @@ class SaveStats:
     waited_s: list[float] = field(default_factory=list)
     background_s: list[float] = field(default_factory=list)
     staging_bytes: int = 0
+    # per save, where its blocked seconds went: "wait" (the previous write), "fence" (the
+    # ownership check and its broadcast), "state_dict", "stage" (the host copies), "start"
+    phases_s: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -259,11 +271,48 @@ class Checkpointer:
         ``blocking=False``: return once the state is staged to host memory; the write, the
         commit and the prune run in the background. A save first waits for the previous
         background write. Raises :class:`DirectoryFencedError` on every rank, with nothing
-        published, once another job has taken ``root`` over (a background save's error is
-        raised by the next ``save``, ``wait`` or ``close``)."""
+        published, once another job has taken ``root`` over (a background save checks that
+        in its write, on the writes' own process group, so that ``save`` itself runs no
+        collective: its error is raised by the next ``save``, ``wait`` or ``close``).
+        ``stats.phases_s`` says where each save's blocked time went."""
         t0 = time.perf_counter()
         self.wait(before=step)
+        marks = [("wait", time.perf_counter())]
         path = self.path(step)
+        if blocking:
+            self._check_fence(path, None)
+            marks.append(("fence", time.perf_counter()))
+            self._write(step, path, self.state, None)
+            marks.append(("write", time.perf_counter()))
+            self._record(t0, marks)
+            return path
+        state = {k: v.state_dict() for k, v in self.state.items()}
+        marks.append(("state_dict", time.perf_counter()))
+        staged = self._staging.stage(state)
+        marks.append(("stage", time.perf_counter()))
+        self.stats.staging_bytes = self._staging.nbytes
+        group = self._background_group()
+        job = _Background(step, threading.Thread(), time.perf_counter())
+
+        def write() -> None:
+            _lower_priority(self.background_nice)
+            try:  # the fence's check too: its broadcast is a collective, off the training's group
+                self._check_fence(path, group)
+                self._write(step, path, staged, group)
+            except BaseException as exc:  # raised by the next save, wait or close
+                job.error = exc
+            self.stats.background_s.append(time.perf_counter() - job.started)
+
+        job.thread = threading.Thread(target=write, name=f"fsdp_ext-save-{step}")
+        self._background = job
+        job.thread.start()
+        marks.append(("start", time.perf_counter()))
+        self._record(t0, marks)
+        return path
+
+    def _check_fence(self, path: Path | str, group: dist.ProcessGroup | None) -> None:
+        """Raise :class:`DirectoryFencedError` on every rank of ``group`` once another job
+        has taken ``root`` over; else set aside a corrupt checkpoint at ``path``."""
         fence = self.fence
         lost = None
         if fence is not None:
@@ -273,33 +322,18 @@ class Checkpointer:
                 lost = (BlobAccessError, str(exc))
             if lost is None and self.location is None:
                 set_aside(path, self.fs)  # a corrupt checkpoint of this step is kept
-        lost = _agree(lost)
+        lost = _agree(lost, group)
         if isinstance(lost, tuple):
             raise lost[0](lost[1])
         if lost is not None:
             raise DirectoryFencedError(lost)
-        if blocking:
-            self._write(step, path, self.state, None)
-            self.stats.blocked_s.append(time.perf_counter() - t0)
-            return path
-        staged = self._staging.stage({k: v.state_dict() for k, v in self.state.items()})
-        self.stats.staging_bytes = self._staging.nbytes
-        group = self._background_group()
-        job = _Background(step, threading.Thread(), time.perf_counter())
 
-        def write() -> None:
-            _lower_priority(self.background_nice)
-            try:
-                self._write(step, path, staged, group)
-            except BaseException as exc:  # raised by the next save, wait or close
-                job.error = exc
-            self.stats.background_s.append(time.perf_counter() - job.started)
-
-        job.thread = threading.Thread(target=write, name=f"fsdp_ext-save-{step}")
-        self._background = job
-        job.thread.start()
-        self.stats.blocked_s.append(time.perf_counter() - t0)
-        return path
+    def _record(self, t0: float, marks: list[tuple[str, float]]) -> None:
+        self.stats.blocked_s.append(marks[-1][1] - t0)
+        times = [t0] + [t for _name, t in marks]
+        self.stats.phases_s.append(
+            {name: times[i + 1] - times[i] for i, (name, _t) in enumerate(marks)}
+        )
 
     def wait(self, *, before: int | None = None) -> float:
         """Wait for the background save, if one runs; raise its error. Returns the seconds

@@ -12,6 +12,11 @@ of a tensor's size can take memory the allocator's heap already holds from the t
 transients. Measured from outside (peak RSS growth over the state, ``checkpoint_stall.py``,
 ours async alone, one run each, load 4.5-12): 0.98, 1.19 and 1.20 per tensor, 1.34, 1.40
 and 1.53 with one block.
+
+The DTensors that wrap the buffers are kept too, and handed out again while the source's
+mesh, placements, shape and stride hold: ``DTensor.from_local`` and ``to_local`` cost about
+0.2 ms per tensor, more than the copy of most of an FSDP state's tensors (measured: 156
+DTensors, 29 ms of wrapping against 53 ms of copying 237.5 MB).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from fsdp_ext._torch import dtensor_local_tensor
+
 __all__ = ["StagingBuffers"]
 
 
@@ -31,6 +38,8 @@ class StagingBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        # the staged DTensor around each buffer, with that buffer (its local tensor is a view)
+        self._wrapped: dict[str, tuple[torch.Tensor, DTensor]] = {}
         self._from_device = False  # a copy of this save came from the GPU (non-blocking)
 
     @property
@@ -46,6 +55,7 @@ class StagingBuffers:
         staged = self._stage(state, "", seen)
         for key in set(self._buffers) - seen:  # a tensor that is gone frees its buffer
             del self._buffers[key]
+            self._wrapped.pop(key, None)
         if self._from_device:
             torch.cuda.synchronize()  # the non-blocking copies land before a thread reads them
         return staged
@@ -67,15 +77,26 @@ class StagingBuffers:
 
     def _stage(self, value: Any, key: str, seen: set[str]) -> Any:
         if isinstance(value, DTensor):
-            local = self._buffer(key, value.to_local(), seen)
-            return DTensor.from_local(
-                local,
-                value.device_mesh,
-                value.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
+            local = self._buffer(key, dtensor_local_tensor(value), seen)
+            buffer, wrapped = self._wrapped.get(key, (None, None))
+            if (
+                wrapped is None
+                or buffer is not local  # a new buffer
+                or wrapped.device_mesh is not value.device_mesh
+                or wrapped.placements != value.placements
+                or wrapped.shape != value.shape
+                or wrapped.stride() != value.stride()
+            ):
+                wrapped = DTensor.from_local(
+                    local,
+                    value.device_mesh,
+                    value.placements,
+                    run_check=False,
+                    shape=value.shape,
+                    stride=value.stride(),
+                )
+                self._wrapped[key] = (local, wrapped)
+            return wrapped
         if isinstance(value, torch.Tensor):
             return self._buffer(key, value, seen)
         if isinstance(value, dict):
