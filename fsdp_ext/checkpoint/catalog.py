@@ -13,8 +13,8 @@ a commit whose writer's generation is below the catalog's raises
 :class:`DirectoryFencedError`, and the replace is conditional on the ETag read at the start
 of the commit, so a job that took the location over in between makes the stale writer's
 replace fail; it then reads the catalog again and finds itself fenced. A counter makes every
-catalog's bytes differ from every earlier one (ETags are the MD5 of the bytes, and A, B, A
-would otherwise make an old ETag good again).
+catalog's bytes differ from every earlier one (ETags are the MD5 of the bytes on many stores,
+and A, B, A would otherwise make an old ETag good again).
 
 The catalog is sealed like the manifest (canonical JSON carrying the CRC-32 of its body), so
 a flipped bit is named, never read as another mapping.
@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from fsdp_ext.checkpoint.blob import BlobConditionError, BlobNotFoundError, BlobStore, etag_of
+from fsdp_ext.checkpoint.blob import BlobConditionError, BlobNotFoundError, BlobStore
 from fsdp_ext.checkpoint.fence import DirectoryFencedError
 from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, seal, unseal
 
@@ -97,12 +97,20 @@ class Catalog:
 
 
 def read_catalog(store: BlobStore) -> tuple[Catalog, str | None]:
-    """The catalog and the ETag to replace it with (None: there is none yet, an empty one)."""
+    """The catalog and the ETag to replace it with (None: there is none yet, an empty one).
+
+    The ETag is the store's, read before the bytes: ETags are opaque, and not the MD5 of the
+    bytes on every store (multipart uploads, SSE-KMS, some S3 servers), so one computed here
+    would fail every conditional replace there. Should the catalog change between the two
+    reads, the replace made with the older ETag fails and the commit reads again."""
+    info = store.head(CATALOG_KEY)
+    if info is None:
+        return Catalog(), None
     try:
         data = store.get(CATALOG_KEY)
-    except BlobNotFoundError:
+    except BlobNotFoundError:  # removed in between: as if never there
         return Catalog(), None
-    return Catalog.from_bytes(data, store.where(CATALOG_KEY)), etag_of(data)
+    return Catalog.from_bytes(data, store.where(CATALOG_KEY)), info.etag
 
 
 def new_version_prefix(step: int, generation: int, version_id: str) -> str:
