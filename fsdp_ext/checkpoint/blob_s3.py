@@ -30,6 +30,7 @@ server died while sending) is fetched again, :data:`BODY_ATTEMPTS` times in all.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -65,6 +66,7 @@ _CREDENTIALS_REFUSED = {
     "SignatureDoesNotMatch",
 }
 _CONFLICT_RETRIES = 5  # S3 answers 409 ConditionalRequestConflict to racing conditional puts
+_MAX_PARTS = 10_000  # S3's limit on the parts of one object
 # seconds to open a connection (botocore's default: 60; its "standard" defaults mode: 3.1):
 # an endpoint whose host is gone fails after 3 attempts of this, not 3 minutes
 CONNECT_TIMEOUT_S = 5.0
@@ -152,6 +154,12 @@ def _read_body(reply: dict) -> bytes:
 
 class S3BlobStore(BlobStore):
     """Blobs as objects ``PREFIX/KEY`` of ``bucket`` (see the module docstring)."""
+
+    # A plain put of at least ``multipart_bytes`` goes up in parts of ``part_bytes`` (more
+    # when 10,000 parts would not hold it): one PutObject takes at most 5 GB, and a part that
+    # fails is sent again alone. S3 takes parts of 5 MiB to 5 GiB.
+    multipart_bytes: int = 256 << 20
+    part_bytes: int = 64 << 20
 
     def __init__(self, bucket: str, prefix: str = "", *, location: str | None = None):
         if not isinstance(bucket, str) or not _BUCKET.fullmatch(bucket) or ".." in bucket:
@@ -295,7 +303,38 @@ class S3BlobStore(BlobStore):
                 raise
         raise AssertionError("unreachable")
 
+    def _put_in_parts(self, key: str, view: memoryview) -> str:
+        """One object from parts. S3 shows it only once CompleteMultipartUpload lands, whole,
+        so a reader sees the old bytes or the new. A failed part aborts the upload, so
+        nothing of it stays stored (and billed). A process killed in the middle leaves an
+        incomplete upload, which no listing shows: the bucket's
+        AbortIncompleteMultipartUpload lifecycle rule removes those. The ETag is not an MD5
+        (``"...-N"``); the protocol only compares ETags."""
+        client, name = self._s3(), self._object(key)
+        size = len(view)
+        part = max(self.part_bytes, -(-size // _MAX_PARTS))
+        start = functools.partial(client.create_multipart_upload, Bucket=self.bucket, Key=name)
+        upload = self._call(start, key)["UploadId"]
+        at = dict(Bucket=self.bucket, Key=name, UploadId=upload)
+        try:
+            parts = []
+            for number, first in enumerate(range(0, size, part), start=1):
+                body = view[first : first + part].tobytes()  # one part in memory at a time
+                send = functools.partial(client.upload_part, PartNumber=number, Body=body, **at)
+                parts.append({"ETag": self._call(send, key)["ETag"], "PartNumber": number})
+            done = functools.partial(
+                client.complete_multipart_upload, MultipartUpload={"Parts": parts}, **at
+            )
+            return self._call(done, key)["ETag"]
+        except BaseException:
+            with contextlib.suppress(Exception):
+                client.abort_multipart_upload(**at)
+            raise
+
     def put(self, key: str, data: bytes | bytearray | memoryview) -> str:
+        view = check_data(data)
+        if len(view) >= self.multipart_bytes:
+            return self._put_in_parts(key, view)
         return self._put(key, data)
 
     def put_if_absent(self, key: str, data: bytes | bytearray | memoryview) -> str:
