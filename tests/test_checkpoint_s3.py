@@ -276,6 +276,36 @@ def test_a_flipped_data_byte_fails_the_load_naming_the_file(location, capsys):
         dcp.load(target, storage_reader=BlobStorageReader(location, 1))
 
 
+def test_a_multipart_data_file_is_checked_by_its_crc_not_its_etag(location, monkeypatch):
+    """A rank's file above the part size goes up as a multipart upload (an ETag "...-N",
+    no MD5 of the bytes); its manifest CRC-32 is over the streamed bytes, verify and load
+    pass, the catalog commits over it, and a flipped byte (re-uploaded multipart, so a new
+    "-N" ETag) is caught by the CRC, not by any ETag."""
+    monkeypatch.setenv("FSDP_EXT_S3_PART_BYTES", str(5 << 20))
+    torch.manual_seed(0)
+    state = {"big": torch.randn(11 << 18), "small": torch.arange(10.0)}  # 11.5 MB: 3 parts
+    _save(location, 1, state)
+    _save(location, 2, state)  # a second commit: the catalog's ETag comes from head
+    store = blob_store_for(location)
+    prefix = read_catalog(store)[0].steps[2]
+    names = [k for k in store.list(prefix + "/") if k.endswith(".distcp")]
+    name = max(names, key=lambda k: store.head(k).size)
+    info = store.head(name)
+    assert info.size > 2 * (5 << 20) and info.etag.endswith('-3"'), info
+    assert verify_checkpoint(location).ok
+    target = {"big": torch.zeros_like(state["big"]), "small": torch.zeros(10)}
+    dcp.load(target, storage_reader=BlobStorageReader(location, 2))
+    assert torch.equal(target["big"], state["big"]) and torch.equal(target["small"], state["small"])
+    data = bytearray(store.get(name))
+    data[len(data) // 2] ^= 0x10
+    store.put(name, iter([bytes(data)]))
+    assert store.head(name).etag.endswith('-3"')
+    report = verify_checkpoint(location)
+    assert any(name in p and "crc32" in p for p in report.problems), report.problems
+    with pytest.raises(BaseException, match=r"crc32|altered"):
+        dcp.load(target, storage_reader=BlobStorageReader(location, 2))
+
+
 # ------------------------------------------------------------------ owners, leases, fences
 
 
