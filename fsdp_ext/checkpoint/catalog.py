@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from fsdp_ext.checkpoint.blob import BlobConditionError, BlobNotFoundError, BlobStore, etag_of
+from fsdp_ext.checkpoint.blob import BlobConditionError, BlobNotFoundError, BlobStore
 from fsdp_ext.checkpoint.fence import DirectoryFencedError
 from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, seal, unseal
 
@@ -97,12 +97,20 @@ class Catalog:
 
 
 def read_catalog(store: BlobStore) -> tuple[Catalog, str | None]:
-    """The catalog and the ETag to replace it with (None: there is none yet, an empty one)."""
+    """The catalog and the ETag to replace it with (None: there is none yet, an empty one).
+
+    The ETag is the store's (``head``), never computed from the bytes: an S3 server may give
+    any opaque string. ``head`` comes first: were the bytes read newer than that ETag, the
+    object changed after it, so ``replace_if`` with it fails (every catalog write bumps its
+    counter, so an old ETag never comes back)."""
+    info = store.head(CATALOG_KEY)
+    if info is None:
+        return Catalog(), None
     try:
         data = store.get(CATALOG_KEY)
     except BlobNotFoundError:
         return Catalog(), None
-    return Catalog.from_bytes(data, store.where(CATALOG_KEY)), etag_of(data)
+    return Catalog.from_bytes(data, store.where(CATALOG_KEY)), info.etag
 
 
 def new_version_prefix(step: int, generation: int, version_id: str) -> str:
@@ -217,12 +225,17 @@ def sweep(
     a takeover and sweeps after it must not delete the new owner's save in flight. Only keys
     shaped like a version's are touched. Returns the keys deleted."""
     live = set(catalog.steps.values()) | set(keep)
-    removed = []
-    for key in store.list("step-"):
+
+    def dead(key: str) -> bool:
         prefix = version_prefix_of(key)
         if prefix is None or prefix in live:
-            continue
-        if int(_VERSION.fullmatch(prefix).group(2)) <= generation:
+            return False
+        return int(_VERSION.fullmatch(prefix).group(2)) <= generation
+
+    removed = []
+    for key in store.list("step-"):
+        if dead(key):
             store.delete(key)
             removed.append(key)
+    store.abort_uploads("step-", dead)  # a killed writer's unfinished multipart uploads
     return removed
