@@ -34,11 +34,13 @@ from fsdp_ext.checkpoint.catalog import (
     commit,
     new_version_prefix,
     read_catalog,
+    read_lease,
+    remove_steps,
     sweep,
 )
 from fsdp_ext.checkpoint.fence import DirectoryFencedError
 from fsdp_ext.checkpoint.location import blob_store_for
-from fsdp_ext.checkpoint.lock import LockOwner
+from fsdp_ext.checkpoint.lock import CheckpointPrunedError, LockOwner
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -433,3 +435,73 @@ def test_checkpointer_on_s3_keeps_prunes_and_falls_back_to_the_newest_intact(loc
         assert again.resume() == 2
     assert torch.equal(fresh.weight, weights[2])
     again.close()
+
+
+# ------------------------------------------------------------------ read leases
+
+
+def _read_in_child(location: str, step: int) -> int:
+    """A child process that holds a read lease on ``step`` (heartbeat 0.25 s) until killed."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            with read_lease(blob_store_for(location), step, lease_s=1.0):
+                os.write(write, b"held")
+                time.sleep(120)
+        finally:
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 16) == b"held"
+    os.close(read)
+    return pid
+
+
+def test_a_read_lease_holds_off_a_prune_until_its_reader_dies(location):
+    """A live reader in another process keeps its step published and whole through a
+    prune (one warning); once it is killed, its lease is dead (its pid is gone) and the next
+    prune removes the step; a reader on another host that stops beating expires after one
+    lease by the pruner's own clock; a step pruned first cannot be leased."""
+    state = {"w": torch.arange(6.0)}
+    for step in (1, 2, 3):
+        _save(location, step, state)
+    store = blob_store_for(location)
+    pid = _read_in_child(location, 1)
+    try:
+        with pytest.warns(UserWarning, match="step 1 is being read"):
+            assert remove_steps(store, {1}, generation=None) == []
+        assert read_catalog(store)[0].steps.keys() == {1, 2, 3}
+        target = {"w": torch.zeros(6)}
+        dcp.load(target, storage_reader=BlobStorageReader(location, 1))  # still whole
+        assert torch.equal(target["w"], state["w"])
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert store.list("readers/")  # the dead reader's lease is still there...
+    assert remove_steps(store, {1}, generation=None) == [1]  # ...and judged dead at once
+    assert store.list("readers/") == [] and sorted(read_catalog(store)[0].steps) == [2, 3]
+    # a reader on another machine that stopped beating: expired after lease + one beat
+    prefix = read_catalog(store)[0].steps[2]
+    far = replace(LockOwner.here("read-far", lease_s=1.0), host="elsewhere", boot_id="b")
+    store.put(f"readers/{prefix}/read-far", f"{far.encode()}\n0".encode())
+    started = time.monotonic()
+    assert remove_steps(store, {2}, generation=None) == [2]
+    assert 1.0 <= time.monotonic() - started < 5.0
+    assert store.list("readers/") == [] and store.list(prefix + "/") == []
+    with pytest.raises(CheckpointPrunedError), read_lease(store, 2):
+        pass
+    # the race made deterministic: the prune lands between the reader's look at the catalog
+    # and its lease; the reader looks again after its lease, and gives the step up
+    racer = blob_store_for(location)
+
+    class PruneFirst(type(racer)):
+        def put_if_absent(self, key, data):
+            if key.startswith("readers/"):
+                assert remove_steps(store, {3}, generation=None) == [3]
+            return super().put_if_absent(key, data)
+
+    racer.__class__ = PruneFirst
+    with pytest.raises(CheckpointPrunedError, match="pruned before"), read_lease(racer, 3):
+        pass
+    assert store.list("readers/") == []

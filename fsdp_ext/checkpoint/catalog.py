@@ -22,12 +22,17 @@ a flipped bit is named, never read as another mapping.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from fsdp_ext.checkpoint.blob import BlobConditionError, BlobNotFoundError, BlobStore
+from fsdp_ext.checkpoint.blob_lease import READERS, ReadLease, leased_versions, live_readers
 from fsdp_ext.checkpoint.fence import DirectoryFencedError
+from fsdp_ext.checkpoint.lock import CheckpointPrunedError, LockOwner
 from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, seal, unseal
 
 __all__ = [
@@ -200,20 +205,54 @@ class BlobFence:
 def remove_steps(store: BlobStore, steps: set[int], *, generation: int | None) -> list[int]:
     """Unpublish ``steps`` (one commit), then delete their objects; returns what went.
 
-    The commit comes first, so a prune killed midway leaves only unreferenced objects (swept
-    later), never a published step with objects missing."""
+    A step whose version a live reader leases (``blob_lease.py``) stays published, with a
+    warning (``CheckpointBusyError`` on POSIX): a later prune removes it. The commit comes
+    first, so a prune killed midway leaves only unreferenced objects (swept later), never a
+    published step with objects missing; after it the leases are listed again, and a
+    version a reader leased in between keeps its objects until a later sweep."""
+    published = read_catalog(store)[0].steps
+    busy = {s for s in steps if s in published and live_readers(store, published[s])}
+    for step in sorted(busy):
+        warnings.warn(
+            f"prune: {store.where(published[step])}: step {step} is being read (a live read "
+            "lease); left for a later prune",
+            stacklevel=3,
+        )
     gone: dict[int, str] = {}
 
     def drop(catalog: Catalog) -> Catalog:
         gone.clear()
-        gone.update({s: p for s, p in catalog.steps.items() if s in steps})
-        return replace(catalog, steps={s: p for s, p in catalog.steps.items() if s not in steps})
+        gone.update({s: p for s, p in catalog.steps.items() if s in steps and s not in busy})
+        return replace(catalog, steps={s: p for s, p in catalog.steps.items() if s not in gone})
 
     commit(store, drop, generation=generation)
     for prefix in gone.values():
+        if store.list(f"{READERS}{prefix}/") and live_readers(store, prefix):
+            continue  # leased between the first look and the commit: swept once let go
         for key in store.list(prefix + "/"):
             store.delete(key)
     return sorted(gone)
+
+
+@contextlib.contextmanager
+def read_lease(store: BlobStore, step: int, *, lease_s: float | None = None) -> Iterator[str]:
+    """Hold a read lease on the published version of ``step`` (yields its prefix): a prune
+    leaves it whole meanwhile. Raises :class:`CheckpointPrunedError` when the step is not,
+    or no longer, published."""
+    prefix = read_catalog(store)[0].steps.get(step)
+    if prefix is None:
+        raise CheckpointPrunedError(f"{store.location}: step {step} is not published")
+    owner = LockOwner.here(f"read-{uuid.uuid4().hex[:12]}", lease_s=lease_s)
+    lease = ReadLease(store, f"{READERS}{prefix}/{owner.save_id}", owner)
+    lease.start()
+    try:
+        if read_catalog(store)[0].steps.get(step) != prefix:  # pruned before the lease landed
+            raise CheckpointPrunedError(
+                f"{store.location}: step {step} was pruned before it could be read"
+            )
+        yield prefix
+    finally:
+        lease.close()
 
 
 def sweep(
@@ -224,7 +263,7 @@ def sweep(
     A later generation's versions are never touched: a stale job that committed just before
     a takeover and sweeps after it must not delete the new owner's save in flight. Only keys
     shaped like a version's are touched. Returns the keys deleted."""
-    live = set(catalog.steps.values()) | set(keep)
+    live = set(catalog.steps.values()) | set(keep) | leased_versions(store)
 
     def dead(key: str) -> bool:
         prefix = version_prefix_of(key)
