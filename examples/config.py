@@ -615,8 +615,6 @@ def check_out(cfg: TrainConfig) -> None:
             blob_store_for(cfg.checkpoint_root).head("catalog.json")
         except (BlobError, ValueError) as exc:
             raise ConfigError("--out", str(exc)) from None
-        if cfg.snapshot_every:
-            raise ConfigError("--snapshot-every", "not yet with an s3:// --out")
         return
     out = Path(cfg.out)
     for path in (out, cfg.checkpoint_root):

@@ -34,11 +34,13 @@ from fsdp_ext.checkpoint.catalog import (
     commit,
     new_version_prefix,
     read_catalog,
+    read_lease,
+    remove_steps,
     sweep,
 )
 from fsdp_ext.checkpoint.fence import DirectoryFencedError
 from fsdp_ext.checkpoint.location import blob_store_for
-from fsdp_ext.checkpoint.lock import LockOwner
+from fsdp_ext.checkpoint.lock import CheckpointPrunedError, LockOwner
 from fsdp_ext.checkpoint.manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -276,6 +278,36 @@ def test_a_flipped_data_byte_fails_the_load_naming_the_file(location, capsys):
         dcp.load(target, storage_reader=BlobStorageReader(location, 1))
 
 
+def test_a_multipart_data_file_is_checked_by_its_crc_not_its_etag(location, monkeypatch):
+    """A rank's file above the part size goes up as a multipart upload (an ETag "...-N",
+    no MD5 of the bytes); its manifest CRC-32 is over the streamed bytes, verify and load
+    pass, the catalog commits over it, and a flipped byte (re-uploaded multipart, so a new
+    "-N" ETag) is caught by the CRC, not by any ETag."""
+    monkeypatch.setenv("FSDP_EXT_S3_PART_BYTES", str(5 << 20))
+    torch.manual_seed(0)
+    state = {"big": torch.randn(11 << 18), "small": torch.arange(10.0)}  # 11.5 MB: 3 parts
+    _save(location, 1, state)
+    _save(location, 2, state)  # a second commit: the catalog's ETag comes from head
+    store = blob_store_for(location)
+    prefix = read_catalog(store)[0].steps[2]
+    names = [k for k in store.list(prefix + "/") if k.endswith(".distcp")]
+    name = max(names, key=lambda k: store.head(k).size)
+    info = store.head(name)
+    assert info.size > 2 * (5 << 20) and info.etag.endswith('-3"'), info
+    assert verify_checkpoint(location).ok
+    target = {"big": torch.zeros_like(state["big"]), "small": torch.zeros(10)}
+    dcp.load(target, storage_reader=BlobStorageReader(location, 2))
+    assert torch.equal(target["big"], state["big"]) and torch.equal(target["small"], state["small"])
+    data = bytearray(store.get(name))
+    data[len(data) // 2] ^= 0x10
+    store.put(name, iter([bytes(data)]))
+    assert store.head(name).etag.endswith('-3"')
+    report = verify_checkpoint(location)
+    assert any(name in p and "crc32" in p for p in report.problems), report.problems
+    with pytest.raises(BaseException, match=r"crc32|altered"):
+        dcp.load(target, storage_reader=BlobStorageReader(location, 2))
+
+
 # ------------------------------------------------------------------ owners, leases, fences
 
 
@@ -403,3 +435,73 @@ def test_checkpointer_on_s3_keeps_prunes_and_falls_back_to_the_newest_intact(loc
         assert again.resume() == 2
     assert torch.equal(fresh.weight, weights[2])
     again.close()
+
+
+# ------------------------------------------------------------------ read leases
+
+
+def _read_in_child(location: str, step: int) -> int:
+    """A child process that holds a read lease on ``step`` (heartbeat 0.25 s) until killed."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            with read_lease(blob_store_for(location), step, lease_s=1.0):
+                os.write(write, b"held")
+                time.sleep(120)
+        finally:
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 16) == b"held"
+    os.close(read)
+    return pid
+
+
+def test_a_read_lease_holds_off_a_prune_until_its_reader_dies(location):
+    """A live reader in another process keeps its step published and whole through a
+    prune (one warning); once it is killed, its lease is dead (its pid is gone) and the next
+    prune removes the step; a reader on another host that stops beating expires after one
+    lease by the pruner's own clock; a step pruned first cannot be leased."""
+    state = {"w": torch.arange(6.0)}
+    for step in (1, 2, 3):
+        _save(location, step, state)
+    store = blob_store_for(location)
+    pid = _read_in_child(location, 1)
+    try:
+        with pytest.warns(UserWarning, match="step 1 is being read"):
+            assert remove_steps(store, {1}, generation=None) == []
+        assert read_catalog(store)[0].steps.keys() == {1, 2, 3}
+        target = {"w": torch.zeros(6)}
+        dcp.load(target, storage_reader=BlobStorageReader(location, 1))  # still whole
+        assert torch.equal(target["w"], state["w"])
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert store.list("readers/")  # the dead reader's lease is still there...
+    assert remove_steps(store, {1}, generation=None) == [1]  # ...and judged dead at once
+    assert store.list("readers/") == [] and sorted(read_catalog(store)[0].steps) == [2, 3]
+    # a reader on another machine that stopped beating: expired after lease + one beat
+    prefix = read_catalog(store)[0].steps[2]
+    far = replace(LockOwner.here("read-far", lease_s=1.0), host="elsewhere", boot_id="b")
+    store.put(f"readers/{prefix}/read-far", f"{far.encode()}\n0".encode())
+    started = time.monotonic()
+    assert remove_steps(store, {2}, generation=None) == [2]
+    assert 1.0 <= time.monotonic() - started < 5.0
+    assert store.list("readers/") == [] and store.list(prefix + "/") == []
+    with pytest.raises(CheckpointPrunedError), read_lease(store, 2):
+        pass
+    # the race made deterministic: the prune lands between the reader's look at the catalog
+    # and its lease; the reader looks again after its lease, and gives the step up
+    racer = blob_store_for(location)
+
+    class PruneFirst(type(racer)):
+        def put_if_absent(self, key, data):
+            if key.startswith("readers/"):
+                assert remove_steps(store, {3}, generation=None) == [3]
+            return super().put_if_absent(key, data)
+
+    racer.__class__ = PruneFirst
+    with pytest.raises(CheckpointPrunedError, match="pruned before"), read_lease(racer, 3):
+        pass
+    assert store.list("readers/") == []

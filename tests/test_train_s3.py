@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 from fsdp_ext.checkpoint.blob_reader import BlobStorageReader
 from fsdp_ext.checkpoint.catalog import read_catalog
 from fsdp_ext.checkpoint.location import blob_store_for
+from fsdp_ext.job.snapshot import job_name, snapshot_dir
 from tests.test_train_job_life import TINY, TRAIN, same
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,3 +112,64 @@ def test_a_bad_s3_out_is_one_line_and_exit_2_before_training(s3_env, capsys, mon
         assert exit_.value.code == 2
         (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
         assert f"argument --out: {out}/checkpoints: " in line and cause in line, line
+
+
+def test_snapshots_with_an_s3_out_on_two_ranks(s3_env):
+    """train.py --out s3://... --snapshot-every 1 on 2 ranks: snapshots in the nodes' RAM
+    beside the checkpoints in the bucket. The job killed -9 once a snapshot newer than the
+    bucket's newest step exists, a second job on the same --out resumes from the in-memory
+    snapshot (not the older step in the bucket), ends at its step and leaves nothing in
+    /dev/shm."""
+    out = f"s3://{s3_env.bucket}/snap-{uuid.uuid4().hex[:12]}"
+    flags = ["--ckpt-every", "4", "--keep", "2", "--snapshot-every", "1", "--lease", "4"]
+    env = {**s3_env.env(), "PYTHONPATH": REPO}
+    snaps = snapshot_dir(job_name(f"{out}/checkpoints"))
+    first = _job(out, env, *flags)  # --steps 400 (FLAGS), then --ckpt-every 4 wins
+    try:
+        deadline = time.monotonic() + 240
+        while not (snaps / "step-0000006").exists() and first.poll() is None:
+            assert time.monotonic() < deadline, "no snapshot of step 6 in time"
+            time.sleep(0.05)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert first.returncode != 0 and _steps(f"{out}/checkpoints") == [4]
+    done = subprocess.run(
+        [*TRAIN, *TINY.split(), "--out", out, *FLAGS, *flags, "--steps", "8"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-3000:]
+    resumed = [ln for ln in text.splitlines() if ln.startswith("resumed from")]
+    assert len(resumed) == 1 and "in-memory snapshot" in resumed[0], text[-3000:]
+    assert int(resumed[0].split(" at step ")[1].split()[0]) >= 6, resumed
+    assert json.loads(done.stdout.strip().splitlines()[-1])["steps"] == 8
+    assert _steps(f"{out}/checkpoints") == [4, 8]
+    assert not snaps.exists()
+
+
+def test_clean_snapshots_judges_an_s3_owner(s3_env, tmp_path):
+    """``python -m fsdp_ext.job clean-snapshots`` on a node: the snapshots of a job whose
+    ``s3://`` location is owned by a live job stay; once it released it, they go."""
+    from fsdp_ext.job.blob_ownership import claim_blob
+    from fsdp_ext.job.snapshot import clean_snapshots
+
+    location = f"s3://{s3_env.bucket}/clean-{uuid.uuid4().hex[:12]}"
+    snaps = snapshot_dir(job_name(location), tmp_path)
+    snaps.mkdir(parents=True)
+    (snaps / "job.json").write_text(json.dumps({"checkpoint_root": location}))
+    owner = claim_blob(blob_store_for(location), lease_s=4.0)
+    try:
+        assert [why for _p, why in clean_snapshots(tmp_path)] == [
+            f"kept: the job owning {location} may be alive"
+        ]
+        assert snaps.exists()
+    finally:
+        owner.release()
+    assert [why for _p, why in clean_snapshots(tmp_path)] == [
+        f"removed (its job released {location})"
+    ]
+    assert not snaps.exists()

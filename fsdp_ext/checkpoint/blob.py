@@ -7,6 +7,10 @@ directory, no fsync, no mtime):
 ==================================  ========================================================
 ``put(key, data)``                  replace the whole object atomically; a reader sees the
                                     old bytes or the new, never a mix. Returns the new ETag.
+                                    ``data`` is bytes, or a **stream**: an iterable of
+                                    bytes-like chunks, consumed once, never held whole (S3
+                                    sends it as a multipart upload above the part size; a
+                                    failed or abandoned one is aborted, never visible).
 ``put_if_absent(key, data)``        create only if no object is there (``If-None-Match: *``):
                                     of racing writers exactly one wins, the others get
                                     :class:`BlobExistsError`. Returns the ETag.
@@ -29,9 +33,11 @@ directory, no fsync, no mtime):
 ``/``, no empty, ``.`` or ``..`` part, and no part starting with ``.blob-`` (the POSIX
 store's own temporary and lock files). The same key is valid on both stores.
 
-**ETags** are opaque strings, compared only for equality. Both stores give the MD5 of the
-object's bytes in quotes, as S3 does for a single-part upload, so the same bytes have the
-same ETag everywhere. A stale ETag therefore fails whenever the bytes changed; bytes written
+**ETags** are opaque strings, compared only for equality: nothing here or above takes one for
+a checksum (the manifest's CRC-32 is that). The POSIX store gives the MD5 of the object's
+bytes in quotes, as S3 does for a single-part upload; S3 gives ``"<md5 of the parts'
+md5s>-N"`` for a multipart upload, and other servers (or SSE-KMS) other strings. A stale
+ETag therefore fails whenever the bytes changed; bytes written
 back exactly as they were (A, B, A) make an old ETag good again, on S3 as here, so a
 protocol that needs every write told apart writes something new each time (a counter, a
 generation, an owner id).
@@ -50,6 +56,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 __all__ = [
@@ -62,12 +69,23 @@ __all__ = [
     "BlobInfo",
     "BlobNotFoundError",
     "BlobStore",
+    "Data",
     "check_key",
     "etag_of",
+    "is_stream",
 ]
 
 # a key part starting with this is the POSIX store's own (temporary files, locks)
 INTERNAL_PREFIX = ".blob-"
+
+
+Bytes = bytes | bytearray | memoryview
+Data = Bytes | Iterable[Bytes]  # what ``put`` takes: bytes, or a stream of chunks
+
+
+def is_stream(data: object) -> bool:
+    """Whether ``data`` is a stream of chunks for ``put`` rather than bytes."""
+    return not isinstance(data, (bytes, bytearray, memoryview, str)) and isinstance(data, Iterable)
 
 
 class BlobError(Exception):
@@ -156,7 +174,7 @@ class BlobStore(ABC):
     location: str  # what the user named, e.g. "s3://bucket/run" or "/data/run"
 
     @abstractmethod
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> str: ...
+    def put(self, key: str, data: Data) -> str: ...
 
     @abstractmethod
     def put_if_absent(self, key: str, data: bytes | bytearray | memoryview) -> str: ...
@@ -175,6 +193,13 @@ class BlobStore(ABC):
 
     @abstractmethod
     def delete(self, key: str) -> None: ...
+
+    def abort_uploads(self, prefix: str = "", which: Callable[[str], bool] | None = None) -> int:
+        """Housekeeping, not a primitive: abort the unfinished streamed puts under ``prefix``
+        (those whose key ``which`` accepts) that a killed writer left, and return how many.
+        Nothing to do here: only S3 keeps them (a POSIX writer's temporary file is never
+        listed)."""
+        return 0
 
     def where(self, key: str) -> str:
         """``key``'s full location, for messages."""

@@ -38,6 +38,7 @@ import os
 import socket
 import time
 import uuid
+from typing import Any
 
 from fsdp_ext.checkpoint.blob import (
     INTERNAL_PREFIX,
@@ -47,11 +48,13 @@ from fsdp_ext.checkpoint.blob import (
     BlobInfo,
     BlobNotFoundError,
     BlobStore,
+    Data,
     check_data,
     check_key,
     check_prefix,
     check_range,
     etag_of,
+    is_stream,
 )
 from fsdp_ext.checkpoint.processes import boot_id, process_start
 
@@ -125,9 +128,10 @@ class PosixBlobStore(BlobStore):
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
 
-    def _temp_with(self, path: str, data: memoryview, sync: bool = True) -> str:
-        """A temporary file beside ``path`` holding ``data``, fsynced when ``sync``
-        (directories made)."""
+    def _temp_with(self, path: str, data: Any, sync: bool = True, digest: Any = None) -> str:
+        """A temporary file beside ``path`` holding ``data`` (a memoryview, or a stream of
+        chunks written one at a time), fsynced when ``sync`` (directories made); each chunk
+        also goes to ``digest.update`` when one is given."""
         parent = os.path.dirname(path)
         temp = os.path.join(parent, f"{_TMP}{uuid.uuid4().hex}")
         for attempt in range(2):  # a delete may remove the emptied parent in between
@@ -142,7 +146,10 @@ class PosixBlobStore(BlobStore):
                 raise self._prefix_clash(os.path.relpath(path, self.root)) from exc
         try:
             with os.fdopen(fd, "wb") as stream:
-                stream.write(data)
+                for chunk in data if is_stream(data) else (data,):
+                    stream.write(chunk)
+                    if digest is not None:
+                        digest.update(chunk)
                 stream.flush()
                 if sync:
                     os.fsync(stream.fileno())
@@ -215,15 +222,16 @@ class PosixBlobStore(BlobStore):
 
     # -- the primitives -----------------------------------------------------------------------
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> str:
-        path, view = self._path(key), check_data(data)
-        temp = self._temp_with(path, view)
+    def put(self, key: str, data: Data) -> str:
+        path = self._path(key)
+        digest = hashlib.md5(usedforsecurity=False)
+        temp = self._temp_with(path, data if is_stream(data) else check_data(data), digest=digest)
         lock = self._lock(path)
         try:
             self._rename(temp, path)
         finally:
             self._unlock(lock)
-        return etag_of(view)
+        return f'"{digest.hexdigest()}"'
 
     def put_if_absent(self, key: str, data: bytes | bytearray | memoryview) -> str:
         path, view = self._path(key), check_data(data)

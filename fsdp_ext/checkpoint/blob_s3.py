@@ -46,10 +46,12 @@ from fsdp_ext.checkpoint.blob import (
     BlobInfo,
     BlobNotFoundError,
     BlobStore,
+    Data,
     check_data,
     check_key,
     check_prefix,
     check_range,
+    is_stream,
 )
 
 __all__ = ["S3BlobStore"]
@@ -66,10 +68,15 @@ _CREDENTIALS_REFUSED = {
     "SignatureDoesNotMatch",
 }
 _CONFLICT_RETRIES = 5  # S3 answers 409 ConditionalRequestConflict to racing conditional puts
-_MAX_PARTS = 10_000  # S3's limit on the parts of one object
 # seconds to open a connection (botocore's default: 60; its "standard" defaults mode: 3.1):
 # an endpoint whose host is gone fails after 3 attempts of this, not 3 minutes
 CONNECT_TIMEOUT_S = 5.0
+# a streamed put above this many bytes is a multipart upload of parts this size (S3: at least
+# 5 MiB but the last, at most 10,000 parts); FSDP_EXT_S3_PART_BYTES or part_bytes= sets it
+DEFAULT_PART_BYTES = 64 << 20
+PART_BYTES_ENV = "FSDP_EXT_S3_PART_BYTES"
+MIN_PART_BYTES = 5 << 20
+MAX_PARTS = 10_000
 BODY_ATTEMPTS = 3  # a GET whose body was cut mid-transfer is sent again, up to this in all
 _CREDENTIALS_FIX = (
     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, to credentials this "
@@ -147,6 +154,29 @@ def _status(exc: Exception) -> int | None:
     return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
 
 
+class _Chunks:
+    """A stream of chunks read in pieces of a given size."""
+
+    def __init__(self, chunks: Any):
+        self._chunks = iter(chunks)
+        self._rest: memoryview | None = None
+
+    def take(self, size: int) -> bytearray:
+        """The next ``size`` bytes (fewer at the end): a chunk that crosses the boundary is
+        split, its rest kept for the next call."""
+        out = bytearray()
+        while len(out) < size:
+            if self._rest is None:
+                chunk = next(self._chunks, None)
+                if chunk is None:
+                    break
+                self._rest = memoryview(chunk).cast("B")
+            room = size - len(out)
+            out += self._rest[:room]
+            self._rest = self._rest[room:] if len(self._rest) > room else None
+        return out
+
+
 def _read_body(reply: dict) -> bytes:
     with reply["Body"] as body:
         return body.read()
@@ -155,13 +185,14 @@ def _read_body(reply: dict) -> bytes:
 class S3BlobStore(BlobStore):
     """Blobs as objects ``PREFIX/KEY`` of ``bucket`` (see the module docstring)."""
 
-    # A plain put of at least ``multipart_bytes`` goes up in parts of ``part_bytes`` (more
-    # when 10,000 parts would not hold it): one PutObject takes at most 5 GB, and a part that
-    # fails is sent again alone. S3 takes parts of 5 MiB to 5 GiB.
-    multipart_bytes: int = 256 << 20
-    part_bytes: int = 64 << 20
-
-    def __init__(self, bucket: str, prefix: str = "", *, location: str | None = None):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        location: str | None = None,
+        part_bytes: int | None = None,
+    ):
         if not isinstance(bucket, str) or not _BUCKET.fullmatch(bucket) or ".." in bucket:
             raise ValueError(
                 f"location {location or bucket!r}: the bucket name {bucket!r} is not a valid "
@@ -171,6 +202,14 @@ class S3BlobStore(BlobStore):
         if prefix:
             check_key(prefix, "the location's prefix")
         self.bucket, self.prefix = bucket, prefix
+        if part_bytes is None:
+            part_bytes = int(os.environ.get(PART_BYTES_ENV, DEFAULT_PART_BYTES))
+        if not isinstance(part_bytes, int) or part_bytes < MIN_PART_BYTES:
+            raise ValueError(
+                f"part_bytes ({PART_BYTES_ENV}) must be an int >= {MIN_PART_BYTES} (S3's "
+                f"smallest part, 5 MiB), got {part_bytes!r}"
+            )
+        self.part_bytes = part_bytes
         self.location = location or f"s3://{bucket}/{prefix}".rstrip("/")
         self._client: Any = None
         self._checked = False
@@ -303,39 +342,84 @@ class S3BlobStore(BlobStore):
                 raise
         raise AssertionError("unreachable")
 
-    def _put_in_parts(self, key: str, view: memoryview) -> str:
-        """One object from parts. S3 shows it only once CompleteMultipartUpload lands, whole,
-        so a reader sees the old bytes or the new. A failed part aborts the upload, so
-        nothing of it stays stored (and billed). A process killed in the middle leaves an
-        incomplete upload, which no listing shows: the bucket's
-        AbortIncompleteMultipartUpload lifecycle rule removes those. The ETag is not an MD5
-        (``"...-N"``); the protocol only compares ETags."""
+    def put(self, key: str, data: Data) -> str:
+        if not is_stream(data):
+            return self._put(key, data)
+        chunks = _Chunks(data)
+        first = chunks.take(self.part_bytes)
+        if len(first) < self.part_bytes:  # it all fits in one part: one PutObject
+            return self._put(key, first)
+        return self._put_multipart(key, first, chunks)
+
+    def _put_multipart(self, key: str, first: bytearray, chunks: _Chunks) -> str:
+        """``first`` then the rest of ``chunks`` as one multipart upload, one part in memory
+        at a time; aborted on any failure (the object is never seen half-written)."""
         client, name = self._s3(), self._object(key)
-        size = len(view)
-        part = max(self.part_bytes, -(-size // _MAX_PARTS))
-        start = functools.partial(client.create_multipart_upload, Bucket=self.bucket, Key=name)
-        upload = self._call(start, key)["UploadId"]
-        at = dict(Bucket=self.bucket, Key=name, UploadId=upload)
+        upload = self._call(
+            lambda: client.create_multipart_upload(Bucket=self.bucket, Key=name), key
+        )["UploadId"]
+        parts: list[dict[str, Any]] = []
         try:
-            parts = []
-            for number, first in enumerate(range(0, size, part), start=1):
-                body = view[first : first + part].tobytes()  # one part in memory at a time
-                send = functools.partial(client.upload_part, PartNumber=number, Body=body, **at)
-                parts.append({"ETag": self._call(send, key)["ETag"], "PartNumber": number})
-            done = functools.partial(
-                client.complete_multipart_upload, MultipartUpload={"Parts": parts}, **at
+            part = first
+            while part:
+                number = len(parts) + 1
+                if number > MAX_PARTS:
+                    raise ValueError(
+                        f"{self.where(key)}: the stream needs more than {MAX_PARTS} parts; "
+                        f"raise the part size ({self.part_bytes} bytes, {PART_BYTES_ENV})"
+                    )
+                body = bytes(part)
+                reply = self._call(
+                    lambda body=body, number=number: client.upload_part(
+                        Bucket=self.bucket, Key=name, UploadId=upload, PartNumber=number, Body=body
+                    ),
+                    key,
+                )
+                parts.append({"PartNumber": number, "ETag": reply["ETag"]})
+                del body
+                # S3's parts may differ in size: they double every 1000, so that 10,000
+                # parts hold 1000 x (2^10 - 1) x the part size
+                part = chunks.take(self.part_bytes << (len(parts) // 1000))
+            reply = self._call(
+                lambda: client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=name,
+                    UploadId=upload,
+                    MultipartUpload={"Parts": parts},
+                ),
+                key,
             )
-            return self._call(done, key)["ETag"]
+            return reply["ETag"]
         except BaseException:
-            with contextlib.suppress(Exception):
-                client.abort_multipart_upload(**at)
+            self._abort(name, upload)
             raise
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> str:
-        view = check_data(data)
-        if len(view) >= self.multipart_bytes:
-            return self._put_in_parts(key, view)
-        return self._put(key, data)
+    def _abort(self, name: str, upload: str) -> None:
+        with contextlib.suppress(Exception):  # swept later by abort_uploads if this fails
+            self._s3().abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload)
+
+    def abort_uploads(self, prefix: str = "", which: Callable[[str], bool] | None = None) -> int:
+        """Abort every unfinished multipart upload under ``prefix`` (ListMultipartUploads)
+        whose key ``which`` accepts: what a killed writer left. Not a blob primitive: S3's
+        own housekeeping, which the commit's sweep of dead versions calls. Returns how many
+        it aborted."""
+        prefix = check_prefix(prefix)
+        client = self._s3()
+        base = f"{self.prefix}/" if self.prefix else ""
+        found: list[tuple[str, str]] = []
+
+        def collect() -> None:
+            pages = client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=base + prefix
+            )
+            for page in pages:
+                found.extend((u["Key"], u["UploadId"]) for u in page.get("Uploads", ()))
+
+        self._call(collect, None)
+        found = [(n, u) for n, u in found if which is None or which(n[len(base) :])]
+        for name, upload in found:
+            self._abort(name, upload)
+        return len(found)
 
     def put_if_absent(self, key: str, data: bytes | bytearray | memoryview) -> str:
         return self._put(key, data, IfNoneMatch="*")

@@ -7,9 +7,10 @@ planner=SpreadSavePlanner())`` runs:
 1. the coordinator, in the global plan step, checks the fence (a job that lost the location
    writes nothing), picks a fresh version prefix ``step-5/v-<id>`` and assigns each rank its
    files (runs of whole layers, ``file_groups.py``, as on POSIX);
-2. every rank serializes each of its files in memory (the stock item format, so the
-   metadata is stock DCP's) and writes it with one whole ``put``, on ``thread_count``
-   threads, computing size and CRC-32 as it goes;
+2. every rank streams each of its files, one serialized item at a time (the stock item
+   format, so the metadata is stock DCP's), to one ``put`` (on S3 a multipart upload above
+   the part size, so a file may exceed 5 GB and the rank's memory), on ``thread_count``
+   threads, computing size and CRC-32 over the bytes streamed;
 3. the coordinator puts ``.metadata`` and ``.manifest.json`` under the prefix, then commits
    the catalog (``catalog.py``): the only write that makes the save visible, and the last.
    Then it deletes the version the step pointed to before, and every prefix of a dead save.
@@ -182,26 +183,35 @@ class BlobStorageWriter(StorageWriter):
         by_index = {i.index: i for i in plan.items}
 
         def write_file(name: str, indexes: list, layers: list[str]) -> list[WriteResult]:
-            buffer = io.BytesIO()
-            results = []
-            for index in indexes:
-                item = by_index[index]
-                data = planner.resolve_data(item)
-                if item.type != WriteItemType.BYTE_IO:
-                    data = _whole(data)
-                results.append(write_item_to(buffer, data, item, name))
-            body = buffer.getbuffer()
-            self.store.put(f"{assignment.prefix}/{name}", body)
+            results: list[WriteResult] = []
+            crc, size = 0, 0
+
+            def items():  # the file as a stream, one serialized item at a time
+                nonlocal crc, size
+                for index in indexes:
+                    item = by_index[index]
+                    data = planner.resolve_data(item)
+                    if item.type != WriteItemType.BYTE_IO:
+                        data = _whole(data)
+                    buffer = io.BytesIO()
+                    result = write_item_to(buffer, data, item, name)
+                    info = result.storage_data
+                    results.append(replace(result, storage_data=replace(info, offset=size)))
+                    body = buffer.getbuffer()
+                    crc, size = zlib.crc32(body, crc), size + len(body)
+                    yield body
+
+            self.store.put(f"{assignment.prefix}/{name}", items())
             record = FileRecord(
                 name=name,
                 rank=self.rank,
-                size=len(body),
-                checksum=crc32_hex(zlib.crc32(body)),
+                size=size,
+                checksum=crc32_hex(crc),
                 layers=layers,
                 items=len(indexes),
             )
             results.append(
-                WriteResult(MetadataIndex(_FILE_RECORD + name), len(body), storage_data=record)
+                WriteResult(MetadataIndex(_FILE_RECORD + name), size, storage_data=record)
             )
             return results
 

@@ -13,8 +13,8 @@ a commit whose writer's generation is below the catalog's raises
 :class:`DirectoryFencedError`, and the replace is conditional on the ETag read at the start
 of the commit, so a job that took the location over in between makes the stale writer's
 replace fail; it then reads the catalog again and finds itself fenced. A counter makes every
-catalog's bytes differ from every earlier one (ETags are the MD5 of the bytes on many stores,
-and A, B, A would otherwise make an old ETag good again).
+catalog's bytes differ from every earlier one (ETags are the MD5 of the bytes, and A, B, A
+would otherwise make an old ETag good again).
 
 The catalog is sealed like the manifest (canonical JSON carrying the CRC-32 of its body), so
 a flipped bit is named, never read as another mapping.
@@ -22,12 +22,17 @@ a flipped bit is named, never read as another mapping.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from fsdp_ext.checkpoint.blob import BlobConditionError, BlobNotFoundError, BlobStore
+from fsdp_ext.checkpoint.blob_lease import READERS, ReadLease, leased_versions, live_readers
 from fsdp_ext.checkpoint.fence import DirectoryFencedError
+from fsdp_ext.checkpoint.lock import CheckpointPrunedError, LockOwner
 from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, seal, unseal
 
 __all__ = [
@@ -99,16 +104,16 @@ class Catalog:
 def read_catalog(store: BlobStore) -> tuple[Catalog, str | None]:
     """The catalog and the ETag to replace it with (None: there is none yet, an empty one).
 
-    The ETag is the store's, read before the bytes: ETags are opaque, and not the MD5 of the
-    bytes on every store (multipart uploads, SSE-KMS, some S3 servers), so one computed here
-    would fail every conditional replace there. Should the catalog change between the two
-    reads, the replace made with the older ETag fails and the commit reads again."""
+    The ETag is the store's (``head``), never computed from the bytes: an S3 server may give
+    any opaque string. ``head`` comes first: were the bytes read newer than that ETag, the
+    object changed after it, so ``replace_if`` with it fails (every catalog write bumps its
+    counter, so an old ETag never comes back)."""
     info = store.head(CATALOG_KEY)
     if info is None:
         return Catalog(), None
     try:
         data = store.get(CATALOG_KEY)
-    except BlobNotFoundError:  # removed in between: as if never there
+    except BlobNotFoundError:
         return Catalog(), None
     return Catalog.from_bytes(data, store.where(CATALOG_KEY)), info.etag
 
@@ -200,20 +205,54 @@ class BlobFence:
 def remove_steps(store: BlobStore, steps: set[int], *, generation: int | None) -> list[int]:
     """Unpublish ``steps`` (one commit), then delete their objects; returns what went.
 
-    The commit comes first, so a prune killed midway leaves only unreferenced objects (swept
-    later), never a published step with objects missing."""
+    A step whose version a live reader leases (``blob_lease.py``) stays published, with a
+    warning (``CheckpointBusyError`` on POSIX): a later prune removes it. The commit comes
+    first, so a prune killed midway leaves only unreferenced objects (swept later), never a
+    published step with objects missing; after it the leases are listed again, and a
+    version a reader leased in between keeps its objects until a later sweep."""
+    published = read_catalog(store)[0].steps
+    busy = {s for s in steps if s in published and live_readers(store, published[s])}
+    for step in sorted(busy):
+        warnings.warn(
+            f"prune: {store.where(published[step])}: step {step} is being read (a live read "
+            "lease); left for a later prune",
+            stacklevel=3,
+        )
     gone: dict[int, str] = {}
 
     def drop(catalog: Catalog) -> Catalog:
         gone.clear()
-        gone.update({s: p for s, p in catalog.steps.items() if s in steps})
-        return replace(catalog, steps={s: p for s, p in catalog.steps.items() if s not in steps})
+        gone.update({s: p for s, p in catalog.steps.items() if s in steps and s not in busy})
+        return replace(catalog, steps={s: p for s, p in catalog.steps.items() if s not in gone})
 
     commit(store, drop, generation=generation)
     for prefix in gone.values():
+        if store.list(f"{READERS}{prefix}/") and live_readers(store, prefix):
+            continue  # leased between the first look and the commit: swept once let go
         for key in store.list(prefix + "/"):
             store.delete(key)
     return sorted(gone)
+
+
+@contextlib.contextmanager
+def read_lease(store: BlobStore, step: int, *, lease_s: float | None = None) -> Iterator[str]:
+    """Hold a read lease on the published version of ``step`` (yields its prefix): a prune
+    leaves it whole meanwhile. Raises :class:`CheckpointPrunedError` when the step is not,
+    or no longer, published."""
+    prefix = read_catalog(store)[0].steps.get(step)
+    if prefix is None:
+        raise CheckpointPrunedError(f"{store.location}: step {step} is not published")
+    owner = LockOwner.here(f"read-{uuid.uuid4().hex[:12]}", lease_s=lease_s)
+    lease = ReadLease(store, f"{READERS}{prefix}/{owner.save_id}", owner)
+    lease.start()
+    try:
+        if read_catalog(store)[0].steps.get(step) != prefix:  # pruned before the lease landed
+            raise CheckpointPrunedError(
+                f"{store.location}: step {step} was pruned before it could be read"
+            )
+        yield prefix
+    finally:
+        lease.close()
 
 
 def sweep(
@@ -224,13 +263,18 @@ def sweep(
     A later generation's versions are never touched: a stale job that committed just before
     a takeover and sweeps after it must not delete the new owner's save in flight. Only keys
     shaped like a version's are touched. Returns the keys deleted."""
-    live = set(catalog.steps.values()) | set(keep)
-    removed = []
-    for key in store.list("step-"):
+    live = set(catalog.steps.values()) | set(keep) | leased_versions(store)
+
+    def dead(key: str) -> bool:
         prefix = version_prefix_of(key)
         if prefix is None or prefix in live:
-            continue
-        if int(_VERSION.fullmatch(prefix).group(2)) <= generation:
+            return False
+        return int(_VERSION.fullmatch(prefix).group(2)) <= generation
+
+    removed = []
+    for key in store.list("step-"):
+        if dead(key):
             store.delete(key)
             removed.append(key)
+    store.abort_uploads("step-", dead)  # a killed writer's unfinished multipart uploads
     return removed

@@ -18,6 +18,7 @@ rules stand on the blob primitives alone:
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -211,3 +212,21 @@ def _holder(store: BlobStore, generation: int) -> LockOwner | None:
         return LockOwner.decode(store.get(record_key(generation)).decode("utf-8", "replace"))
     except (BlobError, OSError):
         return None
+
+
+def blob_owner_gone(store: BlobStore) -> str | None:
+    """Why the job owning the blob location is certainly gone (it released it, none ever
+    owned it, or its process on this machine exited), looking once; None when it may be
+    alive. The blob twin of :func:`fsdp_ext.job.ownership.owner_gone`."""
+    generation = read_catalog(store)[0].generation
+    if not generation:
+        return f"no job owns {store.location}"
+    owner = _holder(store, generation)
+    if owner is None:
+        return None
+    with contextlib.suppress(BlobError):
+        if store.get(beat_key(generation)) == RELEASED.encode():
+            return f"its job released {store.location}"
+    if owner.on_this_machine() and owner.pid != os.getpid():
+        return owner.stale_reason()
+    return None

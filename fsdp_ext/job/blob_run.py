@@ -4,7 +4,8 @@ catalog (``fsdp_ext/checkpoint/catalog.py``), for :class:`~fsdp_ext.job.Checkpoi
 The same promises as on POSIX, on the blob primitives alone: a save publishes with one
 conditional replace of the catalog, fenced by this job's owner generation; a prune
 unpublishes first and deletes after; a resume loads the newest step that verifies and falls
-back to older ones, one warning each.
+back to older ones, one warning each; each rank loads under a read lease
+(``fsdp_ext/checkpoint/blob_lease.py``), so a prune of that step by another job waits.
 
 A store that cannot be used (:class:`BlobAccessError`: the server died, refused the
 credentials...) is no fault of a checkpoint: it is raised as it is, one line naming the
@@ -26,8 +27,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fsdp_ext.checkpoint.blob import BlobAccessError
 from fsdp_ext.checkpoint.blob_reader import BlobStorageReader
 from fsdp_ext.checkpoint.blob_writer import BlobStorageWriter
-from fsdp_ext.checkpoint.catalog import BlobFence, read_catalog, remove_steps
+from fsdp_ext.checkpoint.catalog import BlobFence, read_catalog, read_lease, remove_steps
 from fsdp_ext.checkpoint.location import blob_store_for
+from fsdp_ext.checkpoint.lock import CheckpointPrunedError
 from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, UnsafeCheckpointError
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner
 from fsdp_ext.job.resume import load_present
@@ -97,11 +99,18 @@ def load_newest(
         steps = box[0]
     if isinstance(steps, str):
         raise BlobAccessError(steps)
+    store = blob_store_for(location)
     for step in reversed(steps or []):
         try:
-            load_present(state, optional, BlobStorageReader(location, step))
+            with read_lease(store, step):  # each rank's: a prune leaves the step whole
+                load_present(state, optional, BlobStorageReader(location, step))
             return step
-        except (CheckpointIntegrityError, UnsafeCheckpointError, CheckpointException) as exc:
+        except (
+            CheckpointIntegrityError,
+            UnsafeCheckpointError,
+            CheckpointException,
+            CheckpointPrunedError,
+        ) as exc:
             unusable = store_error(exc)
             if unusable is not None:  # the store failed, not the checkpoint
                 raise unusable from None

@@ -39,9 +39,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from fsdp_ext.checkpoint.location import posix_storage
+from fsdp_ext.checkpoint.location import blob_store_for, is_object_store, posix_storage
 from fsdp_ext.checkpoint.steps import step_name
 from fsdp_ext.checkpoint.storage import CheckpointStorage, is_out_of_space
+from fsdp_ext.job.blob_ownership import blob_owner_gone
 from fsdp_ext.job.ownership import owner_gone
 
 __all__ = [
@@ -62,8 +63,22 @@ _JOB_RECORD = "job.json"  # {"checkpoint_root": ...}: whose snapshots these are
 
 def job_name(checkpoint_root: str | os.PathLike) -> str:
     """The snapshot name of the job that owns ``checkpoint_root``: its restarts and every
-    node share it, other jobs do not."""
-    return hashlib.sha256(os.path.abspath(checkpoint_root).encode()).hexdigest()[:16]
+    node share it, other jobs do not (an ``s3://`` location is the same string everywhere;
+    a path is made absolute)."""
+    root = os.fspath(checkpoint_root)
+    name = root if is_object_store(root) else os.path.abspath(root)
+    return hashlib.sha256(name.encode()).hexdigest()[:16]
+
+
+def _owner_gone(root: str) -> str | None:
+    if is_object_store(root):
+        from fsdp_ext.checkpoint.blob import BlobError
+
+        try:
+            return blob_owner_gone(blob_store_for(root))
+        except (BlobError, OSError, ValueError):
+            return None  # the store cannot tell: keep them
+    return owner_gone(root)
 
 
 def snapshot_dir(job: str, root: str | os.PathLike | None = None) -> Path:
@@ -88,7 +103,7 @@ def clean_snapshots(
             owner_root = json.loads(fs.read_bytes(path / _JOB_RECORD))["checkpoint_root"]
         except (OSError, ValueError, KeyError, TypeError):
             owner_root = None
-        why = "no job record" if owner_root is None else owner_gone(owner_root)
+        why = "no job record" if owner_root is None else _owner_gone(owner_root)
         if why is None:
             done.append((path, f"kept: the job owning {owner_root} may be alive"))
             continue
