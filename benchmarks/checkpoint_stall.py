@@ -1073,4 +1073,7 @@ def main(argv: list[str] | None = None) -> dict | None:
 
 
 if __name__ == "__main__":
+    from fsdp_ext.lab import teardown_on_termination
+
+    teardown_on_termination()  # SIGTERM tears a --lab run's lab down, as Ctrl-C does
     main()

@@ -166,6 +166,7 @@ LAB_MODULES = frozenset(
     {
         "test_chaos_benchmark",
         "test_checkpoint_benchmark",
+        "test_checkpoint_stall_benchmark",
         "test_cluster_benchmark",
         "test_comm_auto_lab",
         "test_ownership_lab",
