@@ -114,6 +114,7 @@ def test_a_bad_s3_out_is_one_line_and_exit_2_before_training(s3_env, capsys, mon
         assert f"argument --out: {out}/checkpoints: " in line and cause in line, line
 
 
+@pytest.mark.slow  # two 2-rank jobs, 20-30 s; default sibling: the clean-snapshots test below
 def test_snapshots_with_an_s3_out_on_two_ranks(s3_env):
     """train.py --out s3://... --snapshot-every 1 on 2 ranks: snapshots in the nodes' RAM
     beside the checkpoints in the bucket. The job killed -9 once a snapshot newer than the
