@@ -407,7 +407,7 @@ def test_a_bad_choice_raises_on_every_rank():
 # ------------------------------------------------------------------ the main job
 
 
-def test_train_comm_auto_explains_and_keeps_the_users_flags(tmp_path, capfd):
+def test_train_comm_auto_explains_and_keeps_the_users_flags(tmp_path):
     """2 gloo ranks as 2 nodes of 1 (--intra-node-size 1), --qwz given: auto chooses the
     rest, --explain prints the table, and the job trains with int8 weights. train.py's main
     on the harness's ranks (the launch is tested elsewhere: test_train.py)."""
@@ -416,8 +416,8 @@ def test_train_comm_auto_explains_and_keeps_the_users_flags(tmp_path, capfd):
     args += ["--no-plot"]
     args += ["--seq-len", "32", "--dim", "32", "--n-layers", "1", "--n-heads", "2"]
     args += ["--hidden-dim", "64", "--out", str(tmp_path)]
-    summary = train_in_ranks(args, 2)
-    out = capfd.readouterr().out
+    summary = train_in_ranks(args, 2, stdout=str(tmp_path / "stdout"))
+    out = (tmp_path / "stdout.0").read_text()
     assert "comm auto: 2 ranks, 1 per node, 2 nodes" in out
     assert "fixed by the user: weights=int8" in out
     chosen = [line for line in out.splitlines() if line.startswith("->")]

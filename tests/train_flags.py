@@ -8,18 +8,26 @@ TINY += ["--n-heads", "2", "--hidden-dim", "16", "--num-experts", "2", "--val-ba
 TINY += ["--log-every", "1", "--no-plot"]
 
 
-def _main(argv: list[str]) -> dict | None:
+def _main(argv: list[str], stdout: str | None) -> dict | None:
+    import contextlib
+    import os
+
     from examples.train import main
 
-    return main(argv, own_process_group=False)
+    if stdout is None:
+        return main(argv, own_process_group=False)
+    # the ranks fork from a server started before the test, so its capture never sees them
+    with open(f"{stdout}.{os.environ['RANK']}", "w") as out, contextlib.redirect_stdout(out):
+        return main(argv, own_process_group=False)
 
 
-def train_in_ranks(argv: list[str], nproc: int) -> dict:
+def train_in_ranks(argv: list[str], nproc: int, stdout: str | None = None) -> dict:
     """``examples/train.py ARGV`` as ``nproc`` ranks of the test harness: the same program,
     one thread per rank and gloo, as under torchrun, so the same numbers and checkpoints,
     without a launcher, an agent and fresh interpreters (about 15 CPU-s a run). For the
     uninterrupted runs that tests compare checkpoints against; the launch itself is tested
-    where it matters. Returns rank 0's summary."""
+    where it matters. ``stdout``: each rank prints into ``STDOUT.RANK``. Returns rank 0's
+    summary."""
     from fsdp_ext.testing import run_distributed
 
-    return run_distributed(_main, nproc, list(argv))[0]
+    return run_distributed(_main, nproc, list(argv), stdout)[0]
