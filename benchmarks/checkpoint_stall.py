@@ -846,14 +846,7 @@ def lab_main(args: argparse.Namespace, sizes: dict, writers: list[str], skipped:
                                   for b in job.link_bytes]  # fmt: skip
             if args.storage == "sshfs":
                 shutil.rmtree(location, ignore_errors=True)
-            r = rows[writer]
-            print(
-                f"{writer:>20}: blocked {r['blocked_ms']} ms, background {r['background_s']} s, "
-                f"step x{r['step_slowdown']} ({job.seconds:.0f} s)"
-                + (f" phases ms {r['blocked_ms_phases']}" if "blocked_ms_phases" in r else ""),
-                file=sys.stderr,
-                flush=True,
-            )
+            _progress(writer, rows[writer], f"({job.seconds:.0f} s)")
     meta = _meta(args, sizes, rows, load_start)
     meta["lab"] = {
         "storage": args.storage,
@@ -1019,6 +1012,17 @@ def _meta(args: argparse.Namespace, sizes: dict, rows: dict, load_start) -> dict
     }
 
 
+def _progress(writer: str, r: dict, tail: str) -> None:
+    """One writer's line on stderr as its row lands (the JSON line comes at the end)."""
+    phases = f" phases ms {r['blocked_ms_phases']}" if "blocked_ms_phases" in r else ""
+    print(
+        f"{writer:>20}: blocked {r['blocked_ms']} ms, background {r['background_s']} s, "
+        f"step x{r['step_slowdown']}, {tail}{phases}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -1054,13 +1058,10 @@ def main(argv: list[str] | None = None) -> dict | None:
             runs[writer] = run_writer(writer, sizes, args, Path(tmp))
             rows[writer] = summarize_writer(writer, runs[writer])
             r = rows[writer]
-            print(
-                f"{writer:>20}: blocked {r['blocked_ms']} ms, background {r['background_s']} s, "
-                f"step x{r['step_slowdown']}, staging/state {r['staging_over_state']} "
-                f"({time.perf_counter() - began:.0f} s)"
-                + (f" phases ms {r['blocked_ms_phases']}" if "blocked_ms_phases" in r else ""),
-                file=sys.stderr,
-                flush=True,
+            _progress(
+                writer,
+                r,
+                f"staging/state {r['staging_over_state']} ({time.perf_counter() - began:.0f} s)",
             )
     meta = _meta(args, sizes, rows, load_start)
     summary = summarize(rows, skipped, meta)
