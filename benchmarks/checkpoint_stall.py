@@ -19,7 +19,8 @@ dir on the local disk), through each writer in turn:
                         thread, shared-memory buffers, a writer process per rank;
                         ``optimizer.step()`` under ``manager.lock()`` as its docs say)
   ours_sync             fsdp_ext.Checkpointer.save(step)
-  ours_async            fsdp_ext.Checkpointer.save(step, blocking=False)
+  ours_async            fsdp_ext.Checkpointer.save(step, blocking=False) (overlap_staging:
+                        the next ``optimizer.step()`` waits for the copy of its tensors)
 
 Each writer runs in fresh rank processes (plain subprocesses with env:// rendezvous, so a
 writer's memory high-water mark never pollutes another's, and DCP's process mode and
@@ -28,7 +29,8 @@ for its previous save, as each library requires. Per save (median over the run's
 
   blocked_ms            from the save call to training resuming, the slowest rank (with
                         torch-checkpointing, plus the wait of ``manager.lock()`` at the next
-                        optimizer step, which is where its staging blocks training)
+                        optimizer step, which is where its staging blocks training; with
+                        ours async, plus the next step's wait for the copy, ``step_wait``)
   background_s          from training resuming to the checkpoint being durable (the future /
                         background thread done); 0 for the synchronous writers
   step_slowdown         rank 0's median step time (forward, backward, clip, optimizer; the
@@ -312,6 +314,17 @@ class Ours(_Saver):
         rec["phases"] = self.ckpt.stats.phases_s[-1]  # where the blocked time went
         if self.blocking:
             rec["done"] = rec["ret"]
+
+    def optimizer_step(self, optimizer) -> float:
+        """The step waits for the background copy of the tensors it writes (the save's
+        ``step_wait`` phase, counted in its blocked time)."""
+        phases = self.records[-1]["phases"] if self.records else {}
+        before = phases.get("step_wait", 0.0)
+        optimizer.step()
+        waited = phases.get("step_wait", 0.0) - before
+        if self.records:
+            self.records[-1]["lock"] += waited
+        return waited
 
     def finish(self) -> None:
         self.ckpt.wait()

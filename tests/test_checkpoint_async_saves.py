@@ -1,6 +1,7 @@
 """Checkpointer's background saves: what each checkpoint holds, the order they publish in,
 the wait a save reports, and close() finishing the last write."""
 
+import copy
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -44,9 +46,9 @@ def test_background_saves_hold_their_own_step_publish_in_order_and_close_waits(t
             for p in model.parameters():
                 p.fill_(float(step))
         ckpt.save(step, blocking=False)
-        with torch.no_grad():  # the next step changes the weights at once
-            for p in model.parameters():
-                p.fill_(-1.0)
+        for p in model.parameters():  # the next step changes the weights at once
+            p.grad = torch.ones_like(p)
+        opt.step()
     ckpt.close()
     assert [s for s, _ in checkpoint_steps(root)] == [1, 2, 3]  # close() waited
     assert fs.published == ["step-0000001", "step-0000002", "step-0000003"]
@@ -69,6 +71,75 @@ def test_background_saves_hold_their_own_step_publish_in_order_and_close_waits(t
     # staging holds the model and AdamW's two moments (and step counters): bounded by the
     # state's bytes, allocated once and reused
     assert 3 * nbytes <= stats.staging_bytes <= 3 * nbytes * 1.1 + 1024, stats.staging_bytes
+
+
+def _saved(path, template: nn.Module) -> dict[str, torch.Tensor]:
+    fresh = copy.deepcopy(template)
+    dcp.load(
+        {"model": _ModelOnly(fresh)},
+        storage_reader=VerifiedFileSystemReader(path),
+        planner=SafeLoadPlanner(),
+    )
+    return {k: v.clone() for k, v in fresh.state_dict().items()}
+
+
+class _Blocks(nn.Module):
+    """32 weights of 1 MiB each, then (last in the state dict) a buffer that the forward pass
+    writes in place, as a BatchNorm's running mean is."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(512, 512)) for _ in range(32))
+        self.norm = nn.Module()
+        self.norm.register_buffer("running", torch.zeros(512))
+
+
+def test_the_step_after_a_background_save_waits_for_its_copy_and_other_tensors_are_copied_at_once(
+    tmp_path,
+):
+    """With ``overlap_staging`` (the default), ``save`` returns before the parameters and the
+    optimizer's state are copied; the next ``optimizer.step()`` must wait for that copy. The
+    optimizer walks the weights in the opposite order to the copy, so a step that did not
+    wait would write the last weights before the copy reads them. A buffer that the forward
+    pass writes is not the optimizer's: it is copied before ``save`` returns."""
+    model = _Blocks()
+    opt = torch.optim.SGD(list(reversed(list(model.parameters()))), lr=1.0)
+    ckpt = Checkpointer(tmp_path / "out", model=model, optimizer=opt, keep=None)
+    for step in (1, 2, 3):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        ckpt.save(step, blocking=False)
+        model.norm.running.add_(1.0)  # the next forward pass
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()  # every weight moves by -1
+        ckpt.wait()
+        saved = _saved(tmp_path / "out" / f"step-{step:07d}", model)
+        for key, value in before.items():
+            assert torch.equal(saved[key], value), (step, key)
+        phases = ckpt.stats.phases_s[-1]
+        assert "step_wait" in phases  # the step waited (maybe 0 s, the copy being done)
+        assert ckpt.stats.blocked_s[-1] >= phases["step_wait"]
+    ckpt.close()
+    opt.step()  # a closed checkpointer's hook is gone: nothing to wait for, nothing raised
+
+
+def test_overlap_staging_off_copies_everything_before_save_returns(tmp_path):
+    """``overlap_staging=False``: a loop that writes parameters in place outside the optimizer
+    between a save and the next step still saves what the save saw."""
+    model = _Blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ckpt = Checkpointer(tmp_path / "out", model=model, optimizer=opt, overlap_staging=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt.save(1, blocking=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(-1.0)
+    ckpt.close()
+    saved = _saved(tmp_path / "out" / "step-0000001", model)
+    assert all(torch.equal(saved[k], v) for k, v in before.items())
+    assert "step_wait" not in ckpt.stats.phases_s[-1]
+    with pytest.raises(TypeError, match="overlap_staging must be True or False, got 'yes'"):
+        Checkpointer(tmp_path / "other", model=model, optimizer=opt, overlap_staging="yes")
 
 
 class _ModelOnly:

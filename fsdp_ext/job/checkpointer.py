@@ -17,12 +17,13 @@ corrupt), and resumes from the newest checkpoint that verifies (``resume.py``)::
 
 A save with ``blocking=False`` copies the state into host buffers it keeps from save to save
 (``staging.py``), then writes them through the same writer, planner and commit protocol in a
-background thread, whose collectives (the ownership check's broadcast, DCP's planning and
-commit) run on a process group of their own: ``save`` itself runs no collective, and nothing of
-the save touches the training's group. That thread runs at nice 19, so the
-write takes the cycles a step leaves, not the step's (``background_nice``). The next save
-waits for the previous write (and says how long), never drops one; ``close()`` waits for
-the last.
+background thread. The parameters and the optimizer state are copied in that thread too,
+while the next step's forward and backward run; the next ``optimizer.step()`` waits for the
+copy. The thread's collectives (the ownership check's broadcast, DCP's planning and commit)
+run on a process group of their own: ``save`` itself runs no collective, and nothing of the
+save touches the training's group. The write runs at nice 19, so it takes the cycles a step
+leaves, not the step's (``background_nice``). The next save waits for the previous write
+(and says how long), never drops one; ``close()`` waits for the last.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
+from fsdp_ext._torch import dtensor_local_tensor
 from fsdp_ext.checkpoint.blob import BlobAccessError
 from fsdp_ext.checkpoint.fence import DirectoryFencedError, Fence
 from fsdp_ext.checkpoint.location import blob_store_for, is_object_store
@@ -141,6 +144,13 @@ def _agree(error: str | None, group: dist.ProcessGroup | None = None) -> str | N
     return error
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    """The address of the memory ``tensor`` (a DTensor: its local shard) lives in."""
+    if isinstance(tensor, DTensor):
+        tensor = dtensor_local_tensor(tensor)
+    return tensor.untyped_storage().data_ptr()
+
+
 def _lower_priority(nice: int) -> None:
     """Raise this thread's nice value by ``nice`` (Linux sets it per thread; threads it
     starts inherit it). Where the training's own threads use every core, as on a CPU-bound
@@ -175,6 +185,8 @@ class _Background:
     thread: threading.Thread
     started: float
     error: BaseException | None = None
+    staged: threading.Event = field(default_factory=threading.Event)  # every copy landed
+    phases: dict[str, float] = field(default_factory=dict)  # the save's, in SaveStats
 
 
 class Checkpointer:
@@ -188,7 +200,12 @@ class Checkpointer:
     all). ``lease_s``: the lease of the directory and of its locks (default
     ``$FSDP_EXT_LEASE_S``, else 60 s). ``fs``: where the checkpoints are stored (default: the
     local filesystem). ``background_nice``: how much lower than the training the
-    background write's threads run (0-19; Linux nice). Dying with the launcher is the
+    background write's threads run (0-19; Linux nice). ``overlap_staging``: a background
+    save copies the model's parameters and the optimizer's state in its thread, while the
+    next step's forward and backward run, and the next ``optimizer.step()`` waits for that
+    copy (as CheckFreq and torch-checkpointing do); everything else is copied before
+    ``save`` returns. Turn it off if the loop writes parameters in place anywhere but in the
+    optimizers given here between a save and the next step. Dying with the launcher is the
     launcher's choice (:func:`~fsdp_ext.checkpoint.exit_with_launcher`), not made here.
     """
 
@@ -203,6 +220,7 @@ class Checkpointer:
         lease_s: float | None = None,
         fs: CheckpointStorage | None = None,
         background_nice: int = 19,
+        overlap_staging: bool = True,
     ) -> None:
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
@@ -224,6 +242,8 @@ class Checkpointer:
                 f"background_nice must be an int from 0 (the training's own priority) to 19 "
                 f"(the lowest), got {background_nice!r}"
             )
+        if not isinstance(overlap_staging, bool):
+            raise TypeError(f"overlap_staging must be True or False, got {overlap_staging!r}")
         if optimizer is not None and model is None:
             raise ValueError("optimizer needs model= (its state is keyed by parameter names)")
         # an object store (s3://) keeps its checkpoints through a catalog (job/blob_run.py)
@@ -242,6 +262,9 @@ class Checkpointer:
         self._background: _Background | None = None
         self._group: dist.ProcessGroup | None = None  # the background writes' own group
         self.stats = SaveStats()
+        # the optimizers whose step waits for a background save's copy of their tensors
+        self._guarded = list(self.state["model"].optimizers) if overlap_staging and model else []
+        self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in self._guarded]
         error = None
         if _leader():
             try:
@@ -268,12 +291,14 @@ class Checkpointer:
     def save(self, step: int, *, blocking: bool = True) -> Path:
         """Save every state as ``root/step-N`` (collective), then prune to ``keep``.
 
-        ``blocking=False``: return once the state is staged to host memory; the write, the
-        commit and the prune run in the background. A save first waits for the previous
-        background write. Raises :class:`DirectoryFencedError` on every rank, with nothing
-        published, once another job has taken ``root`` over (a background save checks that
-        in its write, on the writes' own process group, so that ``save`` itself runs no
-        collective: its error is raised by the next ``save``, ``wait`` or ``close``).
+        ``blocking=False``: return once the state is staged to host memory (with
+        ``overlap_staging``, the optimizers' tensors are copied in the background, before
+        their next step); the write, the commit and the prune run in the background. A save
+        first waits for the previous background write. Raises
+        :class:`DirectoryFencedError` on every rank, with nothing published, once another
+        job has taken ``root`` over (a background save checks that in its write, on the
+        writes' own process group, so that ``save`` itself runs no collective: its error is
+        raised by the next ``save``, ``wait`` or ``close``).
         ``stats.phases_s`` says where each save's blocked time went."""
         t0 = time.perf_counter()
         self.wait(before=step)
@@ -288,15 +313,20 @@ class Checkpointer:
             return path
         state = {k: v.state_dict() for k, v in self.state.items()}
         marks.append(("state_dict", time.perf_counter()))
-        staged = self._staging.stage(state)
+        staged = self._staging.stage(state, defer=self._written_by_step())
         marks.append(("stage", time.perf_counter()))
         self.stats.staging_bytes = self._staging.nbytes
         group = self._background_group()
         job = _Background(step, threading.Thread(), time.perf_counter())
 
         def write() -> None:
-            _lower_priority(self.background_nice)
-            try:  # the fence's check too: its broadcast is a collective, off the training's group
+            try:
+                try:  # at the training's priority: the next optimizer step waits for it
+                    self._staging.copy_deferred()
+                finally:
+                    job.staged.set()
+                _lower_priority(self.background_nice)
+                # the fence's check too: its broadcast is a collective, off the training's group
                 self._check_fence(path, group)
                 self._write(step, path, staged, group)
             except BaseException as exc:  # raised by the next save, wait or close
@@ -308,7 +338,38 @@ class Checkpointer:
         job.thread.start()
         marks.append(("start", time.perf_counter()))
         self._record(t0, marks)
+        job.phases = self.stats.phases_s[-1]
+        if self._guarded:
+            job.phases["step_wait"] = 0.0  # set by the next optimizer step
         return path
+
+    def _written_by_step(self) -> Callable[[torch.Tensor], bool] | None:
+        """Which tensors a background save may copy after ``save`` returns: those of the
+        guarded optimizers' parameters and state (their storages), which nothing but their
+        ``step`` writes; None when there are none (everything is copied at once)."""
+        if not self._guarded:
+            return None
+        storages = set()
+        for opt in self._guarded:
+            for group in opt.param_groups:
+                for param in group["params"]:
+                    tensors = [param, *opt.state.get(param, {}).values()]
+                    for t in tensors:
+                        if isinstance(t, torch.Tensor):
+                            storages.add(_storage(t))
+        return lambda tensor: tensor.numel() > 0 and _storage(tensor) in storages
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        """An optimizer's step pre-hook: the background save's copy of the tensors this
+        step writes must land first. The wait counts as the save's blocked time."""
+        job = self._background
+        if job is None or job.staged.is_set():
+            return
+        t0 = time.perf_counter()
+        job.staged.wait()
+        waited = time.perf_counter() - t0
+        job.phases["step_wait"] = job.phases.get("step_wait", 0.0) + waited
+        self.stats.blocked_s[-1] += waited
 
     def _check_fence(self, path: Path | str, group: dist.ProcessGroup | None) -> None:
         """Raise :class:`DirectoryFencedError` on every rank of ``group`` once another job
@@ -439,6 +500,9 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
             if self._ownership is not None:
                 self._ownership.release()
                 self._ownership = None

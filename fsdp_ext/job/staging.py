@@ -22,6 +22,7 @@ DTensors, 29 ms of wrapping against 53 ms of copying 237.5 MB).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,26 +42,51 @@ class StagingBuffers:
         # the staged DTensor around each buffer, with that buffer (its local tensor is a view)
         self._wrapped: dict[str, tuple[torch.Tensor, DTensor]] = {}
         self._from_device = False  # a copy of this save came from the GPU (non-blocking)
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source)
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def stage(self, state: Any) -> Any:
+    def stage(self, state: Any, *, defer: Callable[[torch.Tensor], bool] | None = None) -> Any:
         """A copy of ``state`` whose tensors live in this object's buffers (DTensors keep
         their mesh and placements); other values are deep-copied. Returns once every copy
-        has landed (a device-to-host copy is synchronised)."""
+        has landed (a device-to-host copy is synchronised), except those of the tensors
+        ``defer`` picks: their buffers are ready, but their bytes are copied later, by
+        :meth:`copy_deferred`, which must run before anything writes those tensors."""
         seen: set[str] = set()
         self._from_device = False
-        staged = self._stage(state, "", seen)
+        self._deferred = []
+        staged = self._stage(state, "", seen, defer)
         for key in set(self._buffers) - seen:  # a tensor that is gone frees its buffer
             del self._buffers[key]
             self._wrapped.pop(key, None)
-        if self._from_device:
-            torch.cuda.synchronize()  # the non-blocking copies land before a thread reads them
+        self._land()
         return staged
 
-    def _buffer(self, key: str, source: torch.Tensor, seen: set[str]) -> torch.Tensor:
+    def copy_deferred(self) -> None:
+        """Copy the tensors :meth:`stage` deferred into their buffers (any thread)."""
+        deferred, self._deferred = self._deferred, []
+        for buffer, source in deferred:
+            self._copy(buffer, source)
+        self._land()
+
+    def _land(self) -> None:
+        if self._from_device:
+            torch.cuda.synchronize()  # the non-blocking copies land before a thread reads them
+            self._from_device = False
+
+    def _copy(self, buffer: torch.Tensor, source: torch.Tensor) -> None:
+        buffer.copy_(source.detach(), non_blocking=source.is_cuda)
+        self._from_device |= source.is_cuda
+
+    def _buffer(
+        self,
+        key: str,
+        source: torch.Tensor,
+        seen: set[str],
+        defer: Callable[[torch.Tensor], bool] | None,
+    ) -> torch.Tensor:
         seen.add(key)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
@@ -71,13 +97,17 @@ class StagingBuffers:
                 pin_memory=source.is_cuda and torch.cuda.is_available(),
             )
             self._buffers[key] = buffer
-        buffer.copy_(source.detach(), non_blocking=source.is_cuda)
-        self._from_device |= source.is_cuda
+        if defer is not None and defer(source):
+            self._deferred.append((buffer, source))
+        else:
+            self._copy(buffer, source)
         return buffer
 
-    def _stage(self, value: Any, key: str, seen: set[str]) -> Any:
+    def _stage(
+        self, value: Any, key: str, seen: set[str], defer: Callable[[torch.Tensor], bool] | None
+    ) -> Any:
         if isinstance(value, DTensor):
-            local = self._buffer(key, dtensor_local_tensor(value), seen)
+            local = self._buffer(key, dtensor_local_tensor(value), seen, defer)
             buffer, wrapped = self._wrapped.get(key, (None, None))
             if (
                 wrapped is None
@@ -98,10 +128,10 @@ class StagingBuffers:
                 self._wrapped[key] = (local, wrapped)
             return wrapped
         if isinstance(value, torch.Tensor):
-            return self._buffer(key, value, seen)
+            return self._buffer(key, value, seen, defer)
         if isinstance(value, dict):
-            return {k: self._stage(v, f"{key}/{k}", seen) for k, v in value.items()}
+            return {k: self._stage(v, f"{key}/{k}", seen, defer) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            items = [self._stage(v, f"{key}/{i}", seen) for i, v in enumerate(value)]
+            items = [self._stage(v, f"{key}/{i}", seen, defer) for i, v in enumerate(value)]
             return type(value)(items) if isinstance(value, list) else tuple(items)
         return copy.deepcopy(value)
