@@ -40,16 +40,16 @@ def _die(where: str) -> None:
 
 if point != "-" and int(who) == rank:
     if what == "stage":
-        copy = staging.StagingBuffers._buffer
+        copy = staging.StagingBuffers._copy
         calls = [0]
 
-        def _buffer(self, key, source, seen):
+        def _copy(self, buffer, source):
             calls[0] += 1
             if calls[0] == 3:
                 _die("staging")
-            return copy(self, key, source, seen)
+            return copy(self, buffer, source)
 
-        staging.StagingBuffers._buffer = _buffer
+        staging.StagingBuffers._copy = _copy
     else:
         pause = what.startswith("pause@")
         op_name, _, name = what.removeprefix("pause@").partition("@")
