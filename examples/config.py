@@ -179,9 +179,11 @@ class TrainConfig:
     ckpt_every: int = _arg(0, "save a checkpoint every N steps (0: never)", low=0)
     keep: int = _arg(3, "complete checkpoints kept on disk, the newest", low=1)
     async_save: bool = _arg(
-        False,
-        "save in the background: a save blocks the step only to copy the state into host "
-        "buffers (reused from save to save), then the write, commit and prune overlap training",
+        True,
+        "save in the background: a save holds training only to build the state dict and copy "
+        "what the next step does not wait for into host buffers (reused from save to save); "
+        "the parameters' and optimizer's copy, the write, the commit and the prune overlap "
+        "training (--no-async-save: each save returns once durable)",
     )
     snapshot_every: int = _arg(
         0,
@@ -422,8 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     for owner, f in _flag_fields():
         default = f.default
         kwargs: dict[str, Any] = {"dest": f.name, "default": default}
-        if isinstance(default, bool):
-            kwargs["action"] = "store_true"
+        if isinstance(default, bool):  # on by default: --flag / --no-flag
+            kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
             kwargs["help"] = f.metadata["help"]
         else:
             kwargs["type"] = f.metadata.get("type", type(default))
