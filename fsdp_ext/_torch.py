@@ -149,6 +149,7 @@ __all__ = [
     "is_sharded_post_forward",
     "is_unsharded",
     "log_metadata_error_dcp_load_drops",
+    "optimizer_runs_step_hooks",
     "padded_shard_numel",
     "param_group",
     "param_groups",
@@ -705,3 +706,12 @@ def stored_tensor_layout(stream: Any) -> tuple[torch.Tensor, int, str | None]:
 # through an autograd function (about 40 us a call: staging reads hundreds of them per save).
 def dtensor_local_tensor(tensor: Any) -> torch.Tensor:
     return tensor._local_tensor
+
+
+# 2.11-2.15: ``Optimizer.__init__`` wraps its class's ``step`` once (``_patch_step_function``,
+# marked ``hooked``) so that the hooks of ``register_step_pre_hook`` run; a wrapper that never
+# calls it (accelerate's ``AcceleratedOptimizer``) would take the hook and never run it.
+def optimizer_runs_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    return bool(getattr(type(optimizer).step, "hooked", False)) and hasattr(
+        optimizer, "_optimizer_step_pre_hooks"
+    )

@@ -142,6 +142,53 @@ def test_overlap_staging_off_copies_everything_before_save_returns(tmp_path):
         Checkpointer(tmp_path / "other", model=model, optimizer=opt, overlap_staging="yes")
 
 
+class _Wrapped(torch.optim.Optimizer):
+    """An optimizer wrapper that never calls ``Optimizer.__init__`` (as accelerate's
+    ``AcceleratedOptimizer`` does not): a step pre-hook on it would never run."""
+
+    def __init__(self, inner: torch.optim.Optimizer):
+        self.inner = inner
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @property
+    def defaults(self):
+        return self.inner.defaults
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.inner.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.inner.zero_grad(set_to_none)
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+
+def test_a_wrapped_optimizer_whose_hooks_never_run_has_its_tensors_copied_in_the_call(tmp_path):
+    model = _Blocks()
+    opt = _Wrapped(torch.optim.SGD(list(reversed(list(model.parameters()))), lr=1.0))
+    ckpt = Checkpointer(tmp_path / "out", model=model, optimizer=opt)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt.save(1, blocking=False)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    ckpt.close()
+    saved = _saved(tmp_path / "out" / "step-0000001", model)
+    assert all(torch.equal(saved[k], v) for k, v in before.items())
+    assert "step_wait" not in ckpt.stats.phases_s[-1]  # nothing was left for a step to wait on
+
+
 class _ModelOnly:
     def __init__(self, model):
         self.model = model

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from fsdp_ext._torch import dtensor_local_tensor
+from fsdp_ext._torch import dtensor_local_tensor, optimizer_runs_step_hooks
 from fsdp_ext.checkpoint.blob import BlobAccessError
 from fsdp_ext.checkpoint.fence import DirectoryFencedError, Fence
 from fsdp_ext.checkpoint.location import blob_store_for, is_object_store
@@ -263,7 +263,8 @@ class Checkpointer:
         self._group: dist.ProcessGroup | None = None  # the background writes' own group
         self.stats = SaveStats()
         # the optimizers whose step waits for a background save's copy of their tensors
-        self._guarded = list(self.state["model"].optimizers) if overlap_staging and model else []
+        optimizers = self.state["model"].optimizers if overlap_staging and model else []
+        self._guarded = [opt for opt in optimizers if optimizer_runs_step_hooks(opt)]
         self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in self._guarded]
         error = None
         if _leader():
