@@ -990,6 +990,8 @@ def _parser() -> argparse.ArgumentParser:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The lab's options make sense together (parser.error, exit 2, otherwise); fills in
     ``--storage``'s default."""
+    if args.plot is not None and args.plot.suffix != ".png":  # --plot "" would write ./.png
+        parser.error(f"--plot: a .png file name (leave the flag out for none), got '{args.plot}'")
     if not args.lab and args.worker is None:
         given = [f"--{n.replace('_', '-')}" for n in ("storage", "lab_echo") if getattr(args, n)]
         given += [f"--{n.replace('_', '-')}" for n, d in (("lab_link", 200), ("lab_fabric", 1000))

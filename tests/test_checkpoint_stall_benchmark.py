@@ -139,6 +139,7 @@ def _args(argv):
         (["--lab", "--lab-fabric", "-5"], "--lab-fabric: a rate in Mbit/s > 0"),
         (["--lab", "--plot", "x.png"], "--plot and --raw are not kept with --lab"),
         (["--lab", "--storage", "nfs"], "invalid choice: 'nfs'"),
+        (["--plot", ""], "--plot: a .png file name (leave the flag out for none), got '.'"),
     ],
 )
 def test_lab_arguments_that_do_not_fit_are_refused(argv, says, capsys):
