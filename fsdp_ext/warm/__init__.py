@@ -10,12 +10,12 @@ through this package (the client must not import torch). See docs/recovery.md.
 
 from __future__ import annotations
 
-from pathlib import Path
+import pathlib
 
 __all__ = ["CLIENT", "SERVER", "client_argv", "server_argv"]
 
-CLIENT = Path(__file__).resolve().with_name("client.py")
-SERVER = Path(__file__).resolve().with_name("server.py")
+CLIENT = pathlib.Path(__file__).resolve().with_name("client.py")
+SERVER = pathlib.Path(__file__).resolve().with_name("server.py")
 
 
 def server_argv(python: str, socket_path: str, preload: tuple[str, ...] = ()) -> list[str]:
