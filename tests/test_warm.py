@@ -222,7 +222,5 @@ def test_a_stopped_server_removes_its_socket_and_waits_for_its_workers(server, t
 
 
 def test_the_server_needs_a_socket():
-    done = subprocess.run(
-        [sys.executable, str(SERVER)], capture_output=True, text=True, timeout=60
-    )
+    done = subprocess.run([sys.executable, str(SERVER)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--socket" in done.stderr
