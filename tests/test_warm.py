@@ -172,6 +172,25 @@ def test_a_killed_client_takes_its_program_along(server, tmp_path):
             os.kill(worker, signal.SIGKILL)
 
 
+def test_a_killed_launcher_takes_client_and_program_along(server, tmp_path):
+    """torchrun's agent killed alone: its workers must not train on (exit_with_launcher
+    watches the worker's parent, which is the server here, so the client carries the tie)."""
+    script, env = _program(tmp_path)
+    client = " ".join(_client(server[0], script, "sleep"))
+    launcher = subprocess.Popen(["sh", "-c", f"{client} & wait"], env=env)
+    worker = int(_wait_for_file(tmp_path / "pid"))
+    try:
+        launcher.kill()
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker), "the program outlived its killed launcher"
+    finally:
+        if _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
 def test_without_a_server_the_program_runs_in_a_fresh_interpreter(tmp_path):
     script, env = _program(tmp_path)
     absent = str(tmp_path / "nobody.sock")

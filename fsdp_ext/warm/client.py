@@ -8,7 +8,10 @@ handing it this process's argv, environment, working directory and stdin/stdout/
 (the descriptors themselves). It then stands in for that worker: the launcher's signals
 are forwarded to it, and this process ends as it ended (its exit status, or killed by the
 same signal, so torchrun sees -9 for a killed rank). If this process dies (SIGKILL from the
-launcher), the worker kills itself (its watchdog sees the connection close).
+launcher), the worker kills itself (its watchdog sees the connection close). And this
+process dies with its launcher (PR_SET_PDEATHSIG): the worker is the server's child, so a
+worker watching its parent (``fsdp_ext.job.exit_with_launcher``) would watch the server; a
+launcher killed alone (torchrun's agent) still takes its workers along, through here.
 
 Without a server (no socket, nobody listening), the program starts here in a fresh
 interpreter, as it would have without warm workers, after one line on stderr.
@@ -20,6 +23,7 @@ cost this client exists to avoid).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -31,6 +35,7 @@ __all__ = ["FORWARDED", "SOCKET_ENV", "main"]
 
 SOCKET_ENV = "FSDP_EXT_WARM_SOCKET"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+PR_SET_PDEATHSIG = 1
 USAGE = "usage: client.py [--socket PATH] (SCRIPT | -m MODULE) ARGS..."
 
 
@@ -46,6 +51,14 @@ def _parse(argv: list[str]) -> tuple[str, bool, list[str]]:
     if not path or not target:
         sys.exit(f"{USAGE}\n(the socket comes from --socket or ${SOCKET_ENV})")
     return path, module, target
+
+
+def _die_with_launcher(launcher: int) -> None:
+    """SIGKILL this process when its parent (the launcher) exits, or now if it did."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: no tie
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != launcher:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _unbuffered() -> bool:
@@ -72,6 +85,7 @@ def _end_as(status: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    launcher = os.getppid()
     path, module, target = _parse(sys.argv[1:] if argv is None else argv)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -79,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as exc:
         sock.close()
         _fresh(module, target, f"no warm server at {path} ({exc.strerror or exc})")
+    _die_with_launcher(launcher)
     pending: list[int] = []  # signals that came before the worker's pid
     worker: list[int] = []
 
