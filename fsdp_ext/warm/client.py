@@ -5,13 +5,15 @@
 
 It asks the node's warm server (server.py) to fork a worker that already imported torch,
 handing it this process's argv, environment, working directory and stdin/stdout/stderr
-(the descriptors themselves). It then stands in for that worker: the launcher's signals
-are forwarded to it, and this process ends as it ended (its exit status, or killed by the
-same signal, so torchrun sees -9 for a killed rank). If this process dies (SIGKILL from the
-launcher), the worker kills itself (its watchdog sees the connection close). And this
-process dies with its launcher (PR_SET_PDEATHSIG): the worker is the server's child, so a
-worker watching its parent (``fsdp_ext.job.exit_with_launcher``) would watch the server; a
-launcher killed alone (torchrun's agent) still takes its workers along, through here.
+(the descriptors themselves), and its network and mount namespaces (a server outside them,
+a pre-booted spare, forks a worker that joins them). It then stands in for that worker:
+the launcher's signals are forwarded to it, and this process ends as it ended (its exit
+status, or killed by the same signal, so torchrun sees -9 for a killed rank). If this
+process dies (SIGKILL from the launcher), the worker kills itself (its watchdog sees the
+connection close). And this process dies with its launcher (PR_SET_PDEATHSIG): the
+worker is the server's child, so a worker watching its parent
+(``fsdp_ext.job.exit_with_launcher``) would watch the server; a launcher killed alone
+(torchrun's agent) still takes its workers along, through here.
 
 Without a server (no socket, nobody listening), the program starts here in a fresh
 interpreter, as it would have without warm workers, after one line on stderr.
@@ -59,6 +61,15 @@ def _die_with_launcher(launcher: int) -> None:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != launcher:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _namespaces() -> list[int]:
+    """Descriptors of this process's network and mount namespaces (none where absent)."""
+    fds = []
+    for kind in ("net", "mnt"):
+        with contextlib.suppress(OSError):
+            fds.append(os.open(f"/proc/self/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC))
+    return fds if len(fds) == 2 else []
 
 
 def _unbuffered() -> bool:
@@ -114,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         "unbuffered": _unbuffered(),
     }
     try:
-        send(sock, request, (0, 1, 2))
+        send(sock, request, (0, 1, 2, *_namespaces()))
         started, _ = receive(sock)
     except OSError as exc:
         _fresh(module, target, f"the warm server at {path} failed ({exc})")

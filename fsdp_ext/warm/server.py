@@ -112,11 +112,11 @@ def _start(conn: socket.socket, workers: dict[int, socket.socket]) -> Request | 
         conn.close()
         return None
     conn.settimeout(None)
-    if message is None or len(fds) != 3:
+    if message is None or len(fds) not in (3, 5):
         for fd in fds:
             os.close(fd)
         with contextlib.suppress(OSError):
-            send(conn, {"error": "a request needs argv, env, cwd and 3 descriptors"})
+            send(conn, {"error": "a request needs argv, env, cwd and 3 or 5 descriptors"})
         conn.close()
         return None
     pid = os.fork()

@@ -1,6 +1,9 @@
 """What a fork of the warm server does to become its client's program.
 
-It takes the client's environment, working directory, argv and stdin/stdout/stderr, puts
+It joins the client's network and mount namespaces where they are not the server's (a
+server outside a node, such as the lab's pre-booted spare, serves that node's clients so;
+it needs CAP_SYS_ADMIN), takes the client's environment, working directory, argv and
+stdin/stdout/stderr, puts
 back the default signal handlers, leaves the server's session, and runs the program as
 ``__main__`` (runpy), as ``python SCRIPT`` or ``python -m MODULE`` would. Two things a
 fresh interpreter would have and a fork lacks are given back:
@@ -45,6 +48,7 @@ class Request:
     cwd: str
     unbuffered: bool
     fds: list[int]  # the client's stdin, stdout, stderr
+    namespaces: list[int]  # the client's network and mount namespaces, or none
     conn: socket.socket  # the client's connection: it closes when the client dies
     inherited: list[socket.socket]  # the server's connections to other clients
 
@@ -58,7 +62,8 @@ class Request:
             env={str(k): str(v) for k, v in message["env"].items()},
             cwd=str(message["cwd"]),
             unbuffered=bool(message.get("unbuffered")),
-            fds=fds,
+            fds=fds[:3],
+            namespaces=fds[3:],
             conn=conn,
             inherited=inherited,
         )
@@ -80,6 +85,19 @@ def show_environ(env: dict[str, str]) -> bool:
         block += entry
     ctypes.memmove(start, block.ljust(room, b"\0"), room)
     return whole
+
+
+def _join(namespaces: list[int]) -> None:
+    """Enter the client's network and mount namespaces where they differ from this
+    process's (a single-threaded fork may join a mount namespace)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for fd, kind in zip(namespaces, ("net", "mnt"), strict=True):
+        other = os.fstat(fd).st_ino != os.stat(f"/proc/self/ns/{kind}").st_ino
+        if other and libc.setns(fd, 0) != 0:
+            err = ctypes.get_errno()
+            why = f"warm: joining the client's {kind} namespace: {os.strerror(err)}"
+            raise OSError(err, why)
+        os.close(fd)
 
 
 def _watch(conn: socket.socket) -> None:
@@ -120,6 +138,7 @@ def _search_path(request: Request) -> list[str]:
 
 def become(request: Request) -> None:
     """Turn this fresh fork into the client's program, and run it (exits as it exits)."""
+    _join(request.namespaces)
     os.setsid()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
