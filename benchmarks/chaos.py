@@ -13,6 +13,8 @@ the full world of 6 ranks), ``--snapshot-every 1`` and a checkpoint every ``ckpt
 all kept. Every node forks its workers from a warm server (``--warm-workers``, the default:
 fsdp_ext/warm, which imported torch and examples.train once), so a restart does not pay a
 fresh interpreter's imports; ``--no-warm-workers`` starts fresh interpreters, as before.
+With them, a pre-booted spare (``--warm-spare``, the default) gives a fresh node's torchrun
+agent and workers, forked, so a replacement pays no imports.
 
 The last line is one JSON object: ``faults``, ``hangs`` (stretches of more than ``hang_s``
 without a new step, or the job stopped at its timeout), ``restarts`` (rank 0's ``resuming:``
@@ -190,6 +192,13 @@ def main(argv: list[str] | None = None) -> dict:
         default=True,
         help="fork workers from a warm server per node (default), or start fresh interpreters",
     )
+    parser.add_argument(
+        "--warm-spare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with warm workers: a fresh node's agent and workers forked from a pre-booted "
+        "spare (default)",
+    )
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
     steps = args.steps or preset["steps"]
@@ -207,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     warm = {"warm_workers": args.warm_workers}
     if args.warm_workers:
         warm["warm_preload"] = ["examples.train"]
+        warm["warm_spare"] = args.warm_spare
     with Cluster(NODES, RANKS_PER_NODE, "1gbit", rdzv="etcd", **warm) as lab:
         free = run_job(lab, "fault-free", flags, [], args)
         chaos = run_job(lab, "chaos", flags, faults, args)
@@ -225,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         "snapshot_every": 1,
         "min_nodes": args.min_nodes,
         "warm_workers": args.warm_workers,
+        "warm_spare": args.warm_workers and args.warm_spare,
         "finished": chaos["rc"] == 0 and chaos["steps_done"] == steps,
         "faults": len(chaos["struck"]),
         "faults_scheduled": len(faults),

@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help="with --warm-workers: a module the servers import too (e.g. examples.train)",
     )
+    run.add_argument(
+        "--warm-spare",
+        action="store_true",
+        help="with --warm-workers: a pre-booted spare server outside the nodes; a fresh node's "
+        "torchrun and workers are forked from it",
+    )
     elastic = run.add_argument_group("elastic jobs (torchrun's restarts and node counts)")
     elastic.add_argument(
         "--max-restarts", type=_count, default=0, help="worker group restarts after a failure"
@@ -216,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.warm_preload and not args.warm_workers:
         parser.error("argument --warm-preload: needs --warm-workers")
+    if args.warm_spare and not args.warm_workers:
+        parser.error("argument --warm-spare: needs --warm-workers")
     try:
         faults = _faults(args)
     except ValueError as exc:
@@ -232,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
         warm_workers=args.warm_workers,
         warm_preload=args.warm_preload,
+        warm_spare=args.warm_spare,
     )
     options = dict(
         max_restarts=args.max_restarts,

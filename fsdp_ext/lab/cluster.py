@@ -103,7 +103,10 @@ class Cluster:
     credentials in every job's environment; see ``fsdp_ext/lab/s3.py``), or False (none).
     ``warm_workers``: every node runs a warm worker server (``fsdp_ext.warm``) that imports
     torch, fsdp_ext and ``warm_preload`` once, and every job's workers are forked from it
-    instead of starting fresh interpreters (a restart then skips the imports).
+    instead of starting fresh interpreters (a restart then skips the imports). With
+    ``warm_spare`` a further warm server, outside the training nodes, stands for a
+    pre-booted spare machine: a fresh node that replaces a lost one has its torchrun agent
+    and its workers forked from it (see ``fsdp_ext/lab/warm.py``).
     """
 
     def __init__(
@@ -120,6 +123,7 @@ class Cluster:
         python: str = sys.executable,
         warm_workers: bool = False,
         warm_preload: Sequence[str] = (),
+        warm_spare: bool = False,
     ):
         if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes must be an int from 1 to {MAX_NODES}, got {nodes!r}")
@@ -138,6 +142,13 @@ class Cluster:
             )
         if warm_preload and not warm_workers:
             raise ValueError("warm_preload needs warm_workers=True")
+        if not isinstance(warm_spare, bool):
+            raise ValueError(f"warm_spare must be True or False, got {warm_spare!r}")
+        if warm_spare and not (warm_workers and storage):
+            raise ValueError(
+                "warm_spare needs warm_workers=True and storage (the spare runs in the "
+                "storage namespace)"
+            )
         service = storage_service(storage)
         if shared_dir is not None and service != "sshfs":
             raise ValueError(
@@ -168,6 +179,7 @@ class Cluster:
         self._extra: list[subprocess.Popen] = []
         self._retired: list[subprocess.Popen] = []  # dead sshfs replaced by a fresh mount
         self._inodes: list[int | None] = []  # each node's namespace, found even once unnamed
+        self._spare = warm_spare
         self._warm = (
             WarmServers(self.names.workdir, python, tuple(warm_preload)) if warm_workers else None
         )
@@ -189,6 +201,8 @@ class Cluster:
             self._build()
             for node in range(self.nodes):
                 self._start_warm(node)
+            if self._spare:
+                self._start_spare()
         except BaseException:
             self.close()
             raise
@@ -228,14 +242,23 @@ class Cluster:
         """Whether every node forks its workers from a warm server."""
         return self._warm is not None
 
-    def _start_warm(self, node: int, *, again: bool = False) -> None:
+    def _start_spare(self) -> None:
+        """The spare's warm server, in the storage namespace (no training node)."""
+        env = node_env(dict(os.environ), self.topology, self.ranks_per_node)
+        inside = ["ip", "netns", "exec", self.topology.names.storage]
+        self._warm.ensure("spare", lambda argv: [*inside, *argv], env)
+
+    def _start_warm(self, node: int, *, again: bool = False, now: bool = True) -> None:
         """Node ``node``'s warm server, if the lab has them: started unless it runs, or
-        (``again``) in place of the running one, which sits in the node's old mounts."""
+        (``again``) in place of the running one, which sits in the node's old mounts; not
+        ``now``: only the old one stopped (the next job starts it)."""
         if self._warm is None:
             return
         old = self._warm.procs.get(node)
         if again and old is not None:
             kill_process(old)
+        if not now:
+            return
         env = node_env(dict(os.environ), self.topology, self.ranks_per_node)
         self._warm.ensure(node, lambda argv: self.node_command(node, argv), env)
 
@@ -291,7 +314,9 @@ class Cluster:
         if self._mounts:
             self._retired.append(self._mounts[node])
             self._mounts[node] = self._mount(node)
-        self._start_warm(node, again=True)
+        # with a spare, the fresh node's job is forked from it: its own server's imports
+        # would only compete with that job for the CPU, so it starts with the next job
+        self._start_warm(node, again=True, now=not self._spare)
 
     def close(self) -> None:
         """Stop every process, delete the namespaces, links, mounts and the run's files."""
@@ -615,6 +640,8 @@ class Cluster:
             )
         try:
             self._fresh_node(node)
+            if self._spare:  # a pre-booted spare: its agent and workers forked, not started
+                argv = self._warm.spare_agent(argv, node)
             fresh = start_node(self.node_command(node, argv), env, job, node)
         except Exception as exc:  # the job cannot get its node back: say so, end it
             job.doomed = f"node {node} was lost ({cause}) and no fresh node could be started: {exc}"
@@ -634,6 +661,7 @@ class Cluster:
         if self.storage_service == "s3":
             storage += " (SeaweedFS; AWS_ENDPOINT_URL on every node)"
         warm = ", warm workers" if self._warm is not None else ""
+        warm += " and a warm spare" if self._spare else ""
         return (
             f"{self.nodes} nodes x {self.ranks_per_node} ranks, links "
             f"{format_rate(self.link_bits)} each way{storage}{warm} ({self.run_id})"

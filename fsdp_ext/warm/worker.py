@@ -163,6 +163,8 @@ def become(request: Request) -> None:
     threading.Thread(target=_watch, args=(request.conn,), daemon=True, name="warm-watchdog").start()
     sys.argv = list(request.argv)
     if request.module:
+        # runs anew as __main__, as ``python -m`` does (the server may have imported it)
+        sys.modules.pop(request.argv[0], None)
         runpy.run_module(request.argv[0], run_name="__main__", alter_sys=True)
     else:
         runpy.run_path(request.argv[0], run_name="__main__")
