@@ -1,6 +1,7 @@
 """Warm workers in the lab: every node's workers are forked from its warm server, a rank
 killed from outside (found by its RANK in /proc, as for a fresh worker) is a killed rank
-for torchrun, the restart forks again, and the lab leaves nothing behind."""
+for torchrun, the restart forks again, a fresh node in a lost one's place is forked from
+the spare into its own namespaces, and the lab leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import json
 import pytest
 
 from fsdp_ext.lab import Cluster, Fault
-from fsdp_ext.lab.cleanup import namespace_pids
+from fsdp_ext.lab.cleanup import namespace_inode, namespace_pids
 from tests.lab_helpers import PROGRAMS, leftovers, require_lab
 
-pytestmark = pytest.mark.slow  # two warm servers importing torch at once: about 30 s
+pytestmark = pytest.mark.slow  # warm servers importing torch at once: 30-40 s each
 
 
 def test_workers_are_forked_warm_and_a_killed_one_is_a_killed_rank():
@@ -39,3 +40,28 @@ def test_workers_are_forked_warm_and_a_killed_one_is_a_killed_rank():
         assert "node 1" in event.note
         run_id, pids = lab.run_id, servers
     assert leftovers(run_id, pids=pids) == []
+
+
+def _records(shared) -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in shared.glob("rank*.json")}
+
+
+def test_a_fresh_node_is_forked_from_the_spare_into_its_own_namespaces():
+    require_lab()
+    with Cluster(2, 2, "1gbit", warm_workers=True, warm_spare=True) as lab:
+        assert "a warm spare" in lab.describe()
+        shared = lab.shared_dir
+        kill = Fault("kill-node", 1, on_output="ready")
+        program = [str(PROGRAMS / "warm_check.py"), str(shared)]
+        result = lab.run(program, max_restarts=3, faults=[kill], replace_failed=True, timeout=240)
+        assert result.returncode == 0, result.problems
+        (loss,) = result.losses
+        assert "a fresh node 1 took its place" in loss.note
+        node1 = namespace_inode(lab.topology.node_namespaces[1])
+        records = _records(shared)
+        fresh = [r for name, r in records.items() if ".after." in name and r["netns"] == node1]
+        assert len(fresh) == 2  # the fresh node's two ranks, in node 1's network namespace
+        for record in fresh:  # forked by the spare (its socket), not started
+            assert record["torch"] and any(p.endswith("spare.sock") for p in record["parent"])
+        run_id = lab.run_id
+    assert leftovers(run_id) == []
