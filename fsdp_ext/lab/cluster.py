@@ -237,11 +237,6 @@ class Cluster:
         mount_node_ram(proc.pid)
         return proc
 
-    @property
-    def warm_workers(self) -> bool:
-        """Whether every node forks its workers from a warm server."""
-        return self._warm is not None
-
     def _start_spare(self) -> None:
         """The spare's warm server, in the storage namespace (no training node)."""
         env = node_env(dict(os.environ), self.topology, self.ranks_per_node)
