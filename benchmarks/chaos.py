@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = os.getloadavg()[0]
     warm = {"warm_workers": args.warm_workers}
     if args.warm_workers:
-        warm["warm_preload"] = ["examples.train"]
+        # torch._dynamo: FSDP2's and DTensor's paths import it on first use (1 s a worker)
+        warm["warm_preload"] = ["examples.train", "torch._dynamo"]
         warm["warm_spare"] = args.warm_spare
     with Cluster(NODES, RANKS_PER_NODE, "1gbit", rdzv="etcd", **warm) as lab:
         free = run_job(lab, "fault-free", flags, [], args)

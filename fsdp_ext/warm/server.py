@@ -44,7 +44,6 @@ BASE_MODULES = (
     "torch.distributed.fsdp",
     "torch.distributed.tensor",
     "torch.distributed.run",
-    "torch._dynamo",  # imported on first use by FSDP2's and DTensor's paths: 1 s in a worker
     "fsdp_ext",
 )
 POLL_S = 0.05

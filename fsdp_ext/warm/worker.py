@@ -24,7 +24,9 @@ torch's thread count is set again from OMP_NUM_THREADS here).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import gc
 import io
 import os
 import random
@@ -154,6 +156,10 @@ def become(request: Request) -> None:
     os.environ.clear()
     os.environ.update(request.env)
     show_environ(request.env)
+    # the server froze its objects out of the collector's sight (server.py: copy on write);
+    # at exit they are collected again, as a fresh interpreter's are (native bindings such
+    # as triton's nanobind report every object left alive at exit)
+    atexit.register(gc.unfreeze)
     random.seed()  # a fresh interpreter seeds from the OS; every fork shares the server's
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
