@@ -1,6 +1,7 @@
 """Chaos: a 3-node x 2-rank lab job under a seeded schedule of faults, beside a fault-free one.
 
     python benchmarks/chaos.py [--quick] [--seed 0] [--faults 12] [--min-nodes 3]
+                                [--no-warm-workers]
 
 The lab: 3 nodes x 2 ranks, 1 Gbit/s links and storage, the rendezvous in etcd off the
 training nodes (``--rdzv etcd``: node 0 may be lost too). examples/train.py (tiny model,
@@ -9,7 +10,11 @@ then under the schedule (benchmarks/chaos_schedule.py), struck from outside the 
 (benchmarks/chaos_strike.py: ``ip netns pids`` and signals, driven by rank 0's step lines).
 Both run with ``--max-restarts`` to spare, ``--replace-failed --min-nodes 3`` (every step on
 the full world of 6 ranks), ``--snapshot-every 1`` and a checkpoint every ``ckpt_every`` steps,
-all kept.
+all kept. Every node forks its workers from a warm server (``--warm-workers``, the default:
+fsdp_ext/warm, which imported torch and examples.train once), so a restart does not pay a
+fresh interpreter's imports; ``--no-warm-workers`` starts fresh interpreters, as before.
+With them, a pre-booted spare (``--warm-spare``, the default) gives a fresh node's torchrun
+agent and workers, forked, so a replacement pays no imports.
 
 The last line is one JSON object: ``faults``, ``hangs`` (stretches of more than ``hang_s``
 without a new step, or the job stopped at its timeout), ``restarts`` (rank 0's ``resuming:``
@@ -19,7 +24,9 @@ to the first new step), ``goodput`` (the fault-free median step time x steps / w
 tensor of both final checkpoints, loaded here with DCP, bit for bit) and
 ``checkpoints_lost_or_corrupt`` (every checkpoint published, each verified). With
 ``--min-nodes 2`` the world shrinks while a fresh node comes, so the run reports ``loss_gap``
-(the largest difference of the losses at the same steps) instead of equality.
+(the largest difference of the losses at the same steps) instead of equality. ``startup``
+gives, per run, rank 0's ``interpreter+imports`` seconds of every start (examples/startup.py:
+from the worker process's start, which is its fork under warm workers).
 """
 
 from __future__ import annotations
@@ -58,21 +65,25 @@ TINY += ["--log-every", "1", "--comm", "stock", "--keep", "100000"]
 LEASE_S = 5.0  # the checkpoint lock's lease: a node-pause lasts two
 STEP = re.compile(r"^step\s+(\d+) \| loss (\S+) .*\|\s+(\S+) ms/step")
 RESUMED = re.compile(r"resumed from \S+step-(\d+) at step")
+STARTUP = re.compile(r"^startup \| interpreter\+imports (\S+) s")
 FULL = {"steps": 200, "ckpt_every": 10, "faults": 12, "timeout": 2400.0, "hang_s": 240.0}
 QUICK = {"steps": 50, "ckpt_every": 5, "faults": 5, "timeout": 900.0, "hang_s": 180.0}
 
 
 def parse(lines: list[tuple[float, str]]) -> dict:
-    """Rank 0's step lines (step, loss, ms, when), restarts and resumes (step, when)."""
-    steps, loading, resumed = [], [], []
+    """Rank 0's step lines (step, loss, ms, when), restarts, resumes (step, when) and the
+    interpreter+imports seconds of each start."""
+    steps, loading, resumed, startup = [], [], [], []
     for at, line in lines:
-        if m := STEP.match(line):
+        if m := STARTUP.match(line):
+            startup.append(float(m.group(1)))
+        elif m := STEP.match(line):
             steps.append((int(m.group(1)), float(m.group(2)), float(m.group(3)), at))
         elif line.startswith("resuming:"):
             loading.append(at)
         elif m := RESUMED.search(line):
             resumed.append((int(m.group(1)), at))
-    return {"steps": steps, "loading": loading, "resumed": resumed}
+    return {"steps": steps, "loading": loading, "resumed": resumed, "startup": startup}
 
 
 def _progress(steps: list[tuple], start: float, end: float) -> list[tuple[int, float]]:
@@ -175,6 +186,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--faults", type=int, default=None, help="default: 12 (quick: 5)")
     parser.add_argument("--steps", type=int, default=None, help="default: 200 (quick: 50)")
     parser.add_argument("--min-nodes", type=int, default=NODES, choices=(1, 2, 3))
+    parser.add_argument(
+        "--warm-workers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fork workers from a warm server per node (default), or start fresh interpreters",
+    )
+    parser.add_argument(
+        "--warm-spare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with warm workers: a fresh node's agent and workers forked from a pre-booted "
+        "spare (default)",
+    )
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
     steps = args.steps or preset["steps"]
@@ -189,7 +213,12 @@ def main(argv: list[str] | None = None) -> dict:
     flags = ["--steps", str(steps), "--ckpt-every", str(every), "--snapshot-every", "1"]
     flags += ["--lease", str(LEASE_S)]
     load_before = os.getloadavg()[0]
-    with Cluster(NODES, RANKS_PER_NODE, "1gbit", rdzv="etcd") as lab:
+    warm = {"warm_workers": args.warm_workers}
+    if args.warm_workers:
+        # torch._dynamo: FSDP2's and DTensor's paths import it on first use (1 s a worker)
+        warm["warm_preload"] = ["examples.train", "torch._dynamo"]
+        warm["warm_spare"] = args.warm_spare
+    with Cluster(NODES, RANKS_PER_NODE, "1gbit", rdzv="etcd", **warm) as lab:
         free = run_job(lab, "fault-free", flags, [], args)
         chaos = run_job(lab, "chaos", flags, faults, args)
         step_ms = statistics.median(ms for _s, _l, ms, _at in free["parsed"]["steps"])
@@ -206,6 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
         "ckpt_every": every,
         "snapshot_every": 1,
         "min_nodes": args.min_nodes,
+        "warm_workers": args.warm_workers,
+        "warm_spare": args.warm_workers and args.warm_spare,
         "finished": chaos["rc"] == 0 and chaos["steps_done"] == steps,
         "faults": len(chaos["struck"]),
         "faults_scheduled": len(faults),
@@ -221,6 +252,10 @@ def main(argv: list[str] | None = None) -> dict:
         "world_at_end": chaos["world_at_end"],
         "checkpoints_lost_or_corrupt": audit["checkpoints_lost_or_corrupt"],
         "checkpoints": {k: audit[k] for k in ("published", "lost", "corrupt")},
+        "startup": {
+            "interpreter_imports_s": chaos["parsed"]["startup"],
+            "interpreter_imports_s_fault_free": free["parsed"]["startup"],
+        },
         "errors": chaos["errors"][:10],
         "load_before": round(load_before, 2),
         "load_after": round(os.getloadavg()[0], 2),

@@ -54,6 +54,12 @@ def test_bad_rates_are_refused_naming_the_argument(bad):
         ({"shared_dir": "/tmp/x", "storage": False}, "shared_dir needs storage=True"),
         ({"shared_dir": "/tmp/x", "storage": "s3"}, "shared_dir needs storage=True or 'sshfs'"),
         ({"storage": "nfs"}, "storage must be True, False, 'sshfs', 's3', got 'nfs'"),
+        ({"warm_workers": "yes"}, "warm_workers must be True or False, got 'yes'"),
+        ({"warm_workers": True, "warm_preload": "examples.train"}, "warm_preload must be a"),
+        ({"warm_preload": ["examples.train"]}, "warm_preload needs warm_workers=True"),
+        ({"warm_spare": 1}, "warm_spare must be True or False, got 1"),
+        ({"warm_spare": True}, "warm_spare needs warm_workers=True and storage"),
+        ({"warm_workers": True, "warm_spare": True, "storage": False}, "warm_spare needs"),
     ],
 )
 def test_bad_cluster_arguments_fail_before_anything_is_built(kwargs, match):
@@ -241,6 +247,14 @@ def test_cli_refuses_in_one_line_and_exit_status_2(monkeypatch, capsys):
                 "x.py",
             ],
             "storage-down needs sshfs storage",
+        ),
+        (
+            ["run", "--nodes", "2", "--link", "1gbit", "--warm-preload", "m", "--", "x.py"],
+            "argument --warm-preload: needs --warm-workers",
+        ),
+        (
+            ["run", "--nodes", "2", "--link", "1gbit", "--warm-spare", "--", "x.py"],
+            "argument --warm-spare: needs --warm-workers",
         ),
     ],
 )

@@ -5,6 +5,8 @@ python -m fsdp_ext.lab run --nodes 2 --ranks-per-node 2 --link 1gbit --max-resta
     --min-nodes 1 --kill-node 1 --kill-after 20 -- examples/train.py --out SHARED/run ...
 python -m fsdp_ext.lab run --nodes 2 --ranks-per-node 2 --link 1gbit --storage s3 \
     -- examples/train.py --out s3://lab/run ...     # S3 (SeaweedFS) on the storage node
+python -m fsdp_ext.lab run --nodes 3 --ranks-per-node 2 --link 1gbit --warm-workers \
+    --warm-preload examples.train -- examples/train.py ...   # workers forked, not started
 python -m fsdp_ext.lab check [--storage s3]    # can the lab run here? (one line)
 python -m fsdp_ext.lab clean     # remove what labs killed with SIGKILL left behind
 """
@@ -74,6 +76,25 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--rdzv", choices=RDZV_BACKENDS, default="c10d")
     run.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before the job is stopped"
+    )
+    run.add_argument(
+        "--warm-workers",
+        action="store_true",
+        help="fork every worker from a per-node server that imported torch once (a restart "
+        "skips the imports; see docs/recovery.md)",
+    )
+    run.add_argument(
+        "--warm-preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="with --warm-workers: a module the servers import too (e.g. examples.train)",
+    )
+    run.add_argument(
+        "--warm-spare",
+        action="store_true",
+        help="with --warm-workers: a pre-booted spare server outside the nodes; a fresh node's "
+        "torchrun and workers are forked from it",
     )
     elastic = run.add_argument_group("elastic jobs (torchrun's restarts and node counts)")
     elastic.add_argument(
@@ -199,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"argument --timeout: must be a positive number of seconds, got {args.timeout}"
         )
+    if args.warm_preload and not args.warm_workers:
+        parser.error("argument --warm-preload: needs --warm-workers")
+    if args.warm_spare and not args.warm_workers:
+        parser.error("argument --warm-spare: needs --warm-workers")
     try:
         faults = _faults(args)
     except ValueError as exc:
@@ -213,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         storage=False if args.no_storage else args.storage or "sshfs",
         rdzv=args.rdzv,
         timeout=args.timeout,
+        warm_workers=args.warm_workers,
+        warm_preload=args.warm_preload,
+        warm_spare=args.warm_spare,
     )
     options = dict(
         max_restarts=args.max_restarts,

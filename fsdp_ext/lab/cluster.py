@@ -51,6 +51,7 @@ from fsdp_ext.lab.requirements import check_requirements, storage_service
 from fsdp_ext.lab.s3 import S3_BUCKET, lab_s3_env, start_s3
 from fsdp_ext.lab.storage import StorageServer, mount_node_ram, mount_shared, start_sshd
 from fsdp_ext.lab.supervisor import LossPolicy, NodeLoss, namespace_exists
+from fsdp_ext.lab.warm import WarmServers
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Cluster", "LabResult"]
 
@@ -100,6 +101,12 @@ class Cluster:
     ``storage``: True or "sshfs" (that shared directory), "s3" (an S3 server, SeaweedFS, in
     the storage namespace, at ``storage_location`` = ``s3://lab`` with the endpoint and
     credentials in every job's environment; see ``fsdp_ext/lab/s3.py``), or False (none).
+    ``warm_workers``: every node runs a warm worker server (``fsdp_ext.warm``) that imports
+    torch, fsdp_ext and ``warm_preload`` once, and every job's workers are forked from it
+    instead of starting fresh interpreters (a restart then skips the imports). With
+    ``warm_spare`` a further warm server, outside the training nodes, stands for a
+    pre-booted spare machine: a fresh node that replaces a lost one has its torchrun agent
+    and its workers forked from it (see ``fsdp_ext/lab/warm.py``).
     """
 
     def __init__(
@@ -114,6 +121,9 @@ class Cluster:
         rdzv: str = "c10d",
         timeout: float = DEFAULT_TIMEOUT_S,
         python: str = sys.executable,
+        warm_workers: bool = False,
+        warm_preload: Sequence[str] = (),
+        warm_spare: bool = False,
     ):
         if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes must be an int from 1 to {MAX_NODES}, got {nodes!r}")
@@ -124,6 +134,21 @@ class Cluster:
             raise ValueError(f"rdzv must be one of {', '.join(RDZV_BACKENDS)}, got {rdzv!r}")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(warm_workers, bool):
+            raise ValueError(f"warm_workers must be True or False, got {warm_workers!r}")
+        if isinstance(warm_preload, str) or not all(isinstance(m, str) and m for m in warm_preload):
+            raise ValueError(
+                f"warm_preload must be a sequence of module names, got {warm_preload!r}"
+            )
+        if warm_preload and not warm_workers:
+            raise ValueError("warm_preload needs warm_workers=True")
+        if not isinstance(warm_spare, bool):
+            raise ValueError(f"warm_spare must be True or False, got {warm_spare!r}")
+        if warm_spare and not (warm_workers and storage):
+            raise ValueError(
+                "warm_spare needs warm_workers=True and storage (the spare runs in the "
+                "storage namespace)"
+            )
         service = storage_service(storage)
         if shared_dir is not None and service != "sshfs":
             raise ValueError(
@@ -154,6 +179,10 @@ class Cluster:
         self._extra: list[subprocess.Popen] = []
         self._retired: list[subprocess.Popen] = []  # dead sshfs replaced by a fresh mount
         self._inodes: list[int | None] = []  # each node's namespace, found even once unnamed
+        self._spare = warm_spare
+        self._warm = (
+            WarmServers(self.names.workdir, python, tuple(warm_preload)) if warm_workers else None
+        )
         self._built = False
         self._closed = False
 
@@ -170,6 +199,10 @@ class Cluster:
         self._built = True
         try:
             self._build()
+            for node in range(self.nodes):
+                self._start_warm(node)
+            if self._spare:
+                self._start_spare()
         except BaseException:
             self.close()
             raise
@@ -204,6 +237,26 @@ class Cluster:
         mount_node_ram(proc.pid)
         return proc
 
+    def _start_spare(self) -> None:
+        """The spare's warm server, in the storage namespace (no training node)."""
+        env = node_env(dict(os.environ), self.topology, self.ranks_per_node)
+        inside = ["ip", "netns", "exec", self.topology.names.storage]
+        self._warm.ensure("spare", lambda argv: [*inside, *argv], env)
+
+    def _start_warm(self, node: int, *, again: bool = False, now: bool = True) -> None:
+        """Node ``node``'s warm server, if the lab has them: started unless it runs, or
+        (``again``) in place of the running one, which sits in the node's old mounts; not
+        ``now``: only the old one stopped (the next job starts it)."""
+        if self._warm is None:
+            return
+        old = self._warm.procs.get(node)
+        if again and old is not None:
+            kill_process(old)
+        if not now:
+            return
+        env = node_env(dict(os.environ), self.topology, self.ranks_per_node)
+        self._warm.ensure(node, lambda argv: self.node_command(node, argv), env)
+
     def _remount_lost_storage(self) -> list[str]:
         """A node whose namespace is gone is built again, and a node whose sshfs died (the
         mount answers ENOTCONN) gets a fresh mount; the lines say which, so a job is never
@@ -217,10 +270,13 @@ class Cluster:
             if proc.poll() is not None:
                 self._retired.append(proc)
                 self._mounts[node] = self._mount(node)
+                self._start_warm(node, again=True)
                 notes.append(
                     f"node {node}'s sshfs had exited (status {proc.returncode}); remounted "
                     f"{self.shared_dir} there"
                 )
+        for node in range(self.nodes):
+            self._start_warm(node)
         return notes
 
     def _rebuild(self, node: int) -> None:
@@ -253,6 +309,9 @@ class Cluster:
         if self._mounts:
             self._retired.append(self._mounts[node])
             self._mounts[node] = self._mount(node)
+        # with a spare, the fresh node's job is forked from it: its own server's imports
+        # would only compete with that job for the CPU, so it starts with the next job
+        self._start_warm(node, again=True, now=not self._spare)
 
     def close(self) -> None:
         """Stop every process, delete the namespaces, links, mounts and the run's files."""
@@ -260,7 +319,8 @@ class Cluster:
             return
         self._closed = True
         remove_run(self.names, self.topology.namespaces)
-        for proc in self._extra + self._mounts + self._retired + self._services:
+        warm = self._warm.all() if self._warm is not None else []
+        for proc in self._extra + self._mounts + self._retired + self._services + warm:
             try:
                 proc.wait(timeout=KILL_WAIT_S)
             except subprocess.TimeoutExpired:  # never entered a namespace of the run
@@ -405,7 +465,7 @@ class Cluster:
                 self.topology,
                 node,
                 self.ranks_per_node,
-                program,
+                program if self._warm is None else self._warm.program(node, program),
                 rdzv=self.rdzv,
                 python=self.python,
                 log_dir=logdir / f"node{node}",
@@ -575,6 +635,8 @@ class Cluster:
             )
         try:
             self._fresh_node(node)
+            if self._spare:  # a pre-booted spare: its agent and workers forked, not started
+                argv = self._warm.spare_agent(argv, node)
             fresh = start_node(self.node_command(node, argv), env, job, node)
         except Exception as exc:  # the job cannot get its node back: say so, end it
             job.doomed = f"node {node} was lost ({cause}) and no fresh node could be started: {exc}"
@@ -593,9 +655,11 @@ class Cluster:
         )
         if self.storage_service == "s3":
             storage += " (SeaweedFS; AWS_ENDPOINT_URL on every node)"
+        warm = ", warm workers" if self._warm is not None else ""
+        warm += " and a warm spare" if self._spare else ""
         return (
             f"{self.nodes} nodes x {self.ranks_per_node} ranks, links "
-            f"{format_rate(self.link_bits)} each way{storage} ({self.run_id})"
+            f"{format_rate(self.link_bits)} each way{storage}{warm} ({self.run_id})"
         )
 
     def _check_node(self, node: int) -> None:
