@@ -10,6 +10,7 @@ lease judged without the heartbeat's ETag fails here).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -520,3 +521,31 @@ def test_a_prune_refuses_a_step_a_live_reader_holds_naming_it_until_the_reader_d
     with pytest.raises(CheckpointPrunedError, match="pruned before"), read_lease(racer, 4):
         pass
     assert store.list("readers/") == []
+
+
+def test_payloads_go_unsigned_with_a_signed_crc32_unless_the_profile_signs_them(
+    s3_env, location, tmp_path, monkeypatch
+):
+    """Over plain HTTP botocore would hash every body with SHA-256 (half of a save's client
+    CPU here): our client sends ``UNSIGNED-PAYLOAD`` with the CRC32 checksum header among
+    the signed ones; a profile that sets ``payload_signing_enabled`` has its way."""
+
+    def sent(store) -> dict:
+        seen = {}
+
+        def keep(request, **_):
+            seen.update({k.lower(): v for k, v in request.headers.items()})
+
+        store._s3().meta.events.register("before-send.s3.PutObject", keep)
+        store.put("x", b"payload")
+        assert store.get("x") == b"payload"
+        return seen
+
+    headers = sent(blob_store_for(location))
+    assert headers["x-amz-content-sha256"] == b"UNSIGNED-PAYLOAD"
+    assert b"x-amz-checksum-crc32" in headers["authorization"]  # among the signed headers
+    config = tmp_path / "config"
+    config.write_text("[default]\ns3 =\n    payload_signing_enabled = true\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    headers = sent(blob_store_for(location))
+    assert headers["x-amz-content-sha256"] == hashlib.sha256(b"payload").hexdigest().encode()
