@@ -526,9 +526,10 @@ def test_a_prune_refuses_a_step_a_live_reader_holds_naming_it_until_the_reader_d
 def test_payloads_go_unsigned_with_a_signed_crc32_unless_the_profile_signs_them(
     s3_env, location, tmp_path, monkeypatch
 ):
-    """Over plain HTTP botocore would hash every body with SHA-256 (half of a save's client
-    CPU here): our client sends ``UNSIGNED-PAYLOAD`` with the CRC32 checksum header among
-    the signed ones; a profile that sets ``payload_signing_enabled`` has its way."""
+    """Over plain HTTP botocore would hash every body with SHA-256 (0.18 s of a 63 MB save's
+    0.48 s of client CPU here): our client sends ``UNSIGNED-PAYLOAD`` with the CRC32
+    checksum header among the signed ones; a profile that sets ``payload_signing_enabled``
+    has its way."""
 
     def sent(store) -> dict:
         seen = {}

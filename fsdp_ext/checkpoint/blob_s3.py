@@ -125,9 +125,9 @@ def _botocore_session() -> Any:
 def _s3_config(session: Any) -> dict[str, Any] | None:
     """Payloads unsigned unless the profile says otherwise (``payload_signing_enabled`` in
     its ``s3`` section): over plain HTTP botocore signs a SHA-256 of every body, a pass over
-    every byte at 253 MB/s here, half of a save's client CPU; over HTTPS it skips that
-    itself. The body stays guarded by the CRC32 checksum header botocore sends (signed) and,
-    on load, by the manifest's CRC-32."""
+    every byte at 253 MB/s here (a 63 MB save's client CPU went from 0.48 to 0.30 s
+    without it); over HTTPS it skips that itself. The body stays guarded by the CRC32
+    checksum header botocore sends (signed) and, on load, by the manifest's CRC-32."""
     try:
         profile = session.get_scoped_config().get("s3") or {}
     except Exception:  # a missing profile: the client's creation says so, once
