@@ -445,13 +445,14 @@ def test_checkpointer_on_s3_keeps_prunes_and_falls_back_to_the_newest_intact(loc
 
 
 def _read_in_child(location: str, step: int) -> int:
-    """A child process that holds a read lease on ``step`` (heartbeat 0.25 s) until killed."""
+    """A child process that holds a read lease on ``step`` (lease 60 s: a beat every 15 s)
+    until killed."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(read)
-            with read_lease(blob_store_for(location), step, lease_s=1.0):
+            with read_lease(blob_store_for(location), step, lease_s=60.0):
                 os.write(write, b"held")
                 time.sleep(120)
         finally:
@@ -465,7 +466,8 @@ def _read_in_child(location: str, step: int) -> int:
 def test_a_prune_refuses_a_step_a_live_reader_holds_naming_it_until_the_reader_dies(location):
     """As on POSIX: a live reader in another process keeps its step published and whole;
     removing it raises ``CheckpointBusyError`` naming the reader (pid, host) and the step's
-    location, and a Checkpointer's prune removes the others with one warning saying so. A
+    location, at once (a reader on this machine is judged by its pid, not by waiting for its
+    next beat), and a Checkpointer's prune removes the others with one warning saying so. A
     reader in the pruning process itself is live too. Once the reader is killed, its lease
     is dead (its pid is gone) and the next prune removes the step; a reader on another host
     that stops beating expires after one lease by the pruner's own clock; a step pruned
@@ -478,8 +480,10 @@ def test_a_prune_refuses_a_step_a_live_reader_holds_naming_it_until_the_reader_d
     pid = _read_in_child(location, 1)
     try:
         reader = rf"being read by save read-\w+ by pid {pid} on host {socket.gethostname()}"
+        started = time.monotonic()
         with pytest.raises(CheckpointBusyError, match=rf"^{where} \(step 1\): {reader}"):
             remove_step(store, 1, generation=None)
+        assert time.monotonic() - started < 5.0  # judged by its pid, not its next beat
         assert read_catalog(store)[0].steps.keys() == {1, 2, 3, 4}
         with pytest.warns(UserWarning, match=rf"prune: {where} \(step 1\): {reader}"):
             assert prune_steps(location, 2, None) == [2]
