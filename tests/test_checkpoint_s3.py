@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp_ext.checkpoint import verify_checkpoint
 from fsdp_ext.checkpoint.blob_reader import BlobStorageReader
+from fsdp_ext.checkpoint.blob_s3 import PART_BYTES_ENV
 from fsdp_ext.checkpoint.blob_writer import BlobStorageWriter
 from fsdp_ext.checkpoint.catalog import (
     CATALOG_KEY,
@@ -554,3 +555,25 @@ def test_payloads_go_unsigned_with_a_signed_crc32_unless_the_profile_signs_them(
     monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
     headers = sent(blob_store_for(location))
     assert headers["x-amz-content-sha256"] == hashlib.sha256(b"payload").hexdigest().encode()
+
+
+def test_a_rank_splits_its_share_into_parallel_files_only_where_each_fills_a_part(
+    location, tmp_path, monkeypatch
+):
+    """16 MB with ``thread_count=4``: one file on S3 with 64 MiB parts (four 4 MB puts cost
+    the shared server more than they gain), two with 5 MiB parts (two items: each its own
+    stream), and two on a POSIX store, which has no least stream; every save loads equal."""
+    state = {"w": torch.arange(2 << 20, dtype=torch.float32), "v": torch.ones(2 << 20)}
+
+    def files(where: str) -> int:
+        writer = BlobStorageWriter(where, 1, thread_count=4)
+        dcp.save(state, storage_writer=writer, planner=SpreadSavePlanner(), no_dist=True)
+        target = {k: torch.zeros_like(t) for k, t in state.items()}
+        dcp.load(target, storage_reader=BlobStorageReader(where, 1), no_dist=True)
+        assert all(torch.equal(target[k], state[k]) for k in state)
+        return len([k for k in blob_store_for(where).list("step-1/") if k.endswith(".distcp")])
+
+    assert files(f"{location}/big-parts") == 1
+    monkeypatch.setenv(PART_BYTES_ENV, str(5 << 20))
+    assert files(f"{location}/small-parts") == 2
+    assert files(str(tmp_path / "posix")) == 2

@@ -235,7 +235,7 @@ class S3BlobStore(BlobStore):
                 f"part_bytes ({PART_BYTES_ENV}) must be an int >= {MIN_PART_BYTES} (S3's "
                 f"smallest part, 5 MiB), got {part_bytes!r}"
             )
-        self.part_bytes = part_bytes
+        self.part_bytes = self.min_stream_bytes = part_bytes
         self.location = location or f"s3://{bucket}/{prefix}".rstrip("/")
         self._client: Any = None
         self._checked = False

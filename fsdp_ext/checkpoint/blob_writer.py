@@ -45,7 +45,12 @@ from fsdp_ext.checkpoint.catalog import (
     read_catalog,
     sweep,
 )
-from fsdp_ext.checkpoint.file_groups import group_items, safe_name, split_results
+from fsdp_ext.checkpoint.file_groups import (
+    group_items,
+    item_file_bytes,
+    safe_name,
+    split_results,
+)
 from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
 from fsdp_ext.checkpoint.location import blob_store_for
 from fsdp_ext.checkpoint.manifest import (
@@ -85,7 +90,8 @@ class BlobStorageWriter(StorageWriter):
     saves) of this generation or earlier; leave it on unless another writer of the same
     generation saves to the same location at the same time. Files
     hold runs of whole layers of at least ``min_file_bytes``; ``thread_count`` puts run at
-    once per rank.
+    once per rank, a rank's share split into that many files only where each carries at
+    least the store's ``min_stream_bytes`` (on S3, one part).
     """
 
     def __init__(
@@ -161,7 +167,7 @@ class BlobStorageWriter(StorageWriter):
         for rank, plan in enumerate(plans):
             files = []
             for name, items in group_items(
-                plan, self.layer_key, self.min_file_bytes, self.thread_count
+                plan, self.layer_key, self.min_file_bytes, self._streams(plan)
             ):
                 found = {layer_of(self.layer_key, i.index.fqn) for i in items}
                 files.append(
@@ -174,6 +180,17 @@ class BlobStorageWriter(StorageWriter):
             out.append(dataclasses.replace(plan, storage_data=_RankFiles(prefix, files)))
         self.prefix = prefix
         return out
+
+    def _streams(self, plan: SavePlan) -> int:
+        """How many files one rank's share may be split into to run in parallel: up to
+        ``thread_count``, each carrying at least the store's ``min_stream_bytes`` (on S3 a
+        part: in the lab, four 4 MB puts per rank instead of one cost the shared server more
+        than they gained, save ratio 0.77-0.90 against 0.72-0.74 at the same load)."""
+        least = self.store.min_stream_bytes
+        if not least:
+            return self.thread_count
+        share = sum(item_file_bytes(i) for i in plan.items)
+        return max(1, min(self.thread_count, share // least))
 
     # -- writing -----------------------------------------------------------------------------
 
