@@ -29,6 +29,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterable
 
 from fsdp_ext.checkpoint.blob import BlobError, BlobStore
 from fsdp_ext.checkpoint.lock import LockOwner, heartbeat_interval
@@ -105,9 +106,10 @@ def live_readers(store: BlobStore, prefix: str) -> list[LockOwner]:
     return [h for h in (_judge(store, k) for k in keys) if h is not None]
 
 
-def leased_versions(store: BlobStore) -> set[str]:
-    """The version prefixes with any read lease (unjudged): what a sweep must not delete."""
-    return {k[len(READERS) :].rpartition("/")[0] for k in store.list(READERS)}
+def leased_versions(keys: Iterable[str]) -> set[str]:
+    """The version prefixes with any read lease among ``keys`` (a listing of the store;
+    unjudged): what a sweep must not delete."""
+    return {k[len(READERS) :].rpartition("/")[0] for k in keys if k.startswith(READERS)}
 
 
 def refuse_if_read(store: BlobStore, prefix: str, what: str) -> None:

@@ -265,7 +265,9 @@ def sweep(
     A later generation's versions are never touched: a stale job that committed just before
     a takeover and sweeps after it must not delete the new owner's save in flight. Only keys
     shaped like a version's are touched. Returns the keys deleted."""
-    live = set(catalog.steps.values()) | set(keep) | leased_versions(store)
+    keys = store.list()  # one listing for the read leases and the versions' objects: it runs
+    # after every commit, before the save returns, so each request is a save's time
+    live = set(catalog.steps.values()) | set(keep) | leased_versions(keys)
 
     def dead(key: str) -> bool:
         prefix = version_prefix_of(key)
@@ -274,7 +276,7 @@ def sweep(
         return int(_VERSION.fullmatch(prefix).group(2)) <= generation
 
     removed = []
-    for key in store.list("step-"):
+    for key in keys:
         if dead(key):
             store.delete(key)
             removed.append(key)
