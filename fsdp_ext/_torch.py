@@ -168,7 +168,6 @@ __all__ = [
     "unsharded_accumulated_grad",
     "unsharded_param",
     "write_files",
-    "write_item_to",
     "write_tensor_archive",
 ]
 
@@ -627,30 +626,6 @@ def write_files(writer: FileSystemWriter, planner: Any, file_queue: Any) -> Any:
     2.11-2.15: ``FileSystemWriter._write_data(planner, file_queue)``.
     """
     return writer._write_data(planner, file_queue)
-
-
-def write_item_to(stream: Any, data: Any, write_item: Any, storage_key: str) -> Any:
-    """Append one DCP write item (a tensor, or BytesIO bytes) to ``stream`` in the stock
-    ``torch.save`` item format, no stream transforms; its ``WriteResult`` (offset and length
-    in ``stream``, under ``storage_key``).
-
-    2.11-2.15: ``filesystem._write_item(_StorageWriterTransforms(None), stream, data, item,
-    storage_key, SerializationFormat.TORCH_SAVE)``.
-    """
-    from torch.distributed.checkpoint.filesystem import (
-        SerializationFormat,
-        _StorageWriterTransforms,
-        _write_item,
-    )
-
-    return _write_item(
-        _StorageWriterTransforms(None),
-        stream,
-        data,
-        write_item,
-        storage_key,
-        SerializationFormat.TORCH_SAVE,
-    )
 
 
 def write_tensor_archive(tensor: torch.Tensor, stream: Any) -> None:

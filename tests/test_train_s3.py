@@ -1,7 +1,8 @@
 """The main job with ``--out s3://...`` on the SeaweedFS fixture: two jobs on one location,
 one trains; the owner killed, ``--resume`` continues by itself, bit for bit equal to a run
 that was never interrupted (slow: each job is a real ``examples/train.py --nproc-per-node
-2``); a bad ``--out`` is one line and exit 2 before training."""
+2``); a bad ``--out`` is one line and exit 2 before training; the snapshot name of an ``s3://``
+location is the same from any working directory."""
 
 from __future__ import annotations
 
@@ -174,3 +175,20 @@ def test_clean_snapshots_judges_an_s3_owner(s3_env, tmp_path):
         f"removed (its job released {location})"
     ]
     assert not snaps.exists()
+
+
+def test_an_s3_jobs_snapshot_name_does_not_depend_on_the_working_directory(tmp_path, monkeypatch):
+    """Every node of a job names its /dev/shm snapshots after ``--out``: an ``s3://``
+    location names the same job from any working directory (made absolute, it would be
+    ``CWD/s3:/bucket/run``, a name per cwd: a restarted rank would miss its snapshots); a
+    relative path is made absolute, so it names the directory it means."""
+    location = "s3://bucket/run/checkpoints"
+    names, posix = set(), set()
+    for cwd in ("a", "b"):
+        (tmp_path / cwd).mkdir()
+        monkeypatch.chdir(tmp_path / cwd)
+        names.add(job_name(location))
+        posix.add(job_name("run/checkpoints"))
+        assert job_name("run/checkpoints") == job_name(tmp_path / cwd / "run/checkpoints")
+    assert len(names) == 1 and len(posix) == 2
+    assert names != {job_name("s3://bucket/run/other")}

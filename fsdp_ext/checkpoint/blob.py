@@ -172,6 +172,9 @@ class BlobStore(ABC):
     """A flat namespace of objects under one root (see the module docstring)."""
 
     location: str  # what the user named, e.g. "s3://bucket/run" or "/data/run"
+    # the least one of a writer's parallel streams should carry (0: no least): on S3 a part,
+    # since a smaller file only adds requests for the server, not bandwidth
+    min_stream_bytes: int = 0
 
     @abstractmethod
     def put(self, key: str, data: Data) -> str: ...

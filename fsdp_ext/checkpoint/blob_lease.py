@@ -9,28 +9,33 @@ the step unpublished by then, it takes the lease back and raises
 step). A thread rewrites the lease every heartbeat interval with the next counter, so its
 ETag changes (ETags are only compared: any opaque string will do).
 
-A remover (:func:`~fsdp_ext.checkpoint.catalog.remove_steps`) leaves a step whose version
-has a live reader published (``busy``); after its commit it lists the leases again, and the
-objects of a version a reader leased in between are not deleted (the commit's sweep deletes
-them once no lease remains). One of the two always sees the other: the reader's lease comes
-before its look at the catalog, the remover's second look after its commit.
+A remover (:func:`~fsdp_ext.checkpoint.catalog.remove_step`) refuses a step whose version
+has a live reader (:func:`refuse_if_read`: :class:`CheckpointBusyError` naming the reader,
+as a prune on POSIX does) and changes nothing; after its commit it lists the leases again,
+and the objects of a version a reader leased in between are not deleted (the commit's sweep
+deletes them once no lease remains). One of the two always sees the other: the reader's
+lease comes before its look at the catalog, the remover's second look after its commit.
 
-Liveness is judged as the owner lease's: a holder on this machine whose process has exited
-is dead at once; any other is alive if its lease's ETag changes while the judge watches, by
-its own monotonic clock, for one lease plus one heartbeat interval; else it has expired.
-Never an mtime, never a wall clock. A dead or expired reader's lease is deleted.
+Liveness is judged as a POSIX read lease's (``lock.readers``): a holder on this machine is
+alive while its process runs (this process: always) and dead at once when it has exited;
+one on another machine is alive if its lease's ETag changes while the judge watches, by its
+own monotonic clock, for one lease plus one heartbeat interval; else it has expired. Never
+an mtime, never a wall clock. A dead or expired reader's lease is deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
+from collections.abc import Iterable
 
 from fsdp_ext.checkpoint.blob import BlobError, BlobStore
 from fsdp_ext.checkpoint.lock import LockOwner, heartbeat_interval
+from fsdp_ext.checkpoint.manifest import CheckpointBusyError
 
-__all__ = ["READERS", "ReadLease", "leased_versions", "live_readers"]
+__all__ = ["READERS", "ReadLease", "leased_versions", "live_readers", "refuse_if_read"]
 
 READERS = "readers/"
 
@@ -75,7 +80,11 @@ def _judge(store: BlobStore, key: str) -> LockOwner | None:
     except BlobError:
         return None
     holder = LockOwner.decode(text)
+    if holder is not None and holder.pid == os.getpid() and holder.on_this_machine():
+        return holder  # this process's own: it takes its lease back itself
     if holder is not None and holder.stale_reason() is None:
+        if holder.on_this_machine():
+            return holder  # its process runs
         limit = holder.lease_s + heartbeat_interval(holder.lease_s)
         since = time.monotonic()
         while time.monotonic() - since <= limit:
@@ -97,6 +106,19 @@ def live_readers(store: BlobStore, prefix: str) -> list[LockOwner]:
     return [h for h in (_judge(store, k) for k in keys) if h is not None]
 
 
-def leased_versions(store: BlobStore) -> set[str]:
-    """The version prefixes with any read lease (unjudged): what a sweep must not delete."""
-    return {k[len(READERS) :].rpartition("/")[0] for k in store.list(READERS)}
+def leased_versions(keys: Iterable[str]) -> set[str]:
+    """The version prefixes with any read lease among ``keys`` (a listing of the store;
+    unjudged): what a sweep must not delete."""
+    return {k[len(READERS) :].rpartition("/")[0] for k in keys if k.startswith(READERS)}
+
+
+def refuse_if_read(store: BlobStore, prefix: str, what: str) -> None:
+    """Raise :class:`CheckpointBusyError` naming the reader when a live one leases the
+    version ``prefix`` (``what``: the step, for the message), as ``lock.refuse_if_read``
+    does on POSIX; call it before unpublishing anything."""
+    found = live_readers(store, prefix)
+    if found:
+        raise CheckpointBusyError(
+            f"{what}: being read by {found[0].describe()}; not removing it now (the next "
+            "prune will)"
+        )

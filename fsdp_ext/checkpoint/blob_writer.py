@@ -7,10 +7,11 @@ planner=SpreadSavePlanner())`` runs:
 1. the coordinator, in the global plan step, checks the fence (a job that lost the location
    writes nothing), picks a fresh version prefix ``step-5/v-<id>`` and assigns each rank its
    files (runs of whole layers, ``file_groups.py``, as on POSIX);
-2. every rank streams each of its files, one serialized item at a time (the stock item
-   format, so the metadata is stock DCP's), to one ``put`` (on S3 a multipart upload above
-   the part size, so a file may exceed 5 GB and the rank's memory), on ``thread_count``
-   threads, computing size and CRC-32 over the bytes streamed;
+2. every rank streams each of its files, one item at a time (the stock item format, so the
+   metadata is stock DCP's), to one ``put`` (on S3 a multipart upload above the part size,
+   so a file may exceed 5 GB and the rank's memory), on ``thread_count`` threads, computing
+   size and CRC-32 over the bytes streamed. A tensor's bytes go as a view of its own memory
+   (``serialize.item_chunks``): the upload holds one part per file, never a whole item;
 3. the coordinator puts ``.metadata`` and ``.manifest.json`` under the prefix, then commits
    the catalog (``catalog.py``): the only write that makes the save visible, and the last.
    Then it deletes the version the step pointed to before, and every prefix of a dead save.
@@ -22,21 +23,18 @@ what it wrote is swept by the next commit.
 from __future__ import annotations
 
 import dataclasses
-import io
 import pickle
 import uuid
 import zlib
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 
-import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from fsdp_ext._torch import write_item_to
 from fsdp_ext.checkpoint.blob import BlobStore
 from fsdp_ext.checkpoint.catalog import (
     BlobFence,
@@ -47,7 +45,12 @@ from fsdp_ext.checkpoint.catalog import (
     read_catalog,
     sweep,
 )
-from fsdp_ext.checkpoint.file_groups import group_items, safe_name, split_results
+from fsdp_ext.checkpoint.file_groups import (
+    group_items,
+    item_file_bytes,
+    safe_name,
+    split_results,
+)
 from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
 from fsdp_ext.checkpoint.location import blob_store_for
 from fsdp_ext.checkpoint.manifest import (
@@ -59,6 +62,7 @@ from fsdp_ext.checkpoint.manifest import (
     Manifest,
     crc32_hex,
 )
+from fsdp_ext.checkpoint.serialize import item_chunks
 
 __all__ = ["BlobStorageWriter", "step_name"]
 
@@ -86,7 +90,8 @@ class BlobStorageWriter(StorageWriter):
     saves) of this generation or earlier; leave it on unless another writer of the same
     generation saves to the same location at the same time. Files
     hold runs of whole layers of at least ``min_file_bytes``; ``thread_count`` puts run at
-    once per rank.
+    once per rank, a rank's share split into that many files only where each carries at
+    least the store's ``min_stream_bytes`` (on S3, one part).
     """
 
     def __init__(
@@ -162,7 +167,7 @@ class BlobStorageWriter(StorageWriter):
         for rank, plan in enumerate(plans):
             files = []
             for name, items in group_items(
-                plan, self.layer_key, self.min_file_bytes, self.thread_count
+                plan, self.layer_key, self.min_file_bytes, self._streams(plan)
             ):
                 found = {layer_of(self.layer_key, i.index.fqn) for i in items}
                 files.append(
@@ -176,6 +181,17 @@ class BlobStorageWriter(StorageWriter):
         self.prefix = prefix
         return out
 
+    def _streams(self, plan: SavePlan) -> int:
+        """How many files one rank's share may be split into to run in parallel: up to
+        ``thread_count``, each carrying at least the store's ``min_stream_bytes`` (on S3 a
+        part: in the lab, four 4 MB puts per rank instead of one cost the shared server more
+        than they gained, save ratio 0.77-0.90 against 0.72-0.74 at the same load)."""
+        least = self.store.min_stream_bytes
+        if not least:
+            return self.thread_count
+        share = sum(item_file_bytes(i) for i in plan.items)
+        return max(1, min(self.thread_count, share // least))
+
     # -- writing -----------------------------------------------------------------------------
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -186,20 +202,14 @@ class BlobStorageWriter(StorageWriter):
             results: list[WriteResult] = []
             crc, size = 0, 0
 
-            def items():  # the file as a stream, one serialized item at a time
+            def items():  # the file as a stream: each item's chunks, nothing copied whole
                 nonlocal crc, size
                 for index in indexes:
-                    item = by_index[index]
-                    data = planner.resolve_data(item)
-                    if item.type != WriteItemType.BYTE_IO:
-                        data = _whole(data)
-                    buffer = io.BytesIO()
-                    result = write_item_to(buffer, data, item, name)
-                    info = result.storage_data
-                    results.append(replace(result, storage_data=replace(info, offset=size)))
-                    body = buffer.getbuffer()
-                    crc, size = zlib.crc32(body, crc), size + len(body)
-                    yield body
+                    chunks, result = item_chunks(by_index[index], planner, name, size)
+                    results.append(result)
+                    for chunk in chunks:
+                        crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+                        yield chunk
 
             self.store.put(f"{assignment.prefix}/{name}", items())
             record = FileRecord(
@@ -276,16 +286,3 @@ class BlobStorageWriter(StorageWriter):
                 self.store.delete(key)
         except OSError:
             pass
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor whose storage is exactly its elements (``torch.save`` writes the whole
-    storage of a view)."""
-    tensor = tensor.detach().cpu()
-    if (
-        not tensor.is_contiguous()
-        or tensor.storage_offset() != 0
-        or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
-    ):
-        tensor = tensor.clone(memory_format=torch.contiguous_format)
-    return tensor

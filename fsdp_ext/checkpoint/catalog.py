@@ -25,12 +25,17 @@ from __future__ import annotations
 import contextlib
 import re
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from fsdp_ext.checkpoint.blob import BlobConditionError, BlobNotFoundError, BlobStore
-from fsdp_ext.checkpoint.blob_lease import READERS, ReadLease, leased_versions, live_readers
+from fsdp_ext.checkpoint.blob_lease import (
+    READERS,
+    ReadLease,
+    leased_versions,
+    live_readers,
+    refuse_if_read,
+)
 from fsdp_ext.checkpoint.fence import DirectoryFencedError
 from fsdp_ext.checkpoint.lock import CheckpointPrunedError, LockOwner
 from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, seal, unseal
@@ -42,7 +47,7 @@ __all__ = [
     "commit",
     "new_version_prefix",
     "read_catalog",
-    "remove_steps",
+    "remove_step",
     "sweep",
     "version_prefix_of",
 ]
@@ -202,36 +207,33 @@ class BlobFence:
             raise DirectoryFencedError(why)
 
 
-def remove_steps(store: BlobStore, steps: set[int], *, generation: int | None) -> list[int]:
-    """Unpublish ``steps`` (one commit), then delete their objects; returns what went.
+def remove_step(store: BlobStore, step: int, *, generation: int | None) -> bool:
+    """Unpublish ``step`` (one commit), then delete its objects; False when it was not
+    published.
 
-    A step whose version a live reader leases (``blob_lease.py``) stays published, with a
-    warning (``CheckpointBusyError`` on POSIX): a later prune removes it. The commit comes
-    first, so a prune killed midway leaves only unreferenced objects (swept later), never a
-    published step with objects missing; after it the leases are listed again, and a
-    version a reader leased in between keeps its objects until a later sweep."""
-    published = read_catalog(store)[0].steps
-    busy = {s for s in steps if s in published and live_readers(store, published[s])}
-    for step in sorted(busy):
-        warnings.warn(
-            f"prune: {store.where(published[step])}: step {step} is being read (a live read "
-            "lease); left for a later prune",
-            stacklevel=3,
-        )
-    gone: dict[int, str] = {}
+    A step whose version a live reader leases (``blob_lease.py``) is left published and
+    whole: :class:`CheckpointBusyError` names the reader, as a prune on POSIX does, and a
+    later prune removes it. The commit comes first, so a prune killed midway leaves only
+    unreferenced objects (swept later), never a published step with objects missing; after
+    it the leases are listed again, and a version a reader leased in between keeps its
+    objects until a later sweep."""
+    prefix = read_catalog(store)[0].steps.get(step)
+    if prefix is None:
+        return False
+    refuse_if_read(store, prefix, f"{store.where(prefix)} (step {step})")
+    gone: list[str] = []
 
     def drop(catalog: Catalog) -> Catalog:
-        gone.clear()
-        gone.update({s: p for s, p in catalog.steps.items() if s in steps and s not in busy})
-        return replace(catalog, steps={s: p for s, p in catalog.steps.items() if s not in gone})
+        gone[:] = [catalog.steps[step]] if step in catalog.steps else []
+        return replace(catalog, steps={s: p for s, p in catalog.steps.items() if s != step})
 
     commit(store, drop, generation=generation)
-    for prefix in gone.values():
+    for prefix in gone:
         if store.list(f"{READERS}{prefix}/") and live_readers(store, prefix):
             continue  # leased between the first look and the commit: swept once let go
         for key in store.list(prefix + "/"):
             store.delete(key)
-    return sorted(gone)
+    return bool(gone)
 
 
 @contextlib.contextmanager
@@ -263,7 +265,9 @@ def sweep(
     A later generation's versions are never touched: a stale job that committed just before
     a takeover and sweeps after it must not delete the new owner's save in flight. Only keys
     shaped like a version's are touched. Returns the keys deleted."""
-    live = set(catalog.steps.values()) | set(keep) | leased_versions(store)
+    keys = store.list()  # one listing for the read leases and the versions' objects: it runs
+    # after every commit, before the save returns, so each request is a save's time
+    live = set(catalog.steps.values()) | set(keep) | leased_versions(keys)
 
     def dead(key: str) -> bool:
         prefix = version_prefix_of(key)
@@ -272,7 +276,7 @@ def sweep(
         return int(_VERSION.fullmatch(prefix).group(2)) <= generation
 
     removed = []
-    for key in store.list("step-"):
+    for key in keys:
         if dead(key):
             store.delete(key)
             removed.append(key)

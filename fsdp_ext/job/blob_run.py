@@ -5,7 +5,8 @@ The same promises as on POSIX, on the blob primitives alone: a save publishes wi
 conditional replace of the catalog, fenced by this job's owner generation; a prune
 unpublishes first and deletes after; a resume loads the newest step that verifies and falls
 back to older ones, one warning each; each rank loads under a read lease
-(``fsdp_ext/checkpoint/blob_lease.py``), so a prune of that step by another job waits.
+(``fsdp_ext/checkpoint/blob_lease.py``), so a prune of that step by another job leaves it
+(a warning naming the reader, as on POSIX).
 
 A store that cannot be used (:class:`BlobAccessError`: the server died, refused the
 credentials...) is no fault of a checkpoint: it is raised as it is, one line naming the
@@ -27,10 +28,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fsdp_ext.checkpoint.blob import BlobAccessError
 from fsdp_ext.checkpoint.blob_reader import BlobStorageReader
 from fsdp_ext.checkpoint.blob_writer import BlobStorageWriter
-from fsdp_ext.checkpoint.catalog import BlobFence, read_catalog, read_lease, remove_steps
+from fsdp_ext.checkpoint.catalog import BlobFence, read_catalog, read_lease, remove_step
+from fsdp_ext.checkpoint.fence import DirectoryFencedError
 from fsdp_ext.checkpoint.location import blob_store_for
 from fsdp_ext.checkpoint.lock import CheckpointPrunedError
-from fsdp_ext.checkpoint.manifest import CheckpointIntegrityError, UnsafeCheckpointError
+from fsdp_ext.checkpoint.manifest import (
+    CheckpointBusyError,
+    CheckpointIntegrityError,
+    UnsafeCheckpointError,
+)
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner
 from fsdp_ext.job.resume import load_present
 
@@ -72,13 +78,21 @@ def save_step(
 
 
 def prune_steps(location: str, keep: int, fence: BlobFence | None) -> list[int]:
-    """Unpublish and delete all but the newest ``keep`` steps; returns the steps removed."""
+    """Unpublish and delete all but the newest ``keep`` steps; returns the steps removed.
+    One being read stays, with a warning naming its reader (as on POSIX): a later prune
+    removes it."""
     steps = published_steps(location)
-    old = set(steps[:-keep]) if keep < len(steps) else set()
-    if not old:
-        return []
     generation = None if fence is None else fence.generation
-    return remove_steps(blob_store_for(location), old, generation=generation)
+    store, removed = blob_store_for(location), []
+    for step in steps[:-keep] if keep < len(steps) else []:
+        try:
+            if remove_step(store, step, generation=generation):
+                removed.append(step)
+        except DirectoryFencedError:
+            raise  # the location was taken over: not a reader's doing
+        except CheckpointBusyError as exc:
+            warnings.warn(f"prune: {exc}", stacklevel=2)
+    return removed
 
 
 def load_newest(

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 import fsdp_ext.checkpoint.blob_writer as blob_writer
 from fsdp_ext.checkpoint.blob_reader import BlobStorageReader
-from fsdp_ext.checkpoint.catalog import CATALOG_KEY, read_catalog, remove_steps
+from fsdp_ext.checkpoint.catalog import CATALOG_KEY, read_catalog, remove_step
 from fsdp_ext.checkpoint.location import blob_store_for
 from fsdp_ext.checkpoint.planner import SpreadSavePlanner
 
@@ -75,7 +75,7 @@ def save(location: str, step: int, seed: int) -> None:
 
 def operation(location: str, op: str) -> None:
     if op == "prune":
-        remove_steps(blob_store_for(location), {1}, generation=None)
+        remove_step(blob_store_for(location), 1, generation=None)
     else:
         save(location, 3 if op == "save" else 2, 30)
 
@@ -111,7 +111,7 @@ def run_one(location: str, op: str, kill_at: int | None) -> tuple[str, list[str]
 
         if op == "prune":
             store = killing(location)
-            catalog_module.remove_steps(store, {1}, generation=None)
+            catalog_module.remove_step(store, 1, generation=None)
         else:
             operation(location, op)
         os.write(write, json.dumps([r for s in stores for r in s.requests]).encode())
