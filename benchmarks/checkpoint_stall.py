@@ -19,8 +19,9 @@ dir on the local disk), through each writer in turn:
                         thread, shared-memory buffers, a writer process per rank;
                         ``optimizer.step()`` under ``manager.lock()`` as its docs say)
   ours_sync             fsdp_ext.Checkpointer.save(step)
-  ours_async            fsdp_ext.Checkpointer.save(step, blocking=False) (overlap_staging:
-                        the next ``optimizer.step()`` waits for the copy of its tensors)
+  ours_async            fsdp_ext.Checkpointer.save(step, blocking=False), overlap_staging=True
+                        as train.py sets it (the next ``optimizer.step()`` waits for the
+                        copy of its tensors)
 
 Each writer runs in fresh rank processes (plain subprocesses with env:// rendezvous, so a
 writer's memory high-water mark never pollutes another's, and DCP's process mode and
@@ -308,7 +309,9 @@ class Ours(_Saver):
 
         super().__init__(root)
         self.blocking = blocking
-        self.ckpt = Checkpointer(root, model=model, optimizer=optimizer, keep=None)
+        self.ckpt = Checkpointer(  # as train.py makes it: its loop writes through the optimizer
+            root, model=model, optimizer=optimizer, keep=None, overlap_staging=True
+        )
 
     def save(self, step: int) -> None:
         call = time.perf_counter()

@@ -179,11 +179,12 @@ class TrainConfig:
     ckpt_every: int = _arg(0, "save a checkpoint every N steps (0: never)", low=0)
     keep: int = _arg(3, "complete checkpoints kept on disk, the newest", low=1)
     async_save: bool = _arg(
-        True,
+        False,
         "save in the background: a save holds training only to build the state dict and copy "
         "what the next step does not wait for into host buffers (reused from save to save); "
         "the parameters' and optimizer's copy, the write, the commit and the prune overlap "
-        "training (--no-async-save: each save returns once durable)",
+        "training. The newest durable checkpoint then lags by up to one interval: a failure "
+        "during a write falls back to the one before",
     )
     snapshot_every: int = _arg(
         0,

@@ -84,6 +84,7 @@ def checkpointer(
     return fsdp_ext.Checkpointer(
         cfg.checkpoint_root, model=par.parts, optimizer=optimizers, extra=extra, keep=cfg.keep,
         lease_s=cfg.lease,
+        overlap_staging=True,  # this loop writes parameters only through the optimizer
     )  # fmt: skip
 
 

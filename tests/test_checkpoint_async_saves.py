@@ -40,7 +40,7 @@ def test_background_saves_hold_their_own_step_publish_in_order_and_close_waits(t
     root, fs = tmp_path / "out", _SlowBackground()
     model = nn.Linear(64, 32)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, keep=None, fs=fs)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, keep=None, fs=fs, overlap_staging=True)
     for step in (1, 2, 3):
         with torch.no_grad():
             for p in model.parameters():
@@ -97,14 +97,16 @@ class _Blocks(nn.Module):
 def test_the_step_after_a_background_save_waits_for_its_copy_and_other_tensors_are_copied_at_once(
     tmp_path,
 ):
-    """With ``overlap_staging`` (the default), ``save`` returns before the parameters and the
+    """With ``overlap_staging=True`` (train.py's), ``save`` returns before the parameters and the
     optimizer's state are copied; the next ``optimizer.step()`` must wait for that copy. The
     optimizer walks the weights in the opposite order to the copy, so a step that did not
     wait would write the last weights before the copy reads them. A buffer that the forward
     pass writes is not the optimizer's: it is copied before ``save`` returns."""
     model = _Blocks()
     opt = torch.optim.SGD(list(reversed(list(model.parameters()))), lr=1.0)
-    ckpt = Checkpointer(tmp_path / "out", model=model, optimizer=opt, keep=None)
+    ckpt = Checkpointer(
+        tmp_path / "out", model=model, optimizer=opt, keep=None, overlap_staging=True
+    )
     for step in (1, 2, 3):
         before = {k: v.clone() for k, v in model.state_dict().items()}
         ckpt.save(step, blocking=False)
@@ -123,12 +125,12 @@ def test_the_step_after_a_background_save_waits_for_its_copy_and_other_tensors_a
     opt.step()  # a closed checkpointer's hook is gone: nothing to wait for, nothing raised
 
 
-def test_overlap_staging_off_copies_everything_before_save_returns(tmp_path):
-    """``overlap_staging=False``: a loop that writes parameters in place outside the optimizer
-    between a save and the next step still saves what the save saw."""
+def test_by_default_a_background_save_copies_everything_before_it_returns(tmp_path):
+    """Without ``overlap_staging`` (the default), a loop that writes parameters in place
+    outside the optimizer between a save and the next step still saves what the save saw."""
     model = _Blocks()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    ckpt = Checkpointer(tmp_path / "out", model=model, optimizer=opt, overlap_staging=False)
+    ckpt = Checkpointer(tmp_path / "out", model=model, optimizer=opt)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ckpt.save(1, blocking=False)
     with torch.no_grad():
@@ -177,7 +179,7 @@ class _Wrapped(torch.optim.Optimizer):
 def test_a_wrapped_optimizer_whose_hooks_never_run_has_its_tensors_copied_in_the_call(tmp_path):
     model = _Blocks()
     opt = _Wrapped(torch.optim.SGD(list(reversed(list(model.parameters()))), lr=1.0))
-    ckpt = Checkpointer(tmp_path / "out", model=model, optimizer=opt)
+    ckpt = Checkpointer(tmp_path / "out", model=model, optimizer=opt, overlap_staging=True)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ckpt.save(1, blocking=False)
     for p in model.parameters():

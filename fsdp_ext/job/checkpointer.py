@@ -200,12 +200,13 @@ class Checkpointer:
     all). ``lease_s``: the lease of the directory and of its locks (default
     ``$FSDP_EXT_LEASE_S``, else 60 s). ``fs``: where the checkpoints are stored (default: the
     local filesystem). ``background_nice``: how much lower than the training the
-    background write's threads run (0-19; Linux nice). ``overlap_staging``: a background
-    save copies the model's parameters and the optimizer's state in its thread, while the
-    next step's forward and backward run, and the next ``optimizer.step()`` waits for that
-    copy (as CheckFreq and torch-checkpointing do); everything else is copied before
-    ``save`` returns. Turn it off if the loop writes parameters in place anywhere but in the
-    optimizers given here between a save and the next step. Dying with the launcher is the
+    background write's threads run (0-19; Linux nice). ``overlap_staging=True``: a
+    background save copies the model's parameters and the optimizer's state in its thread,
+    while the next step's forward and backward run, and the next ``optimizer.step()`` waits
+    for that copy (as CheckFreq and torch-checkpointing do); everything else is copied before
+    ``save`` returns. Only for loops that write those tensors through the optimizers given
+    here alone between a save and the next step (off by default: an in-place write elsewhere
+    would be saved half-done). Dying with the launcher is the
     launcher's choice (:func:`~fsdp_ext.checkpoint.exit_with_launcher`), not made here.
     """
 
@@ -220,7 +221,7 @@ class Checkpointer:
         lease_s: float | None = None,
         fs: CheckpointStorage | None = None,
         background_nice: int = 19,
-        overlap_staging: bool = True,
+        overlap_staging: bool = False,
     ) -> None:
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
