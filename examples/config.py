@@ -425,8 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     for owner, f in _flag_fields():
         default = f.default
         kwargs: dict[str, Any] = {"dest": f.name, "default": default}
-        if isinstance(default, bool):  # on by default: --flag / --no-flag
-            kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        if isinstance(default, bool):
+            kwargs["action"] = "store_true"
             kwargs["help"] = f.metadata["help"]
         else:
             kwargs["type"] = f.metadata.get("type", type(default))
