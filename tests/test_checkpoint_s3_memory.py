@@ -88,25 +88,23 @@ def _check(location: str, nbytes: int, part_bytes: int) -> None:
     assert torch.equal(out["w"], tensor(nbytes))
 
 
-def test_a_streamed_save_holds_about_one_part_not_the_tensor(s3_env):
-    """64 MiB in 5 MiB parts: the saver's peak above its state stays under two parts (one
-    part, the small records, the client's buffers; measured 5.2 MiB, the code before 84),
-    far below the tensor."""
+def _holds_under_two_parts(s3_env, nbytes: int, part: int) -> None:
     location = f"s3://{s3_env.bucket}/memory-{uuid.uuid4().hex[:8]}"
-    nbytes, part = 64 * MB, 5 * MB
     row = measure_save(location, nbytes, part)
     print(row)
     assert row["above_state_mb"] < 2 * part / MB, row
     _check(location, nbytes, part)
+
+
+def test_a_streamed_save_holds_about_one_part_not_the_tensor(s3_env):
+    """64 MiB in 5 MiB parts: the saver's peak above its state stays under two parts (one
+    part, the small records, the client's buffers; measured 5.2 MiB, the code before 84),
+    far below the tensor."""
+    _holds_under_two_parts(s3_env, 64 * MB, 5 * MB)
 
 
 @pytest.mark.slow  # 2 GiB through the server: 50-150 s at load 6-11 (the save 31-68 s of it)
 def test_a_two_gib_save_holds_about_one_part(s3_env):
     """2 GiB in the default 64 MiB parts: one part above the state (measured 64.2 MiB; the
     code before 2242)."""
-    location = f"s3://{s3_env.bucket}/memory-{uuid.uuid4().hex[:8]}"
-    nbytes, part = 2048 * MB, 64 * MB
-    row = measure_save(location, nbytes, part)
-    print(row)
-    assert row["above_state_mb"] < 2 * part / MB, row
-    _check(location, nbytes, part)
+    _holds_under_two_parts(s3_env, 2048 * MB, 64 * MB)

@@ -154,6 +154,13 @@ def test_sigterm_to_the_client_reaches_the_program(server, tmp_path):
         client.kill()
 
 
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
 def test_a_killed_client_takes_its_program_along(server, tmp_path):
     """torchrun SIGKILLs a worker that does not stop; the forked program is not its child,
     so it must end on its own."""
@@ -163,10 +170,7 @@ def test_a_killed_client_takes_its_program_along(server, tmp_path):
     try:
         client.kill()
         assert client.wait(timeout=30) == -9
-        deadline = time.monotonic() + 10
-        while _alive(worker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(worker), "the program outlived its killed client"
+        assert _gone_within(worker, 10), "the program outlived its killed client"
     finally:
         if _alive(worker):
             os.kill(worker, signal.SIGKILL)
@@ -182,10 +186,7 @@ def test_a_killed_launcher_takes_client_and_program_along(server, tmp_path):
     try:
         launcher.kill()
         launcher.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while _alive(worker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(worker), "the program outlived its killed launcher"
+        assert _gone_within(worker, 10), "the program outlived its killed launcher"
     finally:
         if _alive(worker):
             os.kill(worker, signal.SIGKILL)
