@@ -356,6 +356,41 @@ def is_hsdp_group(group: FSDPParamGroup) -> bool:
     return getattr(group.mesh_info, "replicate_mesh_dim", None) is not None
 
 
+def reduce_output_only_viewed(group: FSDPParamGroup, dtype: torch.dtype) -> bool:
+    """Whether FSDP2, once this unit's reduce-scatter comm returns, only takes views of the
+    output as the sharded gradients and reads none of it until the optimizer does (2.11-2.15,
+    ``foreach_reduce``): no all-reduce after it (HSDP or an all-reduce hook), no post-divide
+    (fp16 reduces), no cast (every sharded parameter and gradient in ``dtype``), no
+    accumulation into an existing gradient, no CPU offload, no post-accumulate-grad hook."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if group._all_reduce_hook is not None or is_hsdp_group(group):
+        return False
+    for fsdp_param in group.fsdp_params:
+        param = fsdp_param.sharded_param
+        if not param.requires_grad:
+            continue
+        grad_dtype = getattr(fsdp_param, "sharded_grad_dtype", None)  # 2.15
+        if param.dtype != dtype or grad_dtype not in (None, dtype):
+            return False
+        if param.grad is not None or fsdp_param.offload_to_cpu:
+            return False
+        if getattr(param, "_post_accumulate_grad_hooks", None):
+            return False
+    return True
+
+
+def backward_task_id() -> int:
+    """The id of the autograd backward running on this thread, -1 outside one (2.11-2.15)."""
+    return int(torch._C._current_graph_task_id())
+
+
+def queue_backward_callback(callback: Any) -> None:
+    """Run ``callback`` once the running backward has finished its graph (2.11-2.15; after
+    FSDP2's own final callback, which its root queues when its backward begins)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def is_unsharded(group: FSDPParamGroup) -> bool:
     """Whether the group's parameters are gathered now (2.11-2.15)."""
     return bool(group.is_unsharded)

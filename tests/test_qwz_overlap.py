@@ -20,57 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_ext
 from fsdp_ext.testing import run_distributed
-
-WORLD, GROUP, DIM = 2, 32, 32
-HIDDEN = (64, 96, 128, 160)  # one size per block: each unit's gather has its own size
-
-
-class Block(nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.up = nn.Linear(DIM, hidden)
-        self.down = nn.Linear(hidden, DIM)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(x)))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Linear(8, DIM)
-        self.blocks = nn.ModuleList([Block(h) for h in HIDDEN])
-        self.head = nn.Linear(DIM, 4)
-
-    def forward(self, x):
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(10 + step)
-    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
-    rank = dist.get_rank()
-    return x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]
-
-
-def _sharded(mesh, mp: torch.dtype | None = None) -> Net:
-    torch.manual_seed(0)
-    net = Net()
-    kwargs = {} if mp is None else {"mp_policy": MixedPrecisionPolicy(param_dtype=mp)}
-    for block in net.blocks:
-        fully_shard(block, mesh=mesh, **kwargs)
-    fully_shard(net, mesh=mesh, **kwargs)
-    return net
-
+from tests.overlap_cases import GROUP, HIDDEN, WORLD, LoggedWork, Marker, batch, sharded
 
 CONFIGS = {
     "backward": (fsdp_ext.WeightQuantConfig(group_size=GROUP), None),
@@ -82,12 +36,12 @@ CONFIGS = {
 def _train_rank(name: str, overlap: bool, steps: int) -> dict:
     mesh = init_device_mesh("cpu", (WORLD,))
     config, mp = CONFIGS[name]
-    net = _sharded(mesh, mp)
+    net = sharded(mesh, mp)
     handle = fsdp_ext.register_weight_all_gather(net, config, overlap=overlap)
     optim = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for step in range(steps):
-        x, y = _batch(step)
+        x, y = batch(step)
         loss = F.mse_loss(net(x.to(mp or torch.float32)).float(), y)
         loss.backward()
         optim.step()
@@ -114,35 +68,9 @@ def test_async_gathers_equal_the_synchronous_ones_bit_for_bit(name):
         assert o["stats"].quantized_gathers > 0
 
 
-class _Marker(torch.autograd.Function):
-    """Identity; its backward logs that the block after it finished its backward compute."""
-
-    @staticmethod
-    def forward(ctx, x, log, index):
-        ctx.log, ctx.index = log, index
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.log.append(("bwd_done", ctx.index))
-        return grad, None, None
-
-
-class _LoggedWork(dist.Work):
-    """Delegates to the collective's ``Work`` and logs when it is waited for."""
-
-    def __init__(self, work, log, unit):
-        super().__init__()
-        self._work, self._log, self._unit = work, log, unit
-
-    def wait(self, timeout=None):
-        self._log.append(("wait", self._unit))
-        return self._work.wait()
-
-
 def _order_rank(overlap: bool) -> list:
     mesh = init_device_mesh("cpu", (WORLD,))
-    net = _sharded(mesh)
+    net = sharded(mesh)
     handle = fsdp_ext.register_weight_all_gather(
         net, fsdp_ext.WeightQuantConfig(group_size=GROUP), overlap=overlap
     )
@@ -162,18 +90,18 @@ def _order_rank(overlap: bool) -> list:
         if not async_op:
             log.append(("wait", unit))
             return work
-        return _LoggedWork(work, log, unit)
+        return LoggedWork(work, log, unit)
 
     for i, block in enumerate(net.blocks):
         # registered after FSDP's hooks: runs once the block's weights are gathered
         block.register_forward_pre_hook(
             lambda _m, args, i=i: (log.append(("fwd_begin", f"blocks.{i}")), None)[1]
         )
-        block.register_forward_pre_hook(lambda _m, args, i=i: (_Marker.apply(args[0], log, i),))
+        block.register_forward_pre_hook(lambda _m, args, i=i: (Marker.apply(args[0], log, i),))
         block.register_forward_hook(lambda *_, i=i: log.append(("fwd_end", f"blocks.{i}")))
     setattr(dist, name, logged)
     try:
-        x, y = _batch(0)
+        x, y = batch(0)
         loss = F.mse_loss(net(x), y)
         log.append(("backward", None))
         loss.backward()

@@ -14,6 +14,8 @@ codec's (:mod:`fsdp_ext.comm.codec`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -54,17 +56,28 @@ def quantized_reduce_scatter_into(
     feedback: ErrorFeedback | ErrorSubset | None,
     *,
     out_scale: float,
+    defer: Callable[[dist.Work, Callable[[], None]], None] | None = None,
 ) -> int:
     """``chunks[r]`` goes to rank r of ``group``; this rank's reduction lands in ``output``.
 
     ``chunks`` is ``[W, n]`` with unit column stride (any ``n``) and ``output`` a contiguous
     ``[n]`` fp32 or bf16 tensor that receives ``out_scale * sum_w decode(encode(chunks_w))``.
-    Returns the bytes sent to peers.
+    With ``defer``, the all-to-all is started and handed over with the decode that fills
+    ``output`` (:class:`~fsdp_ext.comm.deferred.DeferredExchanges`); the encode, and with it
+    the error feedback's update, happens in the call either way. Returns the bytes sent to
+    peers.
     """
     payload = encode_rows(chunks, codec, feedback)
     received = torch.empty_like(payload)
-    dist.all_to_all_single(received, payload, group=group)
-    codec.decode_reduce(received, output, out_scale=out_scale)
+
+    def decode() -> None:
+        codec.decode_reduce(received, output, out_scale=out_scale)
+
+    if defer is None:
+        dist.all_to_all_single(received, payload, group=group)
+        decode()
+    else:
+        defer(dist.all_to_all_single(received, payload, group=group, async_op=True), decode)
     return (chunks.shape[0] - 1) * payload.shape[1]
 
 

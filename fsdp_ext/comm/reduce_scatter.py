@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_ext._torch import ReduceScatter
+from fsdp_ext._torch import ReduceScatter, backward_task_id, reduce_output_only_viewed
 from fsdp_ext.comm.absmax_codec import LoCoConfig
 from fsdp_ext.comm.codec import Codec, WireChoice, choose_wire
+from fsdp_ext.comm.deferred import DEFERRED
 from fsdp_ext.comm.error_feedback import ErrorFeedback, ErrorSubset
 from fsdp_ext.comm.hierarchical import (
     NodeGroups,
@@ -58,6 +59,11 @@ class LoCoReduceScatter(ReduceScatter):
     values (:attr:`wire`): those go as they are. FSDP calls it only when the shard group has
     more than one rank. fp16 gradients are computed in fp32. ``node_size`` (ranks per node, or
     ``"auto"``): hierarchical mode, full precision inside each node and the codec across nodes.
+    ``overlap`` (the default): in a backward, where FSDP only views the output
+    (:func:`fsdp_ext._torch.reduce_output_only_viewed`), the encoded exchange is started and
+    its decode deferred to the next unit's exchange or the backward's end
+    (:mod:`fsdp_ext.comm.deferred`), so the transfer runs behind the backward compute of the
+    unit before. The bits are the same either way.
     """
 
     def __init__(
@@ -68,7 +74,11 @@ class LoCoReduceScatter(ReduceScatter):
         node_size: int | str | None = None,
         node_groups: NodeGroups | None = None,
         stats: CommStats | None = None,
+        overlap: bool = True,
     ):
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
+        self.overlap = overlap
         self.config = config if config is not None or codec is not None else LoCoConfig()
         self.stats = stats if stats is not None else CommStats()
         self.codec: Codec = codec if codec is not None else make_codec(self.config)
@@ -163,7 +173,8 @@ class LoCoReduceScatter(ReduceScatter):
     ) -> None:
         """Reduce ``input_tensor`` (``[W * shard]``, rank-major) into ``output_tensor``.
 
-        Runs synchronously and returns None: FSDP orders it by stream, not by a ``Work``.
+        Returns None: FSDP orders it by stream, not by a ``Work``. The output is filled on
+        return, or, with ``overlap`` in a backward, by the time the backward ends.
         """
         world_size = group.size()
         shard = output_tensor.numel()
@@ -205,6 +216,7 @@ class LoCoReduceScatter(ReduceScatter):
                 self.codec,
                 feedback,
                 out_scale=out_scale,
+                defer=DEFERRED.add if self._may_defer(output_tensor) else None,
             )
             if target is not output_tensor:
                 output_tensor.copy_(target)
@@ -215,6 +227,12 @@ class LoCoReduceScatter(ReduceScatter):
         self.stats.bytes_uncompressed += (world_size - 1) * shard * input_tensor.element_size()
         self.stats.reductions += 1
         return None
+
+    def _may_defer(self, output: torch.Tensor) -> bool:
+        """Whether ``output`` may be filled after the call returns (see the class doc)."""
+        if not self.overlap or self.unit is None or backward_task_id() == -1:
+            return False
+        return reduce_output_only_viewed(self.unit.group, output.dtype)
 
     def _groups(self, group: dist.ProcessGroup) -> NodeGroups:
         if self._node_groups is None:

@@ -300,6 +300,7 @@ def install_gradient_codec(
     node_size: int | str | None = None,
     replicate_group: dist.ProcessGroup | None = None,
     strict: bool = False,
+    overlap: bool = True,
 ) -> CommHandle:
     """Install a :class:`LoCoReduceScatter` sending ``codec`` (built from ``config``, its
     options) on every FSDP unit of ``model``; :func:`fsdp_ext.comm.enable` calls it.
@@ -309,7 +310,9 @@ def install_gradient_codec(
     ``node_size``: hierarchical mode (full precision inside nodes of that many ranks, the
     codec across them). With ``replicate_group`` (HSDP), ``model`` must be sharded on the
     ``dp_shard`` mesh only; each unit also gets a :class:`LoCoAllReduceHook`. ``strict``
-    governs checkpoint loads (see :class:`CommHandle`). Unsupported reduce dtypes are refused.
+    governs checkpoint loads (see :class:`CommHandle`). ``overlap``: each unit's exchange
+    runs behind the backward of the unit before (:class:`LoCoReduceScatter`). Unsupported
+    reduce dtypes are refused.
     """
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {strict!r}")
@@ -357,7 +360,11 @@ def install_gradient_codec(
         binding = UnitBinding(group, names, fqn)
         key = tuple(dist.get_process_group_ranks(shard_group))
         comm = LoCoReduceScatter(
-            config, codec=codec, node_size=resolved, node_groups=node_groups.get(key)
+            config,
+            codec=codec,
+            node_size=resolved,
+            node_groups=node_groups.get(key),
+            overlap=overlap,
         )
         comm.bind(binding)
         module.set_custom_reduce_scatter(comm)

@@ -73,7 +73,10 @@ class CommConfig:
     docstring). ``hierarchical``: the gradients reduce in full precision inside each node
     and send the codec's payload only between nodes. ``node_size``: ranks per node for both,
     an int or ``"auto"`` (the launcher's ``LOCAL_WORLD_SIZE``), global rank ``g`` on node
-    ``g // node_size``. Names become their presets here, so ``config.gradients`` and
+    ``g // node_size``. ``overlap`` (default on): each unit's weight gather runs behind the
+    compute of the unit before it, and each unit's gradient exchange behind the backward of
+    the unit before it (the same bits; one more unit's buffers alive); off, each collective
+    blocks where FSDP calls it. Names become their presets here, so ``config.gradients`` and
     ``config.weights`` are always a codec's options or None.
     """
 
@@ -82,11 +85,12 @@ class CommConfig:
     hpz: bool = False
     hierarchical: bool = False
     node_size: int | str = "auto"
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gradients", _options(self.gradients, "gradients"))
         object.__setattr__(self, "weights", _options(self.weights, "weights"))
-        for name in ("hpz", "hierarchical"):
+        for name in ("hpz", "hierarchical", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CommConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.hierarchical and self.gradients is None:
@@ -140,12 +144,13 @@ def enable(
             node_size=config.node_size if config.hierarchical else None,
             replicate_group=replicate_group,
             strict=strict,
+            overlap=config.overlap,
         )
     else:
         handle = CommHandle({}, None, strict=strict)
     if config.weights is not None:
         handle.weights = register_weight_all_gather(
-            model, config.weights, codec=make_codec(config.weights)
+            model, config.weights, codec=make_codec(config.weights), overlap=config.overlap
         )
     handle.secondary_shards = secondary
     return handle
