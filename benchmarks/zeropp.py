@@ -59,6 +59,9 @@ from fsdp_ext.testing import WireCounter, fsdp_units, run_distributed  # noqa: E
 
 LIMIT_RATES_MBIT = (25, 50, 100)
 LIMIT_CONFIG = {"zeropp": ["--zeropp"]}  # examples/train.py's flags for the lab job
+# --blocking: the same stack with every compressed collective blocking where FSDP calls it,
+# trained beside it in the same job (a step each in turn)
+BLOCKING_CONFIG = {**LIMIT_CONFIG, "zeropp_blocking": ["--zeropp", "--no-comm-overlap"]}
 
 WORLD, NODE = 4, 2
 MODES = {
@@ -267,10 +270,17 @@ def limit_keys(loopback_ms: float, rows: dict[int, dict], formula_bytes: int) ->
 
 
 def measure_limit(
-    base: TrainConfig, rates: list[int], steps: int, warmup: int, timeout: float
+    base: TrainConfig,
+    rates: list[int],
+    steps: int,
+    warmup: int,
+    timeout: float,
+    blocking: bool = False,
 ) -> dict:
     """The ``--limit`` run: the loopback step, then each rate on 2 nodes x 2 (see the
-    module doc); returns :func:`limit_keys` plus the load and the formula's inputs."""
+    module doc); returns :func:`limit_keys` plus the load and the formula's inputs.
+    ``blocking``: each rate's job also trains ``--no-comm-overlap`` beside it, a step each
+    in turn, for ``blocking_over_overlap_<rate>`` (its median step over ours)."""
     reason = unavailable_reason(storage=False)
     if reason is not None:
         raise LabUnavailable(reason)
@@ -289,14 +299,21 @@ def measure_limit(
             return statistics.median(step_intervals_ms(lead["steps"], warmup))
 
         loopback_each = [loopback()]
-        rows, loads = {}, {}
+        rows, loads, compared = {}, {}, {}
         nodes = WORLD // NODE
         with Cluster(nodes, NODE, f"{rates[0]}mbit", storage=False, timeout=timeout) as lab:
             for mbit in rates:
                 lab.set_link(f"{mbit}mbit")
                 before = os.getloadavg()[0]
-                records = run_job(lab, LIMIT_CONFIG, common, timeout, 1, 0)["zeropp"]
-                lab_row = summarize_lab(records[0], nodes, NODE, warmup)
+                configs = BLOCKING_CONFIG if blocking else LIMIT_CONFIG
+                jobs = run_job(lab, configs, common, timeout, 1, 0)
+                lab_row = summarize_lab(jobs["zeropp"][0], nodes, NODE, warmup)
+                if blocking:
+                    other = summarize_lab(jobs["zeropp_blocking"][0], nodes, NODE, warmup)
+                    compared[f"step_ms_blocking_{mbit}"] = round(other["step_ms"], 1)
+                    compared[f"blocking_over_overlap_{mbit}"] = round(
+                        other["step_ms"] / lab_row["step_ms"], 4
+                    )
                 rows[mbit] = {
                     "step_ms": lab_row["step_ms"],
                     "link_bytes": lab_row["link_bytes_per_step"],
@@ -323,6 +340,7 @@ def measure_limit(
         "load": load,
         "load_per_rate": loads,
         **limit_keys(loopback_ms, rows, formula),
+        **compared,
     }
 
 
@@ -351,6 +369,12 @@ def main(argv: list[str] | None = None) -> dict:
         help=f"link rates in Mbit/s for --limit (default {' '.join(map(str, LIMIT_RATES_MBIT))})",
     )
     parser.add_argument("--warmup", type=int, default=2, help="--limit: steps left out")
+    parser.add_argument(
+        "--blocking",
+        action="store_true",
+        help="--limit: also train --no-comm-overlap beside it in each rate's job "
+        "(blocking_over_overlap_<rate>)",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="--limit: per lab job, s")
     parser.add_argument(
         "--nice",
@@ -359,8 +383,9 @@ def main(argv: list[str] | None = None) -> dict:
         help="--limit: run the lab jobs at this niceness (e.g. -10 on a shared machine; root)",
     )
     args = parser.parse_args(argv)
-    if args.rates is not None and not args.limit:
-        parser.error("argument --rates: only with --limit")
+    for flag in ("rates", "blocking"):
+        if getattr(args, flag) not in (None, False) and not args.limit:
+            parser.error(f"argument --{flag}: only with --limit")
     rates = list(args.rates or LIMIT_RATES_MBIT)
     if any(r <= 0 for r in rates):
         parser.error(f"argument --rates: rates must be positive Mbit/s, got {rates}")
@@ -374,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.nice:
             os.nice(args.nice)  # the lab's processes inherit it
         base = TrainConfig(verbose=False, log_every=10**9)
-        summary = measure_limit(base, rates, steps, args.warmup, args.timeout)
+        summary = measure_limit(base, rates, steps, args.warmup, args.timeout, args.blocking)
         print(json.dumps(summary), flush=True)
         return summary
     modes = ("fp32", *(m for m in args.modes if m != "fp32"))

@@ -171,6 +171,11 @@ class TrainConfig:
         "all-gathers never leave it (node size: --intra-node-size, else the launcher's)",
     )
     zeropp: bool = _arg(False, "the ZeRO++ stack: --comm loco --intra-node-size auto --qwz --hpz")
+    no_comm_overlap: bool = _arg(
+        False,
+        "each compressed collective blocks where FSDP calls it: no --qwz gather started a unit "
+        "ahead, no gradient exchange left running behind the unit before (the same bits)",
+    )
     log_every: int = _arg(25, "steps between progress lines", low=1)
     no_plot: bool = _arg(
         False, "do not draw --out/loss.png (matplotlib costs about 1.3 s of CPU at the end)"
@@ -535,7 +540,7 @@ def comm_settings(cfg: TrainConfig, world_size: int) -> CommConfig:
     stands; else --comm at --comm-group-size (hierarchical under --intra-node-size), --qwz
     and --hpz."""
     if cfg.comm == AUTO:
-        return _decided(cfg).comm_config()
+        return replace(_decided(cfg).comm_config(), overlap=not cfg.no_comm_overlap)
     k = node_size(cfg, world_size)
     gradients = preset(cfg.comm, group_size=cfg.comm_group_size)
     return CommConfig(
@@ -544,6 +549,7 @@ def comm_settings(cfg: TrainConfig, world_size: int) -> CommConfig:
         hpz=cfg.hpz,
         hierarchical=gradients is not None and cfg.intra_node_size is not None,
         node_size="auto" if k is None else k,
+        overlap=not cfg.no_comm_overlap,
     )
 
 

@@ -17,8 +17,10 @@ from torch import nn
 
 from fsdp_ext import Checkpointer, SafeLoadPlanner, VerifiedFileSystemReader
 from fsdp_ext.checkpoint import LocalStorage, checkpoint_steps, verify_checkpoint
+from fsdp_ext.warm import client_argv
 from tests.test_train_job_life import TINY, contents, same
 from tests.train_flags import train_in_ranks
+from tests.warm_helpers import warm_server
 
 
 class _SlowBackground(LocalStorage):
@@ -224,29 +226,20 @@ KILL_POINTS = [
 
 
 def test_async_saves_killed_at_every_point_resume_bit_for_bit(tmp_path):
+    """torchrun restarts the job after each kill; its workers are forked from a warm server
+    (fsdp_ext/warm), so the nine attempts pay torch's imports once, not eighteen times."""
     args = [*TINY.split(), "--steps", "20", "--ckpt-every", "2", "--keep", "1"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "KILL_PLAN": ",".join(KILL_POINTS)}
-    struck = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "--max-restarts",
-            str(len(KILL_POINTS)),
-            str(REPO / "tests" / "ckpt_programs" / "train_killed_at.py"),
-            *args,
-            "--async-save",
-            "--out",
-            str(tmp_path / "struck"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    program = [str(PROGRAM), *args, "--async-save", "--out", str(tmp_path / "struck")]
+    (tmp_path / "warm").mkdir()
+    with warm_server(tmp_path / "warm", ("examples.train",), env) as (sock, _):
+        struck = subprocess.run(
+            [*TORCHRUN2, "--max-restarts", str(len(KILL_POINTS)), *client_argv(sock, program)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     assert struck.returncode == 0, struck.stderr[-4000:]
     kills = [x for x in struck.stderr.splitlines() if x.startswith("killed: attempt")]
     assert [int(x.split()[2]) for x in kills] == list(range(len(KILL_POINTS))), (

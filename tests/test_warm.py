@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_ext.warm import CLIENT, SERVER, client_argv, server_argv
-
-READY_S = 180.0  # the server imports torch before it forks (12-37 s on a loaded machine)
+from tests.warm_helpers import warm_server
 
 PROGRAM = """
 import os, sys, time, signal
@@ -54,24 +53,8 @@ elif mode in ("term", "sleep"):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A warm server on a socket of its own, ready (its imports done); stopped after."""
-    where = tmp_path_factory.mktemp("warm")
-    path = str(where / "s.sock")
-    log = open(where / "server.log", "w+")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(
-        server_argv(sys.executable, path), stdout=log, stderr=subprocess.STDOUT, text=True
-    )
-    deadline = time.monotonic() + READY_S
-    while "warm: ready" not in (where / "server.log").read_text():
-        assert proc.poll() is None, (where / "server.log").read_text()
-        assert time.monotonic() < deadline, "the warm server did not get ready"
-        time.sleep(0.1)
-    yield path, proc
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
-        log.close()
+    with warm_server(tmp_path_factory.mktemp("warm")) as running:
+        yield running
 
 
 def _program(tmp_path: Path) -> tuple[Path, dict[str, str]]:

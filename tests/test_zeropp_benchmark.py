@@ -73,6 +73,7 @@ def test_limit_keys_and_the_node_formula():
     ("argv", "needle"),
     [
         (["--rates", "25"], "--rates: only with --limit"),
+        (["--blocking"], "--blocking: only with --limit"),
         (["--limit", "--rates", "25", "0"], "rates must be positive"),
         (["--limit", "--steps", "3"], "needs at least --warmup"),
     ],
