@@ -203,6 +203,10 @@ def summarize(records: list[dict], nodes: int, ranks_per_node: int, warmup: int)
         "step_ms": statistics.median(intervals),
         "step_ms_each": intervals,
         "train_step_ms": by_rank[0]["train_step_ms"],
+        # every rank's CPU seconds per step, summed: over the machine's cores, the step's
+        # floor when the cores are what limits it (ranks, gloo threads, the link's kernel work)
+        "cpu_s_per_step": sum(r["steps"][last]["cpu"] - r["steps"][first]["cpu"] for r in by_rank)
+        / span,
         "link_bytes_per_step": statistics.mean(counter),
         "link_bytes_per_step_by_node": counter,
         "model_bytes_per_step": {k: statistics.mean(m[k] for m in model) for k in KINDS},

@@ -67,12 +67,15 @@ def link_counters() -> dict[str, int] | None:
 
 
 def _snapshot(wire: WireCounter, elapsed: float) -> dict:
-    return {"t": elapsed, "link": link_counters(), "cross": cross_node_bytes(wire)}
+    # cpu: this rank's CPU seconds, every thread (gloo's included)
+    cpu = time.process_time()
+    return {"t": elapsed, "cpu": cpu, "link": link_counters(), "cross": cross_node_bytes(wire)}
 
 
 def _advance(total: dict, before: dict, after: dict) -> dict:
     """``total`` moved on by what happened between two snapshots."""
     out = {"t": total["t"] + after["t"] - before["t"], "cross": dict(total["cross"])}
+    out["cpu"] = total["cpu"] + after["cpu"] - before["cpu"]
     for kind in KINDS:
         out["cross"][kind] += after["cross"][kind] - before["cross"][kind]
     out["link"] = None
@@ -179,7 +182,8 @@ def main(spec_json: str) -> None:
     steps: list[dict] = []
 
     def after_step(optimizer, args, kwargs) -> None:
-        now = {"t": time.time(), "link": link_counters(), "cross": cross_node_bytes(wire)}
+        now = {"t": time.time(), "cpu": time.process_time(), "link": link_counters()}
+        now["cross"] = cross_node_bytes(wire)
         steps.append(now)
 
     register_optimizer_step_post_hook(after_step)

@@ -266,7 +266,16 @@ def limit_keys(loopback_ms: float, rows: dict[int, dict], formula_bytes: int) ->
         )
         out[f"limit_ms_{mbit}"] = round(limit, 1)
         out[f"zeropp_over_limit_{mbit}"] = round(row["step_ms"] / limit, 4)
+        if "cpu_floor_ms" in row:
+            out[f"cpu_floor_ms_{mbit}"] = round(row["cpu_floor_ms"], 1)
+            out[f"step_over_cpu_floor_{mbit}"] = round(row["step_ms"] / row["cpu_floor_ms"], 4)
     return out
+
+
+def cpu_floor_ms(cpu_s_per_step: float) -> float:
+    """Every rank's CPU per step spread over this machine's cores: the shortest step the
+    cores allow, whatever overlaps (the lab's ranks and links share them)."""
+    return cpu_s_per_step / len(os.sched_getaffinity(0)) * 1e3
 
 
 def measure_limit(
@@ -295,9 +304,14 @@ def measure_limit(
             """Median step with every rank on one node (no link)."""
             with Cluster(1, WORLD, "1gbit", storage=False, timeout=timeout) as lab:
                 records = run_job(lab, LIMIT_CONFIG, common, timeout, 1, 0)["zeropp"]
-            lead = min(records[0], key=lambda r: r["rank"])
+            ranks = records[0]
+            lead = min(ranks, key=lambda r: r["rank"])
+            cpu = sum(r["steps"][-1]["cpu"] - r["steps"][warmup]["cpu"] for r in ranks)
+            span = len(lead["steps"]) - 1 - warmup
+            loopback_floor.append(round(cpu_floor_ms(cpu / span), 1))
             return statistics.median(step_intervals_ms(lead["steps"], warmup))
 
+        loopback_floor: list[float] = []
         loopback_each = [loopback()]
         rows, loads, compared = {}, {}, {}
         nodes = WORLD // NODE
@@ -317,6 +331,7 @@ def measure_limit(
                 rows[mbit] = {
                     "step_ms": lab_row["step_ms"],
                     "link_bytes": lab_row["link_bytes_per_step"],
+                    "cpu_floor_ms": cpu_floor_ms(lab_row["cpu_s_per_step"]),
                 }
                 loads[str(mbit)] = [round(before, 2), round(os.getloadavg()[0], 2)]
                 print(
@@ -332,6 +347,7 @@ def measure_limit(
     return {
         "benchmark": "zeropp_limit",
         "loopback_step_ms_each": [round(t, 1) for t in loopback_each],
+        "loopback_cpu_floor_ms_each": loopback_floor,
         "world": WORLD,
         "node_size": NODE,
         "steps": steps,
