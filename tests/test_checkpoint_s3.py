@@ -560,7 +560,7 @@ def test_payloads_go_unsigned_with_a_signed_crc32_unless_the_profile_signs_them(
 def test_a_rank_splits_its_share_into_parallel_files_only_where_each_fills_a_part(
     location, tmp_path, monkeypatch
 ):
-    """16 MB with ``thread_count=4``: one file on S3 with 64 MiB parts (four 4 MB puts cost
+    """16 MiB with ``thread_count=4``: one file on S3 with 64 MiB parts (four 4 MiB puts cost
     the shared server more than they gain), two with 5 MiB parts (two items: each its own
     stream), and two on a POSIX store, which has no least stream; every save loads equal."""
     state = {"w": torch.arange(2 << 20, dtype=torch.float32), "v": torch.ones(2 << 20)}
@@ -573,6 +573,7 @@ def test_a_rank_splits_its_share_into_parallel_files_only_where_each_fills_a_par
         assert all(torch.equal(target[k], state[k]) for k in state)
         return len([k for k in blob_store_for(where).list("step-1/") if k.endswith(".distcp")])
 
+    monkeypatch.setenv(PART_BYTES_ENV, str(64 << 20))
     assert files(f"{location}/big-parts") == 1
     monkeypatch.setenv(PART_BYTES_ENV, str(5 << 20))
     assert files(f"{location}/small-parts") == 2

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_ext.checkpoint import BlobAccessError, verify_checkpoint
 from fsdp_ext.checkpoint.blob_reader import BlobStorageReader
+from fsdp_ext.checkpoint.blob_s3 import PART_BYTES_ENV
 from fsdp_ext.checkpoint.blob_writer import BlobStorageWriter
 from fsdp_ext.checkpoint.catalog import CATALOG_KEY, read_catalog
 from fsdp_ext.checkpoint.location import blob_store_for
@@ -209,7 +210,11 @@ def _one_line_naming(error: BaseException, location: str, server, took: float) -
 # ------------------------------------------------------------------ a save killed mid-write
 
 
-def test_a_save_killed_mid_write_is_one_line_then_the_retry_publishes(server, location):
+def test_a_save_killed_mid_write_is_one_line_then_the_retry_publishes(
+    server, location, monkeypatch
+):
+    # parts larger than layers.1's 24 MiB: its file goes up as one PutObject, cut mid-body
+    monkeypatch.setenv(PART_BYTES_ENV, str(32 << 20))
     old, new = _state(1), _state(2)
     _save(location, 1, old)
     published = _keys(location)

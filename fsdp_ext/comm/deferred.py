@@ -44,9 +44,6 @@ class DeferredExchanges:
             work.wait()
             finish()
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
 
 # One queue per process: FSDP's post-backwards of one backward run one after another on the
 # autograd thread, whichever units (and comms) they belong to.
