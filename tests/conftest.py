@@ -21,9 +21,9 @@ _checkout_on_pythonpath()
 def _one_thread_per_process() -> None:
     """Every test process computes on one thread, as torchrun's workers do by default: the
     suite runs two pytest workers and their ranks on two cores, where a second OpenMP
-    thread per process mostly spins (the whole suite on one thread: 553 CPU-s instead of
-    700, 558 s of wall time instead of 621). Set before torch is imported; an
-    OMP_NUM_THREADS already set is kept."""
+    thread per process mostly spins (docs/testing.md: with the warm kill sweep, 553 CPU-s
+    instead of 700 for the suite, 558 s of pytest instead of 621). Set before torch is
+    imported; an OMP_NUM_THREADS already set is kept."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
