@@ -119,6 +119,7 @@ class _Kill:
         self.server = server
         self.at: float | None = None
         self.completed: list[str] = []  # object keys of the requests answered before the kill
+        self.stored: list[str] = []  # of those, the objects made whole (a PUT, a completed upload)
 
     def now(self) -> None:
         if self.at is None:
@@ -172,6 +173,8 @@ def kill_server(server, location: str, operation: str, key_part: str, *, when: s
         key = context.get("input_params", {}).get("Key", "")
         if kill.at is None:
             kill.completed.append(key)
+            if model.name in ("PutObject", "CompleteMultipartUpload"):
+                kill.stored.append(key)
         if when == "mid-response" and key_part in key and model.name == "GetObject":
             kill.now()
 
@@ -182,6 +185,13 @@ def kill_server(server, location: str, operation: str, key_part: str, *, when: s
     finally:
         events.unregister(f"before-send.s3.{operation}", unique_id="fault-kill")
         events.unregister("after-call.s3.*", unique_id="fault-seen")
+
+
+def _uploads(location: str) -> list[dict]:
+    """The multipart uploads still open under ``location`` (S3's ListMultipartUploads)."""
+    bucket, prefix = location.removeprefix("s3://").split("/", 1)
+    client = blob_store_for(location)._s3()
+    return client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
 
 
 def _the_store_error(exc: BaseException) -> BlobAccessError:
@@ -210,24 +220,33 @@ def _one_line_naming(error: BaseException, location: str, server, took: float) -
 # ------------------------------------------------------------------ a save killed mid-write
 
 
+@pytest.mark.parametrize(
+    ("operation", "part_bytes"),
+    [
+        ("PutObject", 32 << 20),  # parts above layers.1's 24 MiB: its file is one PUT
+        ("UploadPart", None),  # the default 8 MiB parts: a multipart upload, cut in a part
+    ],
+)
 def test_a_save_killed_mid_write_is_one_line_then_the_retry_publishes(
-    server, location, monkeypatch
+    server, location, monkeypatch, operation, part_bytes
 ):
-    # parts larger than layers.1's 24 MiB: its file goes up as one PutObject, cut mid-body
-    monkeypatch.setenv(PART_BYTES_ENV, str(32 << 20))
+    if part_bytes is not None:
+        monkeypatch.setenv(PART_BYTES_ENV, str(part_bytes))
     old, new = _state(1), _state(2)
     _save(location, 1, old)
     published = _keys(location)
     assert _published(location).keys() == {1} and CATALOG_KEY in published
 
-    with kill_server(server, location, "PutObject", "layers.1", when="mid-body") as kill:
+    with kill_server(server, location, operation, "layers.1", when="mid-body") as kill:
         with pytest.raises(CheckpointException) as failed:
             _save(location, 2, new)
         took = kill.seconds_since()
     text = _one_line_naming(_the_store_error(failed.value), location, server, took)
     assert "layers.1" in text, text  # the object whose PUT the kill cut
-    data_done = {k for k in kill.completed if "/step-2/" in k and k.endswith(".distcp")}
+    data_done = {k for k in kill.stored if "/step-2/" in k and k.endswith(".distcp")}
     assert data_done and not any("layers.1" in k for k in data_done), kill.completed  # mid-save
+    if operation == "UploadPart":  # the cut upload had begun: it is not an object, only parts
+        assert any("layers.1" in k for k in kill.completed), kill.completed
 
     server.restart()
     # nothing of step 2 is published: the catalog is as it was, and the bucket holds exactly
@@ -240,9 +259,12 @@ def test_a_save_killed_mid_write_is_one_line_then_the_retry_publishes(
     (dead,) = {k.rsplit("/", 1)[0] for k in leftover}
     assert any(dead in note for note in report.notes), report.notes
     assert _equal(_load(location, 1), old)  # the previous checkpoint, bit for bit
+    if operation == "UploadPart":  # the cut upload is still open on the server
+        assert [u["Key"] for u in _uploads(location) if "layers.1" in u["Key"]], _uploads(location)
 
     # the retry publishes, and its commit sweeps what the killed save left
     writer = _save(location, 2, new)
+    assert _uploads(location) == []  # the cut upload aborted too
     assert _published(location).keys() == {1, 2}
     step2 = {k for k in _keys(location) if k.startswith(_published(location)[2] + "/")}
     assert _keys(location) == published | step2, _keys(location) - published - step2
