@@ -78,3 +78,19 @@ class LoggedWork(dist.Work):
     def wait(self, timeout=None):
         self._log.append(("wait", self._unit))
         return self._work.wait()
+
+
+def logged_collective(real, unit_of: dict, log: list):
+    """``real`` (a gloo collective taking ``output, input``) wrapped to log each call's start
+    and each ``wait()`` as ``("start" | "wait", unit)``, the unit named by the output's size."""
+
+    def logged(output, input, *args, async_op=False, **kwargs):
+        unit = unit_of.get(output.numel())
+        log.append(("start", unit))
+        work = real(output, input, *args, async_op=async_op, **kwargs)
+        if not async_op:
+            log.append(("wait", unit))
+            return work
+        return LoggedWork(work, log, unit)
+
+    return logged

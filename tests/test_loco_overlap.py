@@ -26,7 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fsdp_ext.comm import CommConfig, enable
 from fsdp_ext.testing import run_distributed
-from tests.overlap_cases import HIDDEN, WORLD, LoggedWork, Marker, Net, batch
+from tests.overlap_cases import HIDDEN, WORLD, Marker, Net, batch, logged_collective
 
 UNITS = len(HIDDEN) + 1  # the blocks and the root
 # name -> (model dtype, reduce dtype of the mixed-precision policy, micro-batches per step,
@@ -143,18 +143,9 @@ def _order_rank(overlap: bool) -> list:
     log: list = []
     real = dist.all_to_all_single
 
-    def logged(output, input, *args, async_op=False, **kwargs):
-        unit = unit_of.get(output.numel())
-        log.append(("start", unit))
-        work = real(output, input, *args, async_op=async_op, **kwargs)
-        if not async_op:
-            log.append(("wait", unit))
-            return work
-        return LoggedWork(work, log, unit)
-
     for i, block in enumerate(net.blocks):
         block.register_forward_pre_hook(lambda _m, args, i=i: (Marker.apply(args[0], log, i),))
-    dist.all_to_all_single = logged
+    dist.all_to_all_single = logged_collective(real, unit_of, log)
     try:
         x, y = batch(0)
         loss = F.mse_loss(net(x), y)

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_ext
 from fsdp_ext.testing import run_distributed
-from tests.overlap_cases import GROUP, HIDDEN, WORLD, LoggedWork, Marker, batch, sharded
+from tests.overlap_cases import GROUP, HIDDEN, WORLD, Marker, batch, logged_collective, sharded
 
 CONFIGS = {
     "backward": (fsdp_ext.WeightQuantConfig(group_size=GROUP), None),
@@ -83,15 +83,6 @@ def _order_rank(overlap: bool) -> list:
     name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     real = getattr(dist, name)
 
-    def logged(output, input, *args, async_op=False, **kwargs):
-        unit = unit_of.get(output.numel())
-        log.append(("start", unit))
-        work = real(output, input, *args, async_op=async_op, **kwargs)
-        if not async_op:
-            log.append(("wait", unit))
-            return work
-        return LoggedWork(work, log, unit)
-
     for i, block in enumerate(net.blocks):
         # registered after FSDP's hooks: runs once the block's weights are gathered
         block.register_forward_pre_hook(
@@ -99,7 +90,7 @@ def _order_rank(overlap: bool) -> list:
         )
         block.register_forward_pre_hook(lambda _m, args, i=i: (Marker.apply(args[0], log, i),))
         block.register_forward_hook(lambda *_, i=i: log.append(("fwd_end", f"blocks.{i}")))
-    setattr(dist, name, logged)
+    setattr(dist, name, logged_collective(real, unit_of, log))
     try:
         x, y = batch(0)
         loss = F.mse_loss(net(x), y)
