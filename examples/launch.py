@@ -18,6 +18,7 @@ from examples.config import TrainConfig
 from fsdp_ext import DirectoryOwnedError
 from fsdp_ext.checkpoint import RUN_ID_ENV, blob_store_for
 from fsdp_ext.job import LAUNCHER_PID_ENV, claim, claim_blob
+from fsdp_ext.warm import CLIENT, SOCKET_ENV
 
 __all__ = ["FENCED", "LAUNCHER_FLAGS", "init_distributed", "launch", "launch_owning"]
 
@@ -53,7 +54,9 @@ def _one_agent_sharing_its_store() -> bool:
 
 
 def launch(argv: list[str], cfg: TrainConfig, script: str) -> None:
-    """Re-run ``script`` under torchrun, without the launcher flags."""
+    """Re-run ``script`` under torchrun, without the launcher flags; with
+    ``$FSDP_EXT_WARM_SOCKET`` set, each worker is forked from that warm server (no imports
+    to pay at a start or a restart), else started fresh."""
     from torch.distributed.run import main as torchrun
 
     rest, skip = [], False
@@ -63,6 +66,8 @@ def launch(argv: list[str], cfg: TrainConfig, script: str) -> None:
             continue
         rest.append(arg)
     launcher = [f"--nproc-per-node={cfg.nproc_per_node}", f"--max-restarts={cfg.max_restarts}"]
+    if os.environ.get(SOCKET_ENV):  # workers forked from the warm server there (fsdp_ext.warm)
+        script, rest = str(CLIENT), [script, *rest]
     torchrun(["--standalone", *launcher, script, *rest])
 
 

@@ -20,7 +20,6 @@ from fsdp_ext.checkpoint import LocalStorage, checkpoint_steps, verify_checkpoin
 from fsdp_ext.warm import client_argv
 from tests.test_train_job_life import TINY, contents, same
 from tests.train_flags import train_in_ranks
-from tests.warm_helpers import warm_server
 
 
 class _SlowBackground(LocalStorage):
@@ -225,21 +224,21 @@ KILL_POINTS = [
 ]
 
 
-def test_async_saves_killed_at_every_point_resume_bit_for_bit(tmp_path):
-    """torchrun restarts the job after each kill; its workers are forked from a warm server
-    (fsdp_ext/warm), so the nine attempts pay torch's imports once, not eighteen times."""
+def test_async_saves_killed_at_every_point_resume_bit_for_bit(tmp_path, warm_server_socket):
+    """torchrun restarts the job after each kill; its workers are forked from the session's
+    warm server (fsdp_ext/warm), so the nine attempts pay no imports of torch."""
     args = [*TINY.split(), "--steps", "20", "--ckpt-every", "2", "--keep", "1"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "KILL_PLAN": ",".join(KILL_POINTS)}
     program = [str(PROGRAM), *args, "--async-save", "--out", str(tmp_path / "struck")]
-    (tmp_path / "warm").mkdir()
-    with warm_server(tmp_path / "warm", ("examples.train",), env) as (sock, _):
-        struck = subprocess.run(
-            [*TORCHRUN2, "--max-restarts", str(len(KILL_POINTS)), *client_argv(sock, program)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+    client = client_argv(warm_server_socket, program)
+    struck = subprocess.run(
+        [*TORCHRUN2, "--max-restarts", str(len(KILL_POINTS)), *client],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert "fresh interpreter" not in struck.stderr  # every attempt's workers were forked
     assert struck.returncode == 0, struck.stderr[-4000:]
     kills = [x for x in struck.stderr.splitlines() if x.startswith("killed: attempt")]
     assert [int(x.split()[2]) for x in kills] == list(range(len(KILL_POINTS))), (

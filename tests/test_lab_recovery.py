@@ -6,9 +6,11 @@ the middle of the run, unannounced: the test lists them with ``ip netns pids`` a
 each, and the lab is told nothing (no lab fault). The lab's supervisor finds node 1 lost.
 With ``min_nodes=1`` torchrun's survivors on node 0 meet in a new rendezvous and the workers
 resume from the newest intact checkpoint on the shared directory, on node 0's ranks alone.
-With ``replace_failed`` a fresh node 1 joins and the job finishes on both nodes. The same lab
-serves both jobs: node 1's dead sshfs is remounted before the second. Nothing of the lab is
-left afterwards.
+With ``replace_failed`` a fresh node 1 joins and the job finishes on both nodes. The default
+run has the replaced job alone; the slow run has both on one lab (node 1's dead sshfs is
+remounted before the second). Nothing of the lab is left afterwards. Without a replacement,
+the default run holds the survivors' path in test_lab_supervisor.py (a node killed from
+outside is lost and the others finish) and test_recovery.py (a resume on fewer ranks).
 """
 
 from __future__ import annotations
@@ -61,18 +63,27 @@ def _check_recovered(result, *, steps: int, kill_at: int, ckpt_every: int, world
     assert loss.node == 1 and loss.cause == "its torchrun was killed by SIGKILL", loss
 
 
-def _run_both(steps: int, kill_at: int, ckpt_every: int, timeout: float, ranks_per_node: int):
+def _run_jobs(
+    names: tuple[str, ...],
+    steps: int,
+    kill_at: int,
+    ckpt_every: int,
+    timeout: float,
+    ranks_per_node: int = 1,
+):
+    """Each named job in turn on one lab of 2 nodes ("fewer": ``min_nodes=1`` alone;
+    "replaced": with ``replace_failed``), node 1 killed at ``kill_at`` in each."""
     require_lab()
     with Cluster(2, ranks_per_node, "1gbit") as lab:
         run_id = lab.run_id
         jobs = {}
-        for name, replace in (("fewer", False), ("replaced", True)):
+        for name in names:
             killer = KillOnLine(lab.topology.node_namespaces[1], _step_line(kill_at))
             result = lab.run(
                 _train(lab.shared_dir / name, steps, ckpt_every),
                 max_restarts=3,
                 min_nodes=1,
-                replace_failed=replace,
+                replace_failed=name == "replaced",
                 echo=killer,
                 timeout=timeout,
             )
@@ -80,30 +91,36 @@ def _run_both(steps: int, kill_at: int, ckpt_every: int, timeout: float, ranks_p
             jobs[name] = result
             print(name, recovery_figures(result, killer), result.losses)
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return jobs["fewer"], jobs["replaced"], run_id, netns
+    return jobs, run_id, netns
+
+
+SHORT = {"steps": 12, "kill_at": 6, "ckpt_every": 3}
 
 
 @pytest.fixture(scope="module")
-def short_jobs():
-    """One rank per node: the same recovery with half the workers to start (a worker is
-    about 5 CPU-s of imports); the slow run below is the 2 x 2 job."""
-    return _run_both(steps=12, kill_at=6, ckpt_every=3, timeout=300, ranks_per_node=1)
+def replaced_job():
+    """One rank per node, the replaced job alone (a worker is about 5 CPU-s of imports); the
+    job on the survivors alone, and the 2 x 2 job, are in the slow run below."""
+    return _run_jobs(("replaced",), **SHORT, timeout=300)
 
 
-def test_node_lost_job_finishes_on_the_survivors(short_jobs):
-    fewer, _, _, _ = short_jobs
-    _check_recovered(fewer, steps=12, kill_at=6, ckpt_every=3, world=1)
+def test_node_lost_job_finishes_on_a_replacement_node(replaced_job):
+    jobs, _, _ = replaced_job
+    _check_recovered(jobs["replaced"], **SHORT, world=2)
 
 
-def test_node_lost_job_finishes_on_a_replacement_node(short_jobs):
-    _, replaced, _, _ = short_jobs
-    _check_recovered(replaced, steps=12, kill_at=6, ckpt_every=3, world=2)
+@pytest.mark.slow
+def test_node_lost_job_finishes_on_the_survivors_then_on_a_replacement_node():
+    jobs, run_id, netns = _run_jobs(("fewer", "replaced"), **SHORT, timeout=300)
+    _check_recovered(jobs["fewer"], **SHORT, world=1)
+    _check_recovered(jobs["replaced"], **SHORT, world=2)
     # the second job found node 1's shared directory again (its sshfs had died with it)
-    assert any("remounted" in p for p in replaced.problems), replaced.problems
+    assert any("remounted" in p for p in jobs["replaced"].problems), jobs["replaced"].problems
+    assert run_id not in netns and leftovers(run_id) == []
 
 
-def test_nothing_of_the_lab_is_left(short_jobs):
-    _, _, run_id, netns = short_jobs
+def test_nothing_of_the_lab_is_left(replaced_job):
+    _, run_id, netns = replaced_job
     assert run_id not in netns
     assert leftovers(run_id) == []
 
@@ -111,9 +128,10 @@ def test_nothing_of_the_lab_is_left(short_jobs):
 @pytest.mark.slow
 def test_node_lost_at_step_30_of_60():
     """The issue's acceptance run: node 1 lost at step 30 of 60, checkpoints every 10."""
-    fewer, replaced, run_id, netns = _run_both(
-        steps=60, kill_at=30, ckpt_every=10, timeout=600, ranks_per_node=2
+    jobs, run_id, netns = _run_jobs(
+        ("fewer", "replaced"), steps=60, kill_at=30, ckpt_every=10, timeout=600, ranks_per_node=2
     )
+    fewer, replaced = jobs["fewer"], jobs["replaced"]
     _check_recovered(fewer, steps=60, kill_at=30, ckpt_every=10, world=2)
     _check_recovered(replaced, steps=60, kill_at=30, ckpt_every=10, world=4)
     assert run_id not in netns and leftovers(run_id) == []

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp_ext.checkpoint import checkpoint_steps
+from fsdp_ext.warm import SOCKET_ENV
 from tests.host_helpers import power_off, start_on_host
 from tests.train_flags import TINY as TINY_FLAGS
 from tests.train_flags import train_in_ranks
@@ -58,16 +59,17 @@ def same(a, b) -> bool:
     return a == b
 
 
-def two_jobs(tmp_path: Path, delay: float) -> None:
+def two_jobs(tmp_path: Path, delay: float, env: dict | None = None) -> None:
     out = tmp_path / "run"
     flags = ["--steps", "6", "--ckpt-every", "2", "--keep", "5"]
-    first = job(out, *flags, "--seed", "0")
+    first = job(out, *flags, "--seed", "0", env=env)
     time.sleep(delay)
-    second = job(out, *flags, "--seed", "1")
+    second = job(out, *flags, "--seed", "1", env=env)
     results = {0: finish(first), 1: finish(second)}
     ran = [seed for seed, (rc, _o, _e) in results.items() if rc == 0]
     assert len(ran) == 1, {s: (rc, e[-1500:]) for s, (rc, _o, e) in results.items()}
     winner, loser = ran[0], 1 - ran[0]
+    assert "fresh interpreter" not in results[winner][2]  # forked warm when given a server
     rc, stdout, stderr = results[loser]
     assert rc != 0
     assert "step " not in stdout  # refused before its first step
@@ -83,8 +85,10 @@ def two_jobs(tmp_path: Path, delay: float) -> None:
         assert same(contents(path), contents(alone / "checkpoints" / path.name)), step
 
 
-def test_two_jobs_started_together_one_trains(tmp_path):
-    two_jobs(tmp_path, delay=0.0)
+def test_two_jobs_started_together_one_trains(tmp_path, warm_server_socket):
+    """The workers are forked from a warm server ($FSDP_EXT_WARM_SOCKET): who owns --out
+    is the subject here, and the workers' imports were half the test's CPU."""
+    two_jobs(tmp_path, delay=0.0, env={SOCKET_ENV: warm_server_socket})
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from fsdp_ext.warm import CLIENT, SERVER, client_argv, server_argv
 from tests.warm_helpers import warm_server
 
 PROGRAM = """
-import os, sys, time, signal
+import os, sys, time, signal, socket
 from pathlib import Path
 out = Path(os.environ["WARM_TEST_DIR"])
 mode = sys.argv[1]
@@ -32,6 +32,8 @@ if mode == "report":
     print("stdin", sys.stdin.readline().strip())
     print("torch-preloaded", "torch.distributed.fsdp" in sys.modules and __name__)
     print("parent", os.getppid())
+    print("host", socket.gethostname())
+    print("client", os.environ.get("FSDP_EXT_WARM_CLIENT"))
     print("to stderr", file=sys.stderr)
 elif mode == "exit":
     sys.exit(int(sys.argv[2]))
@@ -108,6 +110,30 @@ def test_the_program_gets_argv_env_cwd_and_stdio(server, tmp_path):
     assert lines["torch-preloaded"] == "__main__"  # forked from the server, run as __main__
     assert lines["parent"] == str(proc.pid)
     assert done.stderr == "to stderr\n"
+
+
+def test_a_client_on_another_host_gets_a_worker_with_that_hosts_name(server, tmp_path):
+    """A client in a UTS + mount namespace of its own (another emulated host): the worker,
+    forked by the server outside it, joins it, so what the program reads as its host name
+    (a checkpoint lock's holder) is the client's host's. Its parent is the server, and the
+    client's pid is in its environment (fsdp_ext.exit_with_launcher's tie goes through it)."""
+    path, proc = server
+    script, env = _program(tmp_path)
+    host = ["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c"]
+    host += ['hostname warm-host-b && exec "$@"', "sh"]
+    done = subprocess.run(
+        [*host, *_client(path, script, "report")],
+        input="\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines["host"] == "warm-host-b" != os.uname().nodename
+    assert lines["parent"] == str(proc.pid)
+    assert lines["client"].isdigit() and int(lines["client"]) != proc.pid
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,7 @@ from fsdp_ext.checkpoint.lock import (
 )
 from fsdp_ext.checkpoint.manifest import CheckpointBusyError
 from fsdp_ext.checkpoint.storage import DIRECTORY, CheckpointStorage
+from fsdp_ext.warm import CLIENT_ENV as WARM_CLIENT_ENV
 
 __all__ = [
     "LAUNCHER_PID_ENV",
@@ -223,6 +224,10 @@ def exit_with_launcher() -> bool:
     """
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
+    if os.environ.get(WARM_CLIENT_ENV):
+        # forked by a warm server (fsdp_ext.warm): its parent is the server, and the tie is
+        # the client's, which dies with the launcher and takes this worker along
+        return True
     expected = int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import pathlib
 
-__all__ = ["CLIENT", "SERVER", "client_argv", "server_argv"]
+__all__ = ["CLIENT", "CLIENT_ENV", "SERVER", "SOCKET_ENV", "client_argv", "server_argv"]
 
 CLIENT = pathlib.Path(__file__).resolve().with_name("client.py")
 SERVER = pathlib.Path(__file__).resolve().with_name("server.py")
+# a launcher that finds a socket here starts its workers through CLIENT (client.py reads it too)
+SOCKET_ENV = "FSDP_EXT_WARM_SOCKET"
+# a forked worker finds its client's pid here: the client, not the server, is its launcher's child
+CLIENT_ENV = "FSDP_EXT_WARM_CLIENT"
 
 
 def server_argv(python: str, socket_path: str, preload: tuple[str, ...] = ()) -> list[str]:

@@ -5,7 +5,7 @@
 
 It asks the node's warm server (server.py) to fork a worker that already imported torch,
 handing it this process's argv, environment, working directory and stdin/stdout/stderr
-(the descriptors themselves), and its network and mount namespaces (a server outside them,
+(the descriptors themselves), and its network, mount and UTS namespaces (a server outside them,
 a pre-booted spare, forks a worker that joins them). It then stands in for that worker:
 the launcher's signals are forwarded to it, and this process ends as it ended (its exit
 status, or killed by the same signal, so torchrun sees -9 for a killed rank). If this
@@ -33,9 +33,10 @@ import sys
 
 from wire import receive, send
 
-__all__ = ["FORWARDED", "SOCKET_ENV", "main"]
+__all__ = ["CLIENT_ENV", "FORWARDED", "SOCKET_ENV", "main"]
 
 SOCKET_ENV = "FSDP_EXT_WARM_SOCKET"
+CLIENT_ENV = "FSDP_EXT_WARM_CLIENT"  # in the worker's environment: this client's pid
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 PR_SET_PDEATHSIG = 1
 USAGE = "usage: client.py [--socket PATH] (SCRIPT | -m MODULE) ARGS..."
@@ -63,13 +64,16 @@ def _die_with_launcher(launcher: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+NAMESPACES = ("net", "mnt", "uts")  # the worker joins them: its network, files and host name
+
+
 def _namespaces() -> list[int]:
-    """Descriptors of this process's network and mount namespaces (none where absent)."""
+    """Descriptors of this process's NAMESPACES (none where one is absent)."""
     fds = []
-    for kind in ("net", "mnt"):
+    for kind in NAMESPACES:
         with contextlib.suppress(OSError):
             fds.append(os.open(f"/proc/self/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC))
-    return fds if len(fds) == 2 else []
+    return fds if len(fds) == len(NAMESPACES) else []
 
 
 def _unbuffered() -> bool:
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     request = {
         "argv": target,
         "module": module,
-        "env": dict(os.environ),
+        "env": {**os.environ, CLIENT_ENV: str(os.getpid())},
         "cwd": os.getcwd(),
         "unbuffered": _unbuffered(),
     }

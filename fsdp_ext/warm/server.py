@@ -30,7 +30,7 @@ import socket
 import sys
 import time
 
-from wire import receive, send
+from wire import MAX_FDS, receive, send
 from worker import Request, become
 
 __all__ = ["BASE_MODULES", "ROOM_BYTES", "ROOM_ENV", "main"]
@@ -118,11 +118,11 @@ def _start(conn: socket.socket, workers: dict[int, socket.socket]) -> Request | 
         conn.close()
         return None
     conn.settimeout(None)
-    if message is None or len(fds) not in (3, 5):
+    if message is None or len(fds) not in (3, MAX_FDS):
         for fd in fds:
             os.close(fd)
         with contextlib.suppress(OSError):
-            send(conn, {"error": "a request needs argv, env, cwd and 3 or 5 descriptors"})
+            send(conn, {"error": f"a request needs argv, env, cwd and 3 or {MAX_FDS} descriptors"})
         conn.close()
         return None
     pid = os.fork()

@@ -12,7 +12,7 @@ import struct
 
 __all__ = ["MAX_FDS", "receive", "send"]
 
-MAX_FDS = 5  # stdin, stdout, stderr, and the client's network and mount namespaces
+MAX_FDS = 6  # stdin, stdout, stderr, and the client's network, mount and UTS namespaces
 _HEAD = struct.Struct("!I")
 
 

@@ -1,6 +1,6 @@
 """What a fork of the warm server does to become its client's program.
 
-It joins the client's network and mount namespaces where they are not the server's (a
+It joins the client's network, mount and UTS namespaces where they are not the server's (a
 server outside a node, such as the lab's pre-booted spare, serves that node's clients so;
 it needs CAP_SYS_ADMIN), takes the client's environment, working directory, argv and
 stdin/stdout/stderr, puts
@@ -50,7 +50,7 @@ class Request:
     cwd: str
     unbuffered: bool
     fds: list[int]  # the client's stdin, stdout, stderr
-    namespaces: list[int]  # the client's network and mount namespaces, or none
+    namespaces: list[int]  # the client's network, mount and UTS namespaces, or none
     conn: socket.socket  # the client's connection: it closes when the client dies
     inherited: list[socket.socket]  # the server's connections to other clients
 
@@ -90,10 +90,11 @@ def show_environ(env: dict[str, str]) -> bool:
 
 
 def _join(namespaces: list[int]) -> None:
-    """Enter the client's network and mount namespaces where they differ from this
-    process's (a single-threaded fork may join a mount namespace)."""
+    """Enter the client's network, mount and UTS namespaces where they differ from this
+    process's (a single-threaded fork may join a mount namespace): a worker for a client on
+    another emulated host sees that host's files, boot id and host name."""
     libc = ctypes.CDLL(None, use_errno=True)
-    for fd, kind in zip(namespaces, ("net", "mnt"), strict=True):
+    for fd, kind in zip(namespaces, ("net", "mnt", "uts"), strict=True):
         other = os.fstat(fd).st_ino != os.stat(f"/proc/self/ns/{kind}").st_ino
         if other and libc.setns(fd, 0) != 0:
             err = ctypes.get_errno()
