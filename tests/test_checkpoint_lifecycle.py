@@ -32,11 +32,25 @@ from fsdp_ext.checkpoint.lock import RELEASED, LockOwner, acquire, lock_path, re
 from fsdp_ext.job import load_intact
 from fsdp_ext.job.ownership import claim
 from fsdp_ext.job.resume import SKIPPED_RECORD
+from fsdp_ext.warm import CLIENT
 from tests.host_helpers import power_off, require_unshare, start_on_host
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).parent / "ckpt_programs"
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+PYTHON = [sys.executable]  # how the holders below start: forked warm (the fixture below)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _holders_forked_warm(warm_server_socket):
+    """The lock holders on another host and the unlock CLI start through the session's warm
+    server (fsdp_ext/warm): forks that join the host's network, mount and UTS namespaces,
+    without paying torch's imports. The pid-namespace test keeps fresh interpreters (a fork
+    of the server would not be in the new pid namespace)."""
+    PYTHON[:] = [sys.executable, str(CLIENT), "--socket", warm_server_socket]
+    yield
+    PYTHON[:] = [sys.executable]
+
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -214,7 +228,7 @@ def _wait_line(proc, needle: str, timeout: float = 120) -> None:
 def test_a_dead_host_lets_go_within_its_lease(tmp_path, capfd):
     lease = 3.0
     root = tmp_path / "ckpts"
-    argv = [sys.executable, str(PROGRAMS / "hold_locks.py"), str(root), str(lease)]
+    argv = [*PYTHON, str(PROGRAMS / "hold_locks.py"), str(root), str(lease)]
     host_b = start_on_host(
         tmp_path,
         "node-b",
@@ -264,7 +278,7 @@ def test_the_same_run_takes_over_from_a_dead_host_at_once(tmp_path, monkeypatch)
     lease = 60.0
     root = tmp_path / "ckpts"
     env = {**ENV, "FSDP_EXT_RUN_ID": "run-42"}
-    argv = [sys.executable, str(PROGRAMS / "hold_locks.py"), str(root), str(lease)]
+    argv = [*PYTHON, str(PROGRAMS / "hold_locks.py"), str(root), str(lease)]
     host_b = start_on_host(
         tmp_path,
         "node-b",
@@ -292,7 +306,7 @@ def test_the_same_run_takes_over_from_a_dead_host_at_once(tmp_path, monkeypatch)
 def test_unlock_prints_who_held_it(tmp_path):
     target = tmp_path / "ckpt"
     taker = subprocess.run(
-        [sys.executable, str(PROGRAMS / "take_lock_and_die.py"), str(target)],
+        [*PYTHON, str(PROGRAMS / "take_lock_and_die.py"), str(target)],
         env=ENV,
         capture_output=True,
         text=True,
@@ -300,7 +314,7 @@ def test_unlock_prints_who_held_it(tmp_path):
     )
     pid = taker.stdout.strip()
     proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_ext.checkpoint", "unlock", str(target)],
+        [*PYTHON, "-m", "fsdp_ext.checkpoint", "unlock", str(target)],
         env=ENV,
         capture_output=True,
         text=True,

@@ -22,6 +22,7 @@ from fsdp_ext.checkpoint.fence import OWNER_DIR, DirectoryFencedError, generatio
 from fsdp_ext.checkpoint.lock import RELEASED, LockOwner, read_beat
 from fsdp_ext.checkpoint.manifest import MANIFEST_NAME
 from fsdp_ext.job.ownership import claim
+from fsdp_ext.warm import CLIENT
 from tests.host_helpers import power_off, signal_host, start_on_host
 from tests.test_train_job_life import TINY, contents, same
 from tests.train_flags import train_in_ranks
@@ -30,9 +31,26 @@ REPO = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).parent / "ckpt_programs"
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 TRAIN = [sys.executable, str(REPO / "examples" / "train.py"), *TINY.split()]
+CLAIM_OUT = [sys.executable, str(PROGRAMS / "claim_out.py")]
 FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _programs_forked_warm(warm_server_socket):
+    """TRAIN and CLAIM_OUT start through the session's warm server: each is a fork that joins
+    its host's network, mount and UTS namespaces (fsdp_ext/warm), so it holds --out under
+    that host's name and boot id, and a host paused or powered off takes it along. Who owns
+    --out is the subject here, and the programs' imports were most of the module's CPU.
+    Fresh interpreters where that matters: a clock skewed by libfaketime (LD_PRELOAD loads
+    only into a new process), and the launcher-record test (it needs the program's pid)."""
+    client = [sys.executable, str(CLIENT), "--socket", warm_server_socket]
+    for argv in (TRAIN, CLAIM_OUT):
+        argv[:1] = client
+    yield
+    for argv in (TRAIN, CLAIM_OUT):
+        argv[: len(client)] = [sys.executable]
 
 
 def _lines_until(proc: subprocess.Popen, needle: str, timeout: float = 120) -> list[str]:
@@ -139,8 +157,9 @@ def test_a_paused_owner_is_fenced_and_the_claimant_keeps_its_own_chain(tmp_path)
 
 
 def _claimant(env: dict, root: Path, lease: float) -> subprocess.Popen:
+    program = [sys.executable, CLAIM_OUT[-1]] if "LD_PRELOAD" in env else CLAIM_OUT
     return subprocess.Popen(
-        [sys.executable, str(PROGRAMS / "claim_out.py"), str(root), str(lease), "try"],
+        [*program, str(root), str(lease), "try"],
         env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -244,7 +263,7 @@ def test_a_holder_is_on_this_machine_only_with_its_name_and_boot_id(tmp_path, na
     owner = start_on_host(
         tmp_path,
         name,
-        [sys.executable, str(PROGRAMS / "claim_out.py"), str(root), str(lease), "hold"],
+        [*CLAIM_OUT, str(root), str(lease), "hold"],
         env=ENV,
         own_boot=own_boot,
         stdout=subprocess.PIPE,
