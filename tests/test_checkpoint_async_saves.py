@@ -258,7 +258,9 @@ def test_async_saves_killed_at_every_point_resume_bit_for_bit(tmp_path, warm_ser
     assert all(not any(p.iterdir()) for p in work)
 
 
-def test_sigterm_to_the_launcher_during_a_background_write_and_resume(tmp_path):
+def test_sigterm_to_the_launcher_during_a_background_write_and_resume(tmp_path, warm_server_socket):
+    """The workers are forks of the session's warm server, which join the job's mount
+    namespace (its own /dev/shm); torchrun's SIGTERM reaches them through their clients."""
     args = [*TINY.split(), "--steps", "8", "--ckpt-every", "2", "--keep", "2", "--async-save"]
     out = tmp_path / "run"
     # the job sees a /dev/shm of its own (a bind mount in its own mount namespace), so what it
@@ -276,10 +278,7 @@ def test_sigterm_to_the_launcher_during_a_background_write_and_resume(tmp_path):
         [
             *private_shm,
             *TORCHRUN2,
-            str(REPO / "tests" / "ckpt_programs" / "train_killed_at.py"),
-            *args,
-            "--out",
-            str(out),
+            *client_argv(warm_server_socket, [str(PROGRAM), *args, "--out", str(out)]),
         ],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -287,17 +286,20 @@ def test_sigterm_to_the_launcher_during_a_background_write_and_resume(tmp_path):
         text=True,
     )
     try:
+        seen = []
         for line in launcher.stderr:
+            seen.append(line)
             if line.startswith("paused:"):
                 break
         else:
             raise AssertionError(f"never paused; exit {launcher.wait()}")
         launcher.send_signal(signal.SIGTERM)
-        launcher.communicate(timeout=120)
+        _, rest = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode != 0
+    assert "fresh interpreter" not in "".join(seen) + rest  # the workers were forks
     root = out / "checkpoints"
     assert checkpoint_steps(root) == []  # the write stopped before its commit: not visible
     assert os.listdir(shm) == []  # nothing staged in shared memory

@@ -15,6 +15,7 @@ from examples.model import ModelConfig
 from examples.train import TrainConfig, parse_args, train
 from fsdp_ext import CommConfig, verify_checkpoint
 from fsdp_ext.testing import run_distributed
+from fsdp_ext.warm import CLIENT
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW = pytest.mark.slow  # the same check runs in process below, by default
@@ -67,9 +68,21 @@ def test_two_ranks_learn():
     assert after["losses"] == ranks[1]["losses"] and after["val_loss"] == ranks[1]["val_loss"]
 
 
+PYTHON = [sys.executable]  # how train.py starts in _cli: forked warm (the fixture below)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cli_forked_warm(warm_server_socket):
+    """The CLI runs below are forks of the session's warm server (fsdp_ext/warm): the same
+    train.py, its parse errors and its one-line messages, without torch's imports each."""
+    PYTHON[:] = [sys.executable, str(CLIENT), "--socket", warm_server_socket]
+    yield
+    PYTHON[:] = [sys.executable]
+
+
 def _cli(args, **env):
     return subprocess.run(
-        [sys.executable, str(REPO / "examples" / "train.py"), *args],
+        [*PYTHON, str(REPO / "examples" / "train.py"), *args],
         capture_output=True,
         text=True,
         env={**os.environ, **env},
