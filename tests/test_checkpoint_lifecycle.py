@@ -32,8 +32,8 @@ from fsdp_ext.checkpoint.lock import RELEASED, LockOwner, acquire, lock_path, re
 from fsdp_ext.job import load_intact
 from fsdp_ext.job.ownership import claim
 from fsdp_ext.job.resume import SKIPPED_RECORD
-from fsdp_ext.warm import CLIENT
 from tests.host_helpers import power_off, require_unshare, start_on_host
+from tests.warm_helpers import forked_warm
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).parent / "ckpt_programs"
@@ -47,9 +47,8 @@ def _holders_forked_warm(warm_server_socket):
     server (fsdp_ext/warm): forks that join the host's network, mount and UTS namespaces,
     without paying torch's imports. The pid-namespace test keeps fresh interpreters (a fork
     of the server would not be in the new pid namespace)."""
-    PYTHON[:] = [sys.executable, str(CLIENT), "--socket", warm_server_socket]
-    yield
-    PYTHON[:] = [sys.executable]
+    with forked_warm(warm_server_socket, PYTHON):
+        yield
 
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -22,10 +22,10 @@ from fsdp_ext.checkpoint.fence import OWNER_DIR, DirectoryFencedError, generatio
 from fsdp_ext.checkpoint.lock import RELEASED, LockOwner, read_beat
 from fsdp_ext.checkpoint.manifest import MANIFEST_NAME
 from fsdp_ext.job.ownership import claim
-from fsdp_ext.warm import CLIENT
 from tests.host_helpers import power_off, signal_host, start_on_host
 from tests.test_train_job_life import TINY, contents, same
 from tests.train_flags import train_in_ranks
+from tests.warm_helpers import forked_warm
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).parent / "ckpt_programs"
@@ -45,12 +45,8 @@ def _programs_forked_warm(warm_server_socket):
     --out is the subject here, and the programs' imports were most of the module's CPU.
     Fresh interpreters where that matters: a clock skewed by libfaketime (LD_PRELOAD loads
     only into a new process), and the launcher-record test (it needs the program's pid)."""
-    client = [sys.executable, str(CLIENT), "--socket", warm_server_socket]
-    for argv in (TRAIN, CLAIM_OUT):
-        argv[:1] = client
-    yield
-    for argv in (TRAIN, CLAIM_OUT):
-        argv[: len(client)] = [sys.executable]
+    with forked_warm(warm_server_socket, TRAIN, CLAIM_OUT):
+        yield
 
 
 def _lines_until(proc: subprocess.Popen, needle: str, timeout: float = 120) -> list[str]:

@@ -15,7 +15,7 @@ from examples.model import ModelConfig
 from examples.train import TrainConfig, parse_args, train
 from fsdp_ext import CommConfig, verify_checkpoint
 from fsdp_ext.testing import run_distributed
-from fsdp_ext.warm import CLIENT
+from tests.warm_helpers import forked_warm
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW = pytest.mark.slow  # the same check runs in process below, by default
@@ -75,9 +75,8 @@ PYTHON = [sys.executable]  # how train.py starts in _cli: forked warm (the fixtu
 def _cli_forked_warm(warm_server_socket):
     """The CLI runs below are forks of the session's warm server (fsdp_ext/warm): the same
     train.py, its parse errors and its one-line messages, without torch's imports each."""
-    PYTHON[:] = [sys.executable, str(CLIENT), "--socket", warm_server_socket]
-    yield
-    PYTHON[:] = [sys.executable]
+    with forked_warm(warm_server_socket, PYTHON):
+        yield
 
 
 def _cli(args, **env):

@@ -9,13 +9,26 @@ import sys
 
 import pytest
 
+from tests.warm_helpers import forked_warm
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+PYTHON = [sys.executable]  # forked warm (the fixture below)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cli_forked_warm(warm_server_socket):
+    """The CLI and the benchmark run as forks of the session's warm server (fsdp_ext/warm):
+    the same programs and messages, without torch's imports each."""
+    with forked_warm(warm_server_socket, PYTHON):
+        yield
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": REPO}
     return subprocess.run(
-        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        [*PYTHON, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from fsdp_ext.warm import server_argv
+from fsdp_ext.warm import CLIENT, server_argv
 
 READY_S = 180.0  # the server imports torch before it forks (12-37 s on a loaded machine)
 
@@ -43,3 +43,18 @@ def warm_server(
         finally:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def forked_warm(socket_path: str, *argvs: list[str]) -> Iterator[None]:
+    """Within: each of ``argvs`` (a command line that starts with ``sys.executable``; changed
+    in place) starts its program through the warm client on ``socket_path``, a fork of that
+    server, instead of a fresh interpreter; fresh again after."""
+    client = [sys.executable, str(CLIENT), "--socket", socket_path]
+    for argv in argvs:
+        argv[:1] = client
+    try:
+        yield
+    finally:
+        for argv in argvs:
+            argv[: len(client)] = [sys.executable]
