@@ -30,7 +30,8 @@ from tests.warm_helpers import forked_warm
 REPO = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).parent / "ckpt_programs"
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
-TRAIN = [sys.executable, str(REPO / "examples" / "train.py"), *TINY.split()]
+TRAIN_SCRIPT = [str(REPO / "examples" / "train.py"), *TINY.split()]
+TRAIN = [sys.executable, *TRAIN_SCRIPT]  # forked warm in this module (the fixture below)
 CLAIM_OUT = [sys.executable, str(PROGRAMS / "claim_out.py")]
 FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
@@ -627,13 +628,14 @@ def test_snapshots_that_do_not_fit_are_skipped_and_nothing_is_left(tmp_path):
 @pytest.mark.slow
 def test_a_dead_jobs_snapshots_are_cleaned_and_a_live_ones_kept(tmp_path):
     """A job that fails for good leaves its snapshots; clean-snapshots removes those of a
-    job that is provably gone and keeps a live one's; the next start on --out removes its."""
+    job that is provably gone and keeps a live one's; the next start on --out removes its.
+    Fresh interpreters: the snapshots name their job's pid, the process started here."""
     ram = tmp_path / "ram"
     env = {**ENV, "FSDP_EXT_SNAPSHOT_ROOT": str(ram)}
     long = ["--steps", "100000", "--ckpt-every", "2", "--snapshot-every", "1"]
     jobs = {
         name: subprocess.Popen(
-            [*TRAIN, *long, "--out", str(tmp_path / name)],
+            [sys.executable, *TRAIN_SCRIPT, *long, "--out", str(tmp_path / name)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
