@@ -26,10 +26,11 @@ if "${pip[@]}" uv 2>/dev/null; then
             "${torch[@]}"
         torch=("$wheels"/torch-*.whl)
     fi
-    # no --compile-bytecode: it compiles all 11,100 modules (about 37 CPU-s), where the
-    # suite and the demo import about 2,200; `make` writes each one's bytecode on first
-    # import instead (PYTHONDONTWRITEBYTECODE is cleared for its Python commands)
-    .venv/bin/python -m uv pip install -q --python .venv/bin/python "${torch[@]}" -e ".[dev,hf]"
+    # --compile-bytecode: all 11,100 modules (about 37 CPU-s, on every core), once; without
+    # it each process of the test suite's first run that imports a module before its
+    # bytecode exists compiles it again (the cold run's penalty: docs/testing.md)
+    .venv/bin/python -m uv pip install -q --compile-bytecode --python .venv/bin/python \
+        "${torch[@]}" -e ".[dev,hf]"
 else
     [[ ${#torch[@]} -eq 0 ]] || "${pip[@]}" "${torch[@]}"
     "${pip[@]}" -e ".[dev,hf]"
