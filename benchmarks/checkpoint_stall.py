@@ -36,8 +36,10 @@ for its previous save, as each library requires. Per save (median over the run's
                         background thread done); 0 for the synchronous writers
   step_slowdown         rank 0's median step time (forward, backward, clip, optimizer; the
                         save itself excluded) over steps that ran while a write was in flight,
-                        over its median over steps that overlapped no save at all, in the same
-                        run; null for the synchronous writers (no step overlaps their write)
+                        over its median over the steps between the saves that overlapped no
+                        save at all (the same minutes of the same run: the clean phase before
+                        the first save is reported apart, step_ms_clean_phase); null for the
+                        synchronous writers (no step overlaps their write)
   staging_over_state    the peak RSS growth that saving caused, over the state's bytes: read
                         from outside in /proc/PID/status. After warm-up the parent resets each
                         rank's VmHWM (clear_refs 5), the ranks train ``clean`` steps without a
@@ -46,14 +48,17 @@ for its previous save, as each library requires. Per save (median over the run's
                         bytes summed over ranks. Helper processes (DCP's checkpoint daemon,
                         torch-checkpointing's writers) are reported apart, as their own VmHWM
                         (an interpreter with torch, plus what they map). For ours also from
-                        ``Checkpointer.stats.staging_bytes``.
+                        ``Checkpointer.stats.staging_bytes``. On S3, each writer's client is
+                        made before the reset (``open_storage``): a library, not staging.
 
 In the cluster lab (``--lab``, root; ``python -m fsdp_ext.lab``, docs/cluster.md) each writer
 runs as a job of its own on ``--world`` emulated nodes of one rank each, the links between nodes
 capped at ``--lab-fabric`` Mbit/s, each node's link to the storage node at ``--lab-link``
-Mbit/s, the checkpoints on the lab's shared sshfs directory or (``--storage s3``) its S3
-server (SeaweedFS; ours through the blob layer, stock DCP through s3fs's ``FsspecWriter``,
-which ``--s3fs-path`` provides; torch-checkpointing writes to local files only and is
+Mbit/s, the storage node's servers at nice ``--lab-storage-nice`` (19: a storage machine of
+its own, which takes no CPU the ranks could use; 0: an even share of the ranks' cores),
+the checkpoints on the lab's shared sshfs directory or (``--storage s3``) its S3 server
+(SeaweedFS; ours through the blob layer, stock DCP through s3fs's ``FsspecWriter``, which
+``--s3fs-path`` provides; torch-checkpointing writes to local files only and is
 skipped). The ranks read their own /proc (no parent on their host) and rank 0 prints each
 writer's row; the JSON adds ``lab`` (storage, link rates, bytes each node sent to storage).
 
@@ -176,6 +181,24 @@ def stock_writer(root: str, step: int):
 
     fsspec_writer, _ = fsspec_writer_and_reader()
     return fsspec_writer(location, sync_files=False, endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+
+
+def open_storage(writer: str, root: str) -> None:
+    """On S3, make the writer's storage client and send it one request (a listing of the
+    location) before the memory readings start: a long run makes it once, and its RSS is
+    not staging (boto3's S3 client alone is about 26 MB here, 0.2x this run's state per
+    rank). Stock's s3fs filesystem is cached by its arguments, so its writer reuses it."""
+    if not root.startswith("s3://"):
+        return
+    if writer.startswith("stock"):
+        import fsspec
+
+        fs = fsspec.filesystem("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+        fs.ls(root[len("s3://") :].split("/", 1)[0])
+    else:
+        from fsdp_ext.checkpoint.location import blob_store_for
+
+        blob_store_for(root).list("")
 
 
 class StockSync(_Saver):
@@ -501,6 +524,7 @@ def worker(args: argparse.Namespace) -> None:
     for _ in range(args.warmup):  # the optimizer's state exists after the first
         train_step("warmup")
     nbytes = state_bytes(model, optimizer)
+    open_storage(args.worker, args.dir)
     dist.barrier()
     hold("ready")  # the parent resets VmHWM
     for _ in range(args.clean):
@@ -713,7 +737,13 @@ def summarize_writer(writer: str, run: dict) -> dict:
     def overlaps(step: dict, spans: list[tuple[float, float]]) -> bool:
         return any(step["start"] < end and step["end"] > start for start, end in spans)
 
-    clean = [s["s"] for s in measured if not overlaps(s, windows)]
+    # the control is the timed part's own steps that overlap no save: this machine's speed
+    # drifts by 10-15 % within minutes (one run's clean phase 900 ms a step, its timed
+    # part's steps without a write 1060), so the clean phase before the first save would
+    # count the drift as the write's
+    free = [s for s in measured if not overlaps(s, windows)]
+    clean = [s["s"] for s in free if s["phase"] == "run"] or [s["s"] for s in free]
+    clean_phase = [s["s"] for s in measured if s["phase"] == "clean"]
     during = [s["s"] for s in measured if overlaps(s, writing)]
     slowdown = None
     if writer not in SYNC_WRITERS and during and clean:
@@ -731,6 +761,7 @@ def summarize_writer(writer: str, run: dict) -> dict:
         "blocked_ms_per_save": [round(b * 1e3, 1) for b in blocked],
         "background_s_per_save": [round(b, 3) for b in background],
         "step_ms_clean": _round(_median(clean) * 1e3 if clean else None, 1),
+        "step_ms_clean_phase": _round(_median(clean_phase) * 1e3 if clean_phase else None, 1),
         "step_ms_during_write": _round(_median(during) * 1e3 if during else None, 1),
         "steps_clean": len(clean),
         "steps_during_write": len(during),
@@ -841,6 +872,7 @@ def lab_main(args: argparse.Namespace, sizes: dict, writers: list[str], skipped:
         storage_link=f"{args.lab_link}mbit",
         storage=args.storage,
         timeout=args.timeout,
+        storage_nice=args.lab_storage_nice,
     ) as lab:
         if args.lab_echo:
             print(f"lab: {lab.describe()}", file=sys.stderr, flush=True)
@@ -873,6 +905,7 @@ def lab_main(args: argparse.Namespace, sizes: dict, writers: list[str], skipped:
         "ranks_per_node": 1,
         "storage_link_mbit": args.lab_link,
         "fabric_link_mbit": args.lab_fabric,
+        "storage_nice": args.lab_storage_nice,
         "job_s": job_s,
         "storage_sent_mb_per_node": storage_mb,
     }
@@ -978,6 +1011,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lab-fabric", type=int, default=1000, help="with --lab: the links between nodes, Mbit/s"
     )
+    parser.add_argument(
+        "--lab-storage-nice",
+        type=int,
+        default=19,
+        choices=range(20),
+        metavar="0-19",
+        help="with --lab: the storage node's servers' nice value; 19 (the default) stands for "
+        "a storage machine of its own, 0 shares the ranks' cores evenly",
+    )
     parser.add_argument("--lab-echo", action="store_true", help="with --lab: node 0's console")
     parser.add_argument(
         "--s3fs-path",
@@ -997,8 +1039,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--plot: a .png file name (leave the flag out for none), got '{args.plot}'")
     if not args.lab and args.worker is None:
         given = [f"--{n.replace('_', '-')}" for n in ("storage", "lab_echo") if getattr(args, n)]
-        given += [f"--{n.replace('_', '-')}" for n, d in (("lab_link", 200), ("lab_fabric", 1000))
-                  if getattr(args, n) != d]  # fmt: skip
+        defaults = (("lab_link", 200), ("lab_fabric", 1000), ("lab_storage_nice", 19))
+        given += [f"--{n.replace('_', '-')}" for n, d in defaults if getattr(args, n) != d]
         if given:
             parser.error(f"{', '.join(given)}: only with --lab")
         return

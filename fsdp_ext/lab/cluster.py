@@ -107,6 +107,12 @@ class Cluster:
     ``warm_spare`` a further warm server, outside the training nodes, stands for a
     pre-booted spare machine: a fresh node that replaces a lost one has its torchrun agent
     and its workers forked from it (see ``fsdp_ext/lab/warm.py``).
+    ``storage_nice`` (0 to 19) is the nice value of the storage node's servers (sshd or
+    weed). The lab's nodes share this machine's cores; a real storage server is a machine
+    of its own. At 19 the servers run on what the ranks leave idle, instead of taking it
+    from them: a benchmark of training beside a save sets it (weed used 0.67 of a core
+    while a 200 Mbit/s save was written, docs/checkpoint.md). The default, 0, shares the
+    cores evenly, so a busy machine cannot starve the servers of a test.
     """
 
     def __init__(
@@ -124,6 +130,7 @@ class Cluster:
         warm_workers: bool = False,
         warm_preload: Sequence[str] = (),
         warm_spare: bool = False,
+        storage_nice: int = 0,
     ):
         if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes must be an int from 1 to {MAX_NODES}, got {nodes!r}")
@@ -149,6 +156,8 @@ class Cluster:
                 "warm_spare needs warm_workers=True and storage (the spare runs in the "
                 "storage namespace)"
             )
+        if isinstance(storage_nice, bool) or storage_nice not in range(20):
+            raise ValueError(f"storage_nice must be an int from 0 to 19, got {storage_nice!r}")
         service = storage_service(storage)
         if shared_dir is not None and service != "sshfs":
             raise ValueError(
@@ -165,6 +174,7 @@ class Cluster:
         )
         self.storage = service is not None
         self.storage_service = service  # "sshfs", "s3" or None
+        self.storage_nice = storage_nice
         self.rdzv = rdzv
         self.timeout = float(timeout)
         self.python = python
@@ -222,11 +232,15 @@ class Cluster:
             return
         if self.storage_service == "s3":
             log = logs / "s3.log"
-            self._services.append(start_s3(self.topology, self.names.workdir, log, self.python))
+            self._services.append(
+                start_s3(self.topology, self.names.workdir, log, self.python, self.storage_nice)
+            )
             return
         self.shared_dir.mkdir(parents=True, exist_ok=True)
         self._server = StorageServer(self.names.workdir, self.shared_dir)
-        self._services.append(start_sshd(self._server, self.topology, logs / "sshd.log"))
+        self._services.append(
+            start_sshd(self._server, self.topology, logs / "sshd.log", self.storage_nice)
+        )
         for node in range(self.nodes):
             self._mounts.append(self._mount(node))
 

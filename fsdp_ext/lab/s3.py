@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from fsdp_ext.lab.network import STORAGE_HOST, Topology
-from fsdp_ext.lab.system import LabCommandError, start_daemon
+from fsdp_ext.lab.system import LabCommandError, niced, start_daemon
 
 __all__ = [
     "S3_BUCKET",
@@ -106,9 +106,11 @@ def lab_s3_env(base: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def start_s3(topology: Topology, workdir: Path, log: Path, python: str) -> subprocess.Popen:
-    """``weed server`` in the foreground inside the storage namespace, its data in
-    ``workdir``; returns once the bucket ``lab`` exists and an object put there reads back
+def start_s3(
+    topology: Topology, workdir: Path, log: Path, python: str, nice: int = 0
+) -> subprocess.Popen:
+    """``weed server`` in the foreground inside the storage namespace, at ``nice``, its
+    data in ``workdir``; returns once the bucket ``lab`` exists and an object put there reads back
     (checked from the storage namespace's own loopback, so no byte crosses a node link)."""
     weed = weed_binary(python)
     if weed is None:
@@ -122,7 +124,7 @@ def start_s3(topology: Topology, workdir: Path, log: Path, python: str) -> subpr
     ns = topology.storage_namespace
     # the namespace is the run's own: the default ports are free in it; the inner servers
     # stay on its loopback, the S3 gateway listens on every storage link
-    argv = ["ip", "netns", "exec", ns, weed, "server", "-dir", str(data)]
+    argv = [*niced(nice), "ip", "netns", "exec", ns, weed, "server", "-dir", str(data)]
     argv += ["-ip", "127.0.0.1", "-ip.bind", "127.0.0.1"]
     argv += ["-s3", "-s3.port", str(S3_PORT), "-s3.ip.bind", "0.0.0.0", "-s3.config", str(creds)]
     argv += ["-s3.port.iceberg", "0", "-s3.port.lance", "0", "-s3.autoCreateBucket=false"]

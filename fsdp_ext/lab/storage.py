@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fsdp_ext.lab.network import Topology, storage_addresses
 from fsdp_ext.lab.requirements import SSHD
-from fsdp_ext.lab.system import LabCommandError, run_tool, start_daemon
+from fsdp_ext.lab.system import LabCommandError, niced, run_tool, start_daemon
 
 __all__ = [
     "SSHFS_OPTIONS",
@@ -72,13 +72,17 @@ class StorageServer:
         return config
 
 
-def start_sshd(server: StorageServer, topology: Topology, log: Path) -> subprocess.Popen:
-    """sshd in the foreground inside the storage namespace; returns once it listens."""
+def start_sshd(
+    server: StorageServer, topology: Topology, log: Path, nice: int = 0
+) -> subprocess.Popen:
+    """sshd in the foreground inside the storage namespace, at ``nice`` (its sessions
+    inherit it); returns once it listens."""
     config = server.write_config(topology)
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation dir
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [
+                *niced(nice),
                 "ip",
                 "netns",
                 "exec",

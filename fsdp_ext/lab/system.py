@@ -6,7 +6,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["LabCommandError", "run_tool", "start_daemon"]
+__all__ = ["LabCommandError", "niced", "run_tool", "start_daemon"]
 
 
 class LabCommandError(RuntimeError):
@@ -25,6 +25,11 @@ def run_tool(
     if check and done.returncode != 0:
         raise LabCommandError(f"{' '.join(argv)}: {done.stderr.strip() or done.returncode}")
     return done
+
+
+def niced(nice: int) -> list[str]:
+    """The argv prefix that runs a command at ``nice`` (none at 0)."""
+    return ["nice", "-n", str(nice)] if nice else []
 
 
 def start_daemon(argv: Sequence[str], log: Path, *, cwd: Path | None = None) -> subprocess.Popen:
