@@ -196,7 +196,7 @@ def open_storage(writer: str, root: str) -> None:
         fs = fsspec.filesystem("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
         fs.ls(root[len("s3://") :].split("/", 1)[0])
     else:
-        from fsdp_ext.checkpoint.location import blob_store_for
+        from fsdp_ext.checkpoint import blob_store_for
 
         blob_store_for(root).list("")
 

@@ -31,7 +31,7 @@ import signal
 import socket
 import sys
 
-from wire import receive, send
+from wire import NAMESPACES, receive, send
 
 __all__ = ["CLIENT_ENV", "FORWARDED", "SOCKET_ENV", "main"]
 
@@ -62,9 +62,6 @@ def _die_with_launcher(launcher: int) -> None:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != launcher:
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-NAMESPACES = ("net", "mnt", "uts")  # the worker joins them: its network, files and host name
 
 
 def _namespaces() -> list[int]:

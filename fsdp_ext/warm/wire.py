@@ -10,9 +10,12 @@ import json
 import socket
 import struct
 
-__all__ = ["MAX_FDS", "receive", "send"]
+__all__ = ["MAX_FDS", "NAMESPACES", "receive", "send"]
 
-MAX_FDS = 6  # stdin, stdout, stderr, and the client's network, mount and UTS namespaces
+# the client's namespaces whose descriptors follow its stdio, in this order; the worker joins
+# them: its network, files and host name
+NAMESPACES = ("net", "mnt", "uts")
+MAX_FDS = 3 + len(NAMESPACES)  # stdin, stdout, stderr, then NAMESPACES
 _HEAD = struct.Struct("!I")
 
 

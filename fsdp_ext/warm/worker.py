@@ -37,6 +37,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from wire import NAMESPACES
+
 __all__ = ["Request", "become", "show_environ"]
 
 
@@ -94,7 +96,7 @@ def _join(namespaces: list[int]) -> None:
     process's (a single-threaded fork may join a mount namespace): a worker for a client on
     another emulated host sees that host's files, boot id and host name."""
     libc = ctypes.CDLL(None, use_errno=True)
-    for fd, kind in zip(namespaces, ("net", "mnt", "uts"), strict=True):
+    for fd, kind in zip(namespaces, NAMESPACES, strict=True):
         other = os.fstat(fd).st_ino != os.stat(f"/proc/self/ns/{kind}").st_ino
         if other and libc.setns(fd, 0) != 0:
             err = ctypes.get_errno()
