@@ -75,8 +75,8 @@ CONNECT_TIMEOUT_S = 5.0
 # a streamed put above this many bytes is a multipart upload of parts this size (S3: at least
 # 5 MiB but the last, at most 10,000 parts; they double every 1000 here, so 8 MiB parts hold
 # 8 TB); FSDP_EXT_S3_PART_BYTES or part_bytes= sets it. 8 MiB is boto3's own multipart chunk.
-# Each upload thread holds one part: 64 MiB parts held 4 x 64 MiB per rank and, behind a
-# 200 Mbit/s link, were sent again in part (docs/checkpoint.md, "S3's part size")
+# A part is sent from the stream's own memory (_Part); 64 MiB parts, behind a 200 Mbit/s
+# link, were sent again in part (docs/checkpoint.md, "S3's part size")
 DEFAULT_PART_BYTES = 8 << 20
 PART_BYTES_ENV = "FSDP_EXT_S3_PART_BYTES"
 MIN_PART_BYTES = 5 << 20

@@ -11,7 +11,8 @@ planner=SpreadSavePlanner())`` runs:
    metadata is stock DCP's), to one ``put`` (on S3 a multipart upload above the part size,
    so a file may exceed 5 GB and the rank's memory), on ``thread_count`` threads, computing
    size and CRC-32 over the bytes streamed. A tensor's bytes go as a view of its own memory
-   (``serialize.item_chunks``): the upload holds one part per file, never a whole item;
+   (``serialize.item_chunks``), and S3 sends its parts from those views: no copy of an
+   item or of a part;
 3. the coordinator puts ``.metadata`` and ``.manifest.json`` under the prefix, then commits
    the catalog (``catalog.py``): the only write that makes the save visible, and the last.
    Then it deletes the version the step pointed to before, and every prefix of a dead save.
