@@ -174,6 +174,13 @@ def step_intervals_ms(steps: list[dict], warmup: int) -> list[float]:
     return [(b - a) * 1e3 for a, b in itertools.pairwise(times)]
 
 
+def forward_intervals_ms(steps: list[dict], warmup: int) -> list[float]:
+    """The forwards' durations in the steps of :func:`step_intervals_ms` (cumulative
+    ``fwd_t``: from the step's start to the model's forward returning)."""
+    times = [s["fwd_t"] for s in steps[warmup:]]
+    return [(b - a) * 1e3 for a, b in itertools.pairwise(times)]
+
+
 def summarize(records: list[dict], nodes: int, ranks_per_node: int, warmup: int) -> dict:
     """Step ms, link bytes per step and node (counter and model by kind), losses."""
     by_rank = sorted(records, key=lambda r: r["rank"])
@@ -218,6 +225,12 @@ def summarize(records: list[dict], nodes: int, ranks_per_node: int, warmup: int)
         "comm_auto": by_rank[0].get("comm_auto"),
         "comm_auto_probe_s": by_rank[0].get("comm_auto_probe_s"),
     }
+    if "fwd_t" in steps[-1]:  # the forward's share, where the rank program recorded it
+        out["forward_ms"] = statistics.median(forward_intervals_ms(steps, warmup))
+        leads = [r for r in by_rank if r["steps"][-1].get("fwd_tx") is not None]
+        out["forward_link_bytes_per_step"] = statistics.mean(
+            (r["steps"][last]["fwd_tx"] - r["steps"][first]["fwd_tx"]) / span for r in leads
+        )
     stats = [r["comm_stats"] for r in by_rank]
     if stats[0] is not None:
         out["commstats_vs_counter_rel_err"] = commstats_error(

@@ -72,10 +72,17 @@ def _snapshot(wire: WireCounter, elapsed: float) -> dict:
     return {"t": elapsed, "cpu": cpu, "link": link_counters(), "cross": cross_node_bytes(wire)}
 
 
-def _advance(total: dict, before: dict, after: dict) -> dict:
-    """``total`` moved on by what happened between two snapshots."""
+def _advance(total: dict, before: dict, after: dict, forward_end: dict | None = None) -> dict:
+    """``total`` moved on by what happened between two snapshots; ``forward_end``, taken
+    when the model's forward returned, also moves on the forward's share (``fwd_t``, and
+    ``fwd_tx``: the link bytes sent in the forward, on a node's local rank 0)."""
     out = {"t": total["t"] + after["t"] - before["t"], "cross": dict(total["cross"])}
     out["cpu"] = total["cpu"] + after["cpu"] - before["cpu"]
+    if forward_end is not None:
+        out["fwd_t"] = total.get("fwd_t", 0.0) + forward_end["t"] - before["t"]
+        if before["link"] is not None:
+            sent = forward_end["link"]["tx"] - before["link"]["tx"]
+            out["fwd_tx"] = total.get("fwd_tx", 0) + sent
     for kind in KINDS:
         out["cross"][kind] += after["cross"][kind] - before["cross"][kind]
     out["link"] = None
@@ -102,6 +109,8 @@ def rotate(spec: dict, wire: WireCounter) -> None:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     jobs = {}
+    forward_ends: dict[str, dict] = {}
+    start = time.perf_counter()
     for name, args in spec["runs"]:
         cfg = parse_args([*spec["common"], *args], world_size=world)
         cfg = dataclasses.replace(cfg, verbose=False)
@@ -115,6 +124,12 @@ def rotate(spec: dict, wire: WireCounter) -> None:
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, train.lr_lambda(cfg))
         jobs[name] = (cfg, par, params, opt, sched)
+        if len(par.parts) == 1:  # the forward's end: the root module's forward hook
+            par.parts[0].register_forward_hook(
+                lambda *_, name=name: forward_ends.__setitem__(
+                    name, _snapshot(wire, time.perf_counter() - start)
+                )
+            )
     corpus = load_corpus()
     names = list(jobs)
     cfg0 = jobs[names[0]][0]
@@ -126,7 +141,6 @@ def rotate(spec: dict, wire: WireCounter) -> None:
         )
         return x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
 
-    start = time.perf_counter()
     totals = {name: [_snapshot(wire, 0.0)] for name in names}
     losses = {name: [] for name in names}
     for step in range(cfg0.steps):
@@ -134,6 +148,7 @@ def rotate(spec: dict, wire: WireCounter) -> None:
         for name in names[step % len(names) :] + names[: step % len(names)]:
             cfg, par, params, opt, sched = jobs[name]
             dist.barrier()
+            forward_ends.pop(name, None)
             before = _snapshot(wire, time.perf_counter() - start)
             losses[name].append(par.train_step(x, y))
             clip_grad_norm_(params, cfg.grad_clip)
@@ -142,7 +157,8 @@ def rotate(spec: dict, wire: WireCounter) -> None:
             sched.step()
             dist.barrier()  # the step ends when its slowest rank is done
             after = _snapshot(wire, time.perf_counter() - start)
-            totals[name].append(_advance(totals[name][-1], before, after))
+            end = forward_ends.get(name)
+            totals[name].append(_advance(totals[name][-1], before, after, end))
     for index, name in enumerate(names):
         cfg, par, *_ = jobs[name]
         with torch.no_grad():

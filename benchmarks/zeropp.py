@@ -27,6 +27,13 @@ communication hides wholly behind compute, or the link is busy all the time). Th
 bytes are checked against the hand formula of :func:`predicted_bytes` per node (a ring
 all-gather crosses the node boundary once per node, ``(W - 1)`` payloads; each of the ``r``
 ranks sends its own all-to-all rows across), from the shards of a one-step local run.
+
+That limit pools the step's link time with all of its compute. The data do not allow it: a
+forward's weight gathers need the weights the last optimizer step wrote, so they can hide
+behind the forward's compute only. The rank program also times each forward (to the model's
+forward returning) and reads the link bytes sent in it, and ``dependency_bound_ms_<R>`` is
+``max(loopback forward, forward link time) + max(loopback rest, the rest's link time)``;
+``zeropp_over_dependency_bound_<R>`` is the step over it.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-from benchmarks.cluster import run_job, step_intervals_ms  # noqa: E402
+from benchmarks.cluster import forward_intervals_ms, run_job, step_intervals_ms  # noqa: E402
 from benchmarks.cluster import summarize as summarize_lab  # noqa: E402
 from examples.train import TrainConfig, parallelize, train  # noqa: E402
 from fsdp_ext.lab import (  # noqa: E402
@@ -248,13 +255,33 @@ def node_link_formula(predicted: dict[str, int]) -> int:
     return predicted["all_gather_inter"] + NODE * predicted["all_to_all_inter"]
 
 
-def limit_keys(loopback_ms: float, rows: dict[int, dict], formula_bytes: int) -> dict:
+def dependency_bound_ms(
+    loopback_ms: float, loopback_forward_ms: float, link_ms: float, forward_link_ms: float
+) -> float:
+    """The shortest step that the data allow: a forward's weight gathers need the weights
+    the last optimizer step wrote, so the forward's link time can hide only behind the
+    forward's compute, and the backward's (LoCo's all-to-all) behind the backward's and the
+    optimizer's. ``max(loopback step, link)`` takes both as one pool; this bound cannot."""
+    forward = max(loopback_forward_ms, forward_link_ms)
+    return forward + max(loopback_ms - loopback_forward_ms, link_ms - forward_link_ms)
+
+
+def limit_keys(
+    loopback_ms: float,
+    rows: dict[int, dict],
+    formula_bytes: int,
+    loopback_forward_ms: float | None = None,
+) -> dict:
     """The ``--limit`` JSON keys from the loopback step (ms) and, per rate in Mbit/s, the lab
-    run's median step (``step_ms``) and link bytes per step and node (``link_bytes``)."""
+    run's median step (``step_ms``) and link bytes per step and node (``link_bytes``).
+    With the loopback's forward (ms) and a row's ``forward_link_bytes`` (sent while the
+    forward ran), also :func:`dependency_bound_ms` and the step over it."""
     out: dict = {
         "loopback_step_ms": round(loopback_ms, 1),
         "link_bytes_per_step_formula": formula_bytes,
     }
+    if loopback_forward_ms is not None:
+        out["loopback_forward_ms"] = round(loopback_forward_ms, 1)
     for mbit, row in sorted(rows.items()):
         link_ms = row["link_bytes"] * 8 / (mbit * 1e6) * 1e3
         limit = max(loopback_ms, link_ms)
@@ -266,6 +293,12 @@ def limit_keys(loopback_ms: float, rows: dict[int, dict], formula_bytes: int) ->
         )
         out[f"limit_ms_{mbit}"] = round(limit, 1)
         out[f"zeropp_over_limit_{mbit}"] = round(row["step_ms"] / limit, 4)
+        if loopback_forward_ms is not None and "forward_link_bytes" in row:
+            forward_link_ms = row["forward_link_bytes"] * 8 / (mbit * 1e6) * 1e3
+            bound = dependency_bound_ms(loopback_ms, loopback_forward_ms, link_ms, forward_link_ms)
+            out[f"forward_link_ms_{mbit}"] = round(forward_link_ms, 1)
+            out[f"dependency_bound_ms_{mbit}"] = round(bound, 1)
+            out[f"zeropp_over_dependency_bound_{mbit}"] = round(row["step_ms"] / bound, 4)
         if "cpu_floor_ms" in row:
             out[f"cpu_floor_ms_{mbit}"] = round(row["cpu_floor_ms"], 1)
             out[f"step_over_cpu_floor_{mbit}"] = round(row["step_ms"] / row["cpu_floor_ms"], 4)
@@ -309,9 +342,11 @@ def measure_limit(
             cpu = sum(r["steps"][-1]["cpu"] - r["steps"][warmup]["cpu"] for r in ranks)
             span = len(lead["steps"]) - 1 - warmup
             loopback_floor.append(round(cpu_floor_ms(cpu / span), 1))
+            loopback_forward.append(statistics.median(forward_intervals_ms(lead["steps"], warmup)))
             return statistics.median(step_intervals_ms(lead["steps"], warmup))
 
         loopback_floor: list[float] = []
+        loopback_forward: list[float] = []
         loopback_each = [loopback()]
         rows, loads, compared = {}, {}, {}
         nodes = WORLD // NODE
@@ -332,6 +367,7 @@ def measure_limit(
                     "step_ms": lab_row["step_ms"],
                     "link_bytes": lab_row["link_bytes_per_step"],
                     "cpu_floor_ms": cpu_floor_ms(lab_row["cpu_s_per_step"]),
+                    "forward_link_bytes": lab_row["forward_link_bytes_per_step"],
                 }
                 loads[str(mbit)] = [round(before, 2), round(os.getloadavg()[0], 2)]
                 print(
@@ -355,7 +391,8 @@ def measure_limit(
         "rates_mbit": rates,
         "load": load,
         "load_per_rate": loads,
-        **limit_keys(loopback_ms, rows, formula),
+        "loopback_forward_ms_each": [round(t, 1) for t in loopback_forward],
+        **limit_keys(loopback_ms, rows, formula, statistics.fmean(loopback_forward)),
         **compared,
     }
 

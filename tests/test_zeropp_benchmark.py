@@ -69,6 +69,63 @@ def test_limit_keys_and_the_node_formula():
     )
 
 
+def test_the_dependency_bound_keeps_each_phase_s_link_time_in_its_phase():
+    """The forward's gathers hide only behind the forward (its weights come from the last
+    optimizer step), the backward's bytes behind the backward: by hand, 300 ms of loopback
+    step of which 100 ms forward; 1.5 MB on the link per step, 1.0 MB of it in the forward."""
+    from benchmarks.zeropp import dependency_bound_ms, limit_keys
+
+    rows = {
+        25: {"step_ms": 660.0, "link_bytes": 1.5e6, "forward_link_bytes": 1.0e6},
+        100: {"step_ms": 330.0, "link_bytes": 1.5e6, "forward_link_bytes": 1.0e6},
+    }
+    keys = limit_keys(300.0, rows, 1_500_000, loopback_forward_ms=100.0)
+    # 25 Mbit/s: forward max(100, 320) + the rest max(200, 160) = 520 ms; the pooled limit
+    # max(300, 480) = 480 ms would call a step of 520 ms 8 % slow when it is at its bound
+    assert keys["forward_link_ms_25"] == 320.0
+    assert keys["dependency_bound_ms_25"] == 520.0
+    assert keys["zeropp_over_dependency_bound_25"] == round(660 / 520, 4)
+    assert keys["limit_ms_25"] == 480.0
+    # 100 Mbit/s: both phases' link time under their compute: the bound is the loopback step
+    assert keys["dependency_bound_ms_100"] == 300.0 == keys["limit_ms_100"]
+    assert keys["loopback_forward_ms"] == 100.0
+    # the backward's link time is what the forward's does not take; compute bounds each phase
+    assert dependency_bound_ms(300.0, 100.0, 480.0, 40.0) == 100.0 + 440.0
+    assert dependency_bound_ms(300.0, 100.0, 0.0, 0.0) == 300.0
+    # without the forward's figures, no bound is claimed
+    assert not any("dependency" in k for k in limit_keys(300.0, rows, 1_500_000))
+
+
+def test_the_rank_program_splits_each_step_at_the_forward_s_end():
+    """cluster_rank's running totals: the forward's time and link bytes from the snapshot
+    taken when the model's forward returned, summed over steps; only a node's lead reads
+    the link."""
+    from benchmarks.cluster import forward_intervals_ms
+    from benchmarks.cluster_rank import KINDS, _advance
+
+    def snap(t, tx):
+        link = None if tx is None else {"tx": tx, "rx": 0}
+        return {"t": t, "cpu": t, "link": link, "cross": dict.fromkeys(KINDS, 0)}
+
+    total = {**snap(0.0, 0), "fwd_t": 0.0, "fwd_tx": 0}
+    steps = []
+    for k, (fwd, rest, fwd_tx, tx) in enumerate([(0.2, 0.5, 700, 900), (0.3, 0.4, 600, 1000)]):
+        t0 = 10.0 * k
+        total = _advance(
+            total,
+            snap(t0, 5000 * k),
+            snap(t0 + fwd + rest, 5000 * k + tx),
+            snap(t0 + fwd, 5000 * k + fwd_tx),
+        )
+        steps.append(total)
+    assert steps[-1]["t"] == pytest.approx(1.4) and steps[-1]["fwd_t"] == pytest.approx(0.5)
+    assert steps[-1]["fwd_tx"] == 1300 and steps[-1]["link"]["tx"] == 1900
+    assert forward_intervals_ms(steps, 0) == [pytest.approx(300.0)]
+    # a rank that is not its node's lead has no link counters, and no forward bytes
+    other = _advance(snap(0.0, None), snap(0.0, None), snap(1.0, None), snap(0.25, None))
+    assert other["fwd_t"] == 0.25 and "fwd_tx" not in other
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
