@@ -48,6 +48,7 @@ import contextlib
 import functools
 import gc
 import json
+import math
 import multiprocessing
 import os
 import statistics
@@ -282,7 +283,9 @@ def _hf_rank(name: str, steps: int, warmup: int) -> dict:
 
     names = list(runs)
     gc.disable()
-    for i in range(warmup + steps):
+    warm_s = []
+
+    def round_of_steps(i: int) -> None:
         g = torch.Generator().manual_seed(10_000 * i + rank)
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         shift = i % len(names)
@@ -296,6 +299,14 @@ def _hf_rank(name: str, steps: int, warmup: int) -> dict:
                 run["times"].append(elapsed)
                 for key, value in _wire(counter).items():
                     run["wire"][key] = run["wire"].get(key, 0) + value - before[key]
+            else:
+                warm_s.append(elapsed)
+
+    for i in range(warmup):
+        round_of_steps(i)
+    steps = timed_steps(steps, warm_s)
+    for i in range(warmup, warmup + steps):
+        round_of_steps(i)
     gc.enable()
     counter.close()
     return {
@@ -304,10 +315,24 @@ def _hf_rank(name: str, steps: int, warmup: int) -> dict:
             "params": sum(p.numel() for p in run["model"].parameters()),
             "times": run["times"],
             "losses": run["losses"],
-            **{key: value / steps for key, value in run["wire"].items()},
+            **{key: value / len(run["times"]) for key, value in run["wire"].items()},
         }
         for path, run in runs.items()
     }
+
+
+HF_MIN_TIMED_S = 5.0  # per path: a tiny config's 70 ms steps are scheduler noise one by one
+HF_MAX_STEPS = 200
+
+
+def timed_steps(steps: int, warm_s: list[float]) -> int:
+    """At least ``steps``, and enough that each path's timed steps take ``HF_MIN_TIMED_S``
+    at the warm-up's pace (the slowest rank's, so every rank runs the same count)."""
+    pace = torch.tensor([statistics.median(warm_s) if warm_s else 0.0], dtype=torch.float64)
+    dist.all_reduce(pace, op=dist.ReduceOp.MAX)
+    if float(pace) <= 0:
+        return steps
+    return max(steps, min(HF_MAX_STEPS, math.ceil(HF_MIN_TIMED_S / float(pace))))
 
 
 WIRE_KEYS = (
@@ -341,8 +366,10 @@ def run_hf(names: list[str], steps: int, warmup: int) -> dict:
     for name in names:
         ranks = run_distributed(_hf_rank, HF_WORLD, name, steps, warmup, timeout=3600)
         row = {"params": ranks[0]["default"]["params"]}  # DTensors report global numel
+        timed = len(ranks[0]["default"]["times"])  # steps, or more for a fast config
+        row["timed_steps"] = timed
         for path in HF_PATHS:
-            per_step = [max(r[path]["times"][i] for r in ranks) for i in range(steps)]
+            per_step = [max(r[path]["times"][i] for r in ranks) for i in range(timed)]
             mine = ranks[0][path]
             row[path] = {
                 "units": mine["units"],
@@ -682,7 +709,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--hf", action="store_true", help="only the HF configs: ours vs torch per layer, 4 ranks"
     )
-    parser.add_argument("--hf-steps", type=int, default=6, help="timed steps per policy (6)")
+    parser.add_argument(
+        "--hf-steps", type=int, default=6, help="timed steps per policy (6; more for a fast config)"
+    )
     parser.add_argument(
         "--burners", type=int, default=0, help="--hf: busy processes beside it (loaded runs)"
     )

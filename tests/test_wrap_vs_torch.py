@@ -136,3 +136,25 @@ def test_against_the_tutorial_loop_ours_saves_the_last_layers_backward_gather(ra
             assert Counter(b) - Counter(a) == {last_layer_gather: 1}, f"ours {a} vs torch {b}"
         assert ours["units"] == tutorial["units"]
         assert ours["losses"] == tutorial["losses"]
+
+
+def _timed_steps_on_each_rank(paces: list[list[float]], steps: int) -> int:
+    from benchmarks.wrap import timed_steps
+
+    return timed_steps(steps, paces[dist.get_rank()])
+
+
+def test_a_fast_config_gets_enough_timed_steps_and_every_rank_the_same_count():
+    """benchmarks/wrap.py --hf: a config whose steps take 70 ms is timed for at least
+    HF_MIN_TIMED_S per path at the slowest rank's warm-up pace (5 s / 0.1 s = 50 steps, not
+    rank 0's 5 / 0.05 = 100: the ranks must agree), a slow one keeps --hf-steps, and the count
+    is capped."""
+    from benchmarks.wrap import HF_MAX_STEPS, HF_MIN_TIMED_S
+
+    assert HF_MIN_TIMED_S == 5.0
+    fast = [[0.05, 0.05, 0.06], [0.1, 0.1, 0.2]]  # rank 1's median pace: 0.1 s
+    assert run_distributed(_timed_steps_on_each_rank, 2, fast, 10) == [50, 50]
+    slow = [[5.0, 4.0, 6.0], [5.5, 5.0, 6.0]]
+    assert run_distributed(_timed_steps_on_each_rank, 2, slow, 10) == [10, 10]
+    tiny = [[1e-4] * 3, [1e-4] * 3]
+    assert run_distributed(_timed_steps_on_each_rank, 2, tiny, 10) == [HF_MAX_STEPS] * 2
