@@ -5,6 +5,7 @@ that value, every process on a node (sshfs, its ssh) at the default."""
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,15 @@ def test_the_storage_nodes_servers_run_at_storage_nice_and_the_nodes_at_the_defa
     require_lab()
     with Cluster(1, 1, "100mbit", storage_nice=nice) as lab:
         assert (lab.shared_dir / "seen").write_text("x") == 1  # sshfs has a session open
-        storage = _nice_by_command(lab.topology.storage_namespace)
+        # on a loaded machine the session's process can be between fork and exec, or sshfs
+        # reconnecting, at one reading: read again (for up to 10 s) until it shows
+        deadline = time.monotonic() + 10
+        while True:
+            storage = _nice_by_command(lab.topology.storage_namespace)
+            if len(storage.get("sshd", [])) >= 2 or time.monotonic() > deadline:
+                break
+            (lab.shared_dir / "seen").read_text()
+            time.sleep(0.2)
         node = _nice_by_command(lab.topology.node_namespaces[0])
     # the listener and the node's session (sftp runs inside it: internal-sftp)
     assert len(storage.get("sshd", [])) >= 2, storage
