@@ -182,6 +182,8 @@ def _run_policies(
 
 
 HF_WORLD = 4
+HF_MIN_TIMED_S = 5.0  # per path: a tiny config's 70 ms steps are scheduler noise one by one
+HF_MAX_STEPS = 200
 HF_TINY = dict(
     vocab_size=256,
     hidden_size=64,
@@ -319,10 +321,6 @@ def _hf_rank(name: str, steps: int, warmup: int) -> dict:
         }
         for path, run in runs.items()
     }
-
-
-HF_MIN_TIMED_S = 5.0  # per path: a tiny config's 70 ms steps are scheduler noise one by one
-HF_MAX_STEPS = 200
 
 
 def timed_steps(steps: int, warm_s: list[float]) -> int:

@@ -255,6 +255,11 @@ def node_link_formula(predicted: dict[str, int]) -> int:
     return predicted["all_gather_inter"] + NODE * predicted["all_to_all_inter"]
 
 
+def _link_ms(nbytes: float, mbit: int) -> float:
+    """Milliseconds that ``nbytes`` take on a link of ``mbit`` Mbit/s."""
+    return nbytes * 8 / (mbit * 1e6) * 1e3
+
+
 def dependency_bound_ms(
     loopback_ms: float, loopback_forward_ms: float, link_ms: float, forward_link_ms: float
 ) -> float:
@@ -283,7 +288,7 @@ def limit_keys(
     if loopback_forward_ms is not None:
         out["loopback_forward_ms"] = round(loopback_forward_ms, 1)
     for mbit, row in sorted(rows.items()):
-        link_ms = row["link_bytes"] * 8 / (mbit * 1e6) * 1e3
+        link_ms = _link_ms(row["link_bytes"], mbit)
         limit = max(loopback_ms, link_ms)
         out[f"step_ms_{mbit}"] = round(row["step_ms"], 1)
         out[f"link_ms_{mbit}"] = round(link_ms, 1)
@@ -294,7 +299,7 @@ def limit_keys(
         out[f"limit_ms_{mbit}"] = round(limit, 1)
         out[f"zeropp_over_limit_{mbit}"] = round(row["step_ms"] / limit, 4)
         if loopback_forward_ms is not None and "forward_link_bytes" in row:
-            forward_link_ms = row["forward_link_bytes"] * 8 / (mbit * 1e6) * 1e3
+            forward_link_ms = _link_ms(row["forward_link_bytes"], mbit)
             bound = dependency_bound_ms(loopback_ms, loopback_forward_ms, link_ms, forward_link_ms)
             out[f"forward_link_ms_{mbit}"] = round(forward_link_ms, 1)
             out[f"dependency_bound_ms_{mbit}"] = round(bound, 1)
