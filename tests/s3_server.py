@@ -4,8 +4,8 @@
 gives it its own data directory and eight free ports below the ephemeral range (HTTP and
 gRPC of the master, volume, filer and S3 servers; Iceberg and Lance off), one identity
 from an ``-s3.config`` file, and ``-s3.autoCreateBucket=false`` so that a missing bucket is
-an error as on AWS. It is ready
-once a bucket can be created and an object written and read back (about 3-12 s).
+an error as on AWS. It is ready once a bucket can be created and an object written and read
+back (about 3-12 s).
 :meth:`S3Server.stop` sends SIGTERM and, after a grace period, SIGKILL: ``weed`` takes
 over 10 s to stop on SIGTERM (its volume server waits ``-volume.preStopSeconds``).
 
