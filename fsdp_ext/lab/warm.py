@@ -87,6 +87,13 @@ class WarmServers:
         deadline = time.monotonic() + READY_WAIT_S
         while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
+        if not path.exists() and proc.poll() is not None:  # else every worker would fall
+            log_path = self.workdir / "logs" / f"warm-{node}.log"  # back, silently, to a
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:]  # fresh one
+            raise RuntimeError(
+                f"node {node}'s warm worker server exited with {proc.returncode} before "
+                f"listening: {' '.join(tail) or '(no output)'}"
+            )
         return True
 
     def all(self) -> list[subprocess.Popen]:

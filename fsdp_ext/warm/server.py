@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import importlib.util
 import os
 import select
 import signal
@@ -172,6 +173,16 @@ def main(argv: list[str] | None = None) -> None:
         help="a module to import before forking (repeatable)",
     )
     args = parser.parse_args(argv)
+    # a module name resolves as under ``python -m MODULE``: the working directory, then
+    # PYTHONPATH (after this file's folder, for wire and worker)
+    sys.path.insert(1, os.getcwd())
+    missing = [m for m in args.preload if importlib.util.find_spec(m.partition(".")[0]) is None]
+    if missing:  # before listening: the lab sees the server gone, not workers falling back
+        parser.error(
+            f"--preload {missing[0]}: no module {missing[0].partition('.')[0]!r} from the "
+            f"working directory {os.getcwd()} or PYTHONPATH; start the server where "
+            "`python -m` would find it, or put its folder on PYTHONPATH"
+        )
     _make_room()
     listener = _listen(args.socket)
     seconds = _preload(args.preload)
