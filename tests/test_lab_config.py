@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 from hypothesis import given
@@ -17,6 +18,7 @@ from fsdp_ext.lab.network import MAX_NODES, Topology, node_address
 from fsdp_ext.lab.rates import format_rate
 from fsdp_ext.lab.s3 import lab_s3_env
 from fsdp_ext.lab.system import LabCommandError
+from fsdp_ext.lab.warm import WarmServers
 
 UNITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 
@@ -263,3 +265,12 @@ def test_cli_bad_arguments_are_one_line_errors(argv, match, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert match in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_lab_refuses_to_run_on_a_warm_server_that_died_at_start(tmp_path):
+    """A lab node whose server cannot start is an error, not workers that fall back."""
+    (tmp_path / "logs").mkdir()
+    servers = WarmServers(tmp_path, sys.executable, ("no_such_warm_module",))
+    with pytest.raises(RuntimeError, match=r"node 0's warm worker server exited with 2") as err:
+        servers.ensure(0, lambda argv: argv, dict(os.environ))
+    assert "no module 'no_such_warm_module'" in str(err.value)

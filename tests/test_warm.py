@@ -288,14 +288,3 @@ def test_a_preload_the_server_cannot_find_is_one_clear_error_before_it_listens(t
     assert "--preload no_such_warm_module.sub: no module 'no_such_warm_module'" in done.stderr
     assert f"the working directory {tmp_path}" in done.stderr and "PYTHONPATH" in done.stderr
     assert not path.exists()  # never listened: no client waits on it
-
-
-def test_the_lab_refuses_to_run_on_a_warm_server_that_died_at_start(tmp_path):
-    """A lab node whose server cannot start is an error, not workers that fall back."""
-    from fsdp_ext.lab.warm import WarmServers
-
-    (tmp_path / "logs").mkdir()
-    servers = WarmServers(tmp_path, sys.executable, ("no_such_warm_module",))
-    with pytest.raises(RuntimeError, match=r"node 0's warm worker server exited with 2") as err:
-        servers.ensure(0, lambda argv: argv, dict(os.environ))
-    assert "no module 'no_such_warm_module'" in str(err.value)
