@@ -73,7 +73,8 @@ class WarmServers:
         path = Path(self.socket(node))
         path.parent.mkdir(exist_ok=True)
         path.unlink(missing_ok=True)  # a dead server's: wait for the new one's below
-        log = open(self.workdir / "logs" / f"warm-{node}.log", "a")  # noqa: SIM115 (the child's)
+        log_path = self.workdir / "logs" / f"warm-{node}.log"
+        log = open(log_path, "a")  # noqa: SIM115 (the child's)
         with log:
             proc = subprocess.Popen(
                 command(server_argv(self.python, str(path), self.preload)),
@@ -87,9 +88,10 @@ class WarmServers:
         deadline = time.monotonic() + READY_WAIT_S
         while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        if not path.exists() and proc.poll() is not None:  # else every worker would fall
-            log_path = self.workdir / "logs" / f"warm-{node}.log"  # back, silently, to a
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:]  # fresh one
+        # a server that died before listening (a preload it cannot find) is an error here:
+        # otherwise every worker would fall back, silently, to a fresh interpreter
+        if not path.exists() and proc.poll() is not None:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:]
             raise RuntimeError(
                 f"node {node}'s warm worker server exited with {proc.returncode} before "
                 f"listening: {' '.join(tail) or '(no output)'}"

@@ -176,10 +176,14 @@ def main(argv: list[str] | None = None) -> None:
     # a module name resolves as under ``python -m MODULE``: the working directory, then
     # PYTHONPATH (after this file's folder, for wire and worker)
     sys.path.insert(1, os.getcwd())
-    missing = [m for m in args.preload if importlib.util.find_spec(m.partition(".")[0]) is None]
-    if missing:  # before listening: the lab sees the server gone, not workers falling back
+    # checked before listening: the lab then sees the server gone, not workers falling back
+    # to fresh interpreters
+    for module in args.preload:
+        package = module.partition(".")[0]
+        if importlib.util.find_spec(package) is not None:
+            continue
         parser.error(
-            f"--preload {missing[0]}: no module {missing[0].partition('.')[0]!r} from the "
+            f"--preload {module}: no module {package!r} from the "
             f"working directory {os.getcwd()} or PYTHONPATH; start the server where "
             "`python -m` would find it, or put its folder on PYTHONPATH"
         )
