@@ -161,6 +161,7 @@ __all__ = [
     "shard_process_group",
     "sharded_param",
     "sharded_post_forward_data",
+    "storage_alignment",
     "stored_tensor_layout",
     "trainable_fsdp_params",
     "tree_map",
@@ -663,6 +664,16 @@ def write_files(writer: FileSystemWriter, planner: Any, file_queue: Any) -> Any:
     return writer._write_data(planner, file_queue)
 
 
+def storage_alignment() -> int:
+    """The byte alignment ``torch.save`` gives a storage's bytes in its archive (a setting).
+
+    2.11-2.15: ``torch.serialization._get_storage_alignment()``.
+    """
+    from torch import serialization
+
+    return serialization._get_storage_alignment()
+
+
 def write_tensor_archive(tensor: torch.Tensor, stream: Any) -> None:
     """Write ``torch.save(tensor, stream)``'s archive without the zip records' CRC-32.
 
@@ -681,7 +692,7 @@ def write_tensor_archive(tensor: torch.Tensor, stream: Any) -> None:
     from torch import serialization
 
     try:
-        archive = torch._C.PyTorchFileWriter(stream, False, serialization._get_storage_alignment())
+        archive = torch._C.PyTorchFileWriter(stream, False, storage_alignment())
         save = serialization._save
     except (AttributeError, TypeError):
         torch.save(tensor, stream)

@@ -17,6 +17,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.planner import (
 
 from fsdp_ext._torch import DedupHookSavePlanner
 from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
+from fsdp_ext.checkpoint.serialize import saved_value
 
 # A group that fits under (1 + slack) x the fair share is placed whole, not split.
 DEFAULT_SLACK = 0.02
@@ -310,6 +312,12 @@ class SpreadSavePlanner(DedupHookSavePlanner):
             start = piece.offsets[dim] - whole.offsets[dim]
             self._slices[key] = (base.index, dim, start, piece.sizes[dim])
         return plan
+
+    def transform_object(self, write_item: WriteItem, object: Any):
+        """Stock's, with each plain value's archive made once (``serialize.saved_value``)."""
+        if write_item.type == WriteItemType.BYTE_IO:
+            return saved_value(object)
+        return object
 
     def lookup_object(self, index: MetadataIndex):
         found = self._slices.get(item_key(index))

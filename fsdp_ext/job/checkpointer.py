@@ -22,13 +22,17 @@ while the next step's forward and backward run; the next ``optimizer.step()`` wa
 copy. The thread's collectives (the ownership check's broadcast, DCP's planning and commit)
 run on a process group of their own: ``save`` itself runs no collective, and nothing of the
 save touches the training's group. The write runs at nice 19, so it takes the cycles a step
-leaves, not the step's (``background_nice``). The next save waits for the previous write
+leaves, not the step's (``background_nice``). Automatic garbage collection is paused from
+``save`` to the end of its write (and left as the caller had it): a collection of the oldest
+generation, set off by the save's own allocations, took 150-200 ms holding the GIL in the
+write's thread, and stopped the step for as long. The next save waits for the previous write
 (and says how long), never drops one; ``close()`` waits for the last.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import threading
@@ -313,31 +317,41 @@ class Checkpointer:
             marks.append(("write", time.perf_counter()))
             self._record(t0, marks)
             return path
-        state = {k: v.state_dict() for k, v in self.state.items()}
-        marks.append(("state_dict", time.perf_counter()))
-        staged = self._staging.stage(state, defer=self._written_by_step())
-        marks.append(("stage", time.perf_counter()))
-        self.stats.staging_bytes = self._staging.nbytes
-        group = self._background_group()
-        job = _Background(step, threading.Thread(), time.perf_counter())
+        collecting = gc.isenabled()  # paused until the write ends (the module's docstring)
+        gc.disable()
+        try:
+            state = {k: v.state_dict() for k, v in self.state.items()}
+            marks.append(("state_dict", time.perf_counter()))
+            staged = self._staging.stage(state, defer=self._written_by_step())
+            marks.append(("stage", time.perf_counter()))
+            self.stats.staging_bytes = self._staging.nbytes
+            group = self._background_group()
+            job = _Background(step, threading.Thread(), time.perf_counter())
 
-        def write() -> None:
-            try:
-                try:  # at the training's priority: the next optimizer step waits for it
-                    self._staging.copy_deferred()
+            def write() -> None:
+                try:
+                    try:  # at the training's priority: the next optimizer step waits for it
+                        self._staging.copy_deferred()
+                    finally:
+                        job.staged.set()
+                    _lower_priority(self.background_nice)
+                    # the fence's check too: its broadcast is a collective, off the training's group
+                    self._check_fence(path, group)
+                    self._write(step, path, staged, group)
+                except BaseException as exc:  # raised by the next save, wait or close
+                    job.error = exc
                 finally:
-                    job.staged.set()
-                _lower_priority(self.background_nice)
-                # the fence's check too: its broadcast is a collective, off the training's group
-                self._check_fence(path, group)
-                self._write(step, path, staged, group)
-            except BaseException as exc:  # raised by the next save, wait or close
-                job.error = exc
-            self.stats.background_s.append(time.perf_counter() - job.started)
+                    self.stats.background_s.append(time.perf_counter() - job.started)
+                    if collecting:
+                        gc.enable()
 
-        job.thread = threading.Thread(target=write, name=f"fsdp_ext-save-{step}")
-        self._background = job
-        job.thread.start()
+            job.thread = threading.Thread(target=write, name=f"fsdp_ext-save-{step}")
+            self._background = job
+            job.thread.start()
+        except BaseException:  # no write started: collection is the caller's again
+            if collecting:
+                gc.enable()
+            raise
         marks.append(("start", time.perf_counter()))
         self._record(t0, marks)
         job.phases = self.stats.phases_s[-1]
