@@ -40,6 +40,10 @@ for its previous save, as each library requires. Per save (median over the run's
                         save at all (the same minutes of the same run: the clean phase before
                         the first save is reported apart, step_ms_clean_phase); null for the
                         synchronous writers (no step overlaps their write)
+  step_ms_lost_per_save what the overlapped steps lost in all, per save: the sum over the
+                        steps during a write of their time over that median step, over the
+                        number of saves (a write spread thinner slows each step less, not
+                        the steps in all)
   staging_over_state    the peak RSS growth that saving caused, over the state's bytes: read
                         from outside in /proc/PID/status. After warm-up the parent resets each
                         rank's VmHWM (clear_refs 5), the ranks train ``clean`` steps without a
@@ -104,8 +108,20 @@ WRITERS = (
 )
 SYNC_WRITERS = ("stock_sync", "ours_sync")
 STOCK_ASYNC_MODES = ("stock_async_thread", "stock_async_process")
-REPORTED = ("stock_sync", "stock_async", "torch_checkpointing", "ours_sync", "ours_async")
-METRICS = ("blocked_ms", "background_s", "step_slowdown", "staging_over_state")
+REPORTED = (
+    "stock_sync",
+    "stock_async",
+    "torch_checkpointing",
+    "ours_sync",
+    "ours_async",
+)
+METRICS = (
+    "blocked_ms",
+    "background_s",
+    "step_slowdown",
+    "step_ms_lost_per_save",
+    "staging_over_state",
+)
 TARGETS = {
     "blocked_ours_async_over_stock_async": 0.5,  # at most
     "blocked_ours_async_over_stock_sync": 0.1,  # at most
@@ -333,7 +349,11 @@ class Ours(_Saver):
         super().__init__(root)
         self.blocking = blocking
         self.ckpt = Checkpointer(  # as train.py makes it: its loop writes through the optimizer
-            root, model=model, optimizer=optimizer, keep=None, overlap_staging=True
+            root,
+            model=model,
+            optimizer=optimizer,
+            keep=None,
+            overlap_staging=True,
         )
 
     def save(self, step: int) -> None:
@@ -745,9 +765,11 @@ def summarize_writer(writer: str, run: dict) -> dict:
     clean = [s["s"] for s in free if s["phase"] == "run"] or [s["s"] for s in free]
     clean_phase = [s["s"] for s in measured if s["phase"] == "clean"]
     during = [s["s"] for s in measured if overlaps(s, writing)]
-    slowdown = None
+    slowdown = lost = None
     if writer not in SYNC_WRITERS and during and clean:
         slowdown = _median(during) / _median(clean)
+        # what the saves cost the steps in all, whatever the number of steps it is spread on
+        lost = sum(d - _median(clean) for d in during) / len(rank0["saves"])
     state = sum(t["state_bytes"] for t in timelines)
     growth = sum(e - c for e, c in zip(run["end_hwm"], run["clean_hwm"], strict=True))
     train_peak = sum(c - b for c, b in zip(run["clean_hwm"], run["base_rss"], strict=True))
@@ -757,6 +779,7 @@ def summarize_writer(writer: str, run: dict) -> dict:
         "first_save_blocked_ms": round(max(f["ret"] - f["call"] for f in firsts) * 1e3, 1),
         "background_s": _round(_median(background)),
         "step_slowdown": _round(slowdown),
+        "step_ms_lost_per_save": _round(None if lost is None else lost * 1e3, 1),
         "staging_over_state": _round(growth / state),
         "blocked_ms_per_save": [round(b * 1e3, 1) for b in blocked],
         "background_s_per_save": [round(b, 3) for b in background],

@@ -59,11 +59,13 @@ def test_per_save_figures_and_step_slowdown():
     assert row["background_s"] == pytest.approx(2.4)  # from rank 0's return (the slowest)
     assert row["steps_during_write"] == 2 and row["steps_clean"] == 2
     assert row["step_slowdown"] == pytest.approx(2.0)  # 4.0 against the clean phase
+    assert row["step_ms_lost_per_save"] == pytest.approx(2000.0)  # 2 steps 1 s over, 1 save
     assert row["step_ms_clean"] == 1000.0 and row["step_ms_clean_phase"] == 500.0
     assert row["staging_over_state"] == pytest.approx(1.1)  # (50 + 60) MB over 100 MB
     assert row["first_save_blocked_ms"] == 500.0
     sync = summarize_writer("stock_sync", _run([(4.0, 6.0, 6.0)], steps))
     assert sync["step_slowdown"] is None and sync["background_s"] == pytest.approx(0.0)
+    assert sync["step_ms_lost_per_save"] is None
 
 
 def test_summary_picks_the_better_stock_async_mode_and_states_targets():
