@@ -674,8 +674,10 @@ def storage_alignment() -> int:
     return serialization._get_storage_alignment()
 
 
-def write_tensor_archive(tensor: torch.Tensor, stream: Any) -> None:
-    """Write ``torch.save(tensor, stream)``'s archive without the zip records' CRC-32.
+def write_tensor_archive(tensor: torch.Tensor, stream: Any) -> bool:
+    """Write ``torch.save(tensor, stream)``'s archive without the zip records' CRC-32; True
+    when it is without (its records then depend on the tensor's layout alone), False where
+    it fell back to ``torch.save``.
 
     ``torch.load`` never checks that CRC (a flipped byte loads silently), and the checkpoint
     manifest already hashes every byte the stream sees, so computing it is a second full
@@ -696,10 +698,11 @@ def write_tensor_archive(tensor: torch.Tensor, stream: Any) -> None:
         save = serialization._save
     except (AttributeError, TypeError):
         torch.save(tensor, stream)
-        return
+        return False
     save(tensor, archive, pickle, serialization.DEFAULT_PROTOCOL, False)
     archive.write_end_of_file()
     stream.flush()
+    return True
 
 
 def stored_tensor_layout(stream: Any) -> tuple[torch.Tensor, int, str | None]:

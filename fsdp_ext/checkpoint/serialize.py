@@ -66,7 +66,8 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
 
 class ArchiveLayouts:
     """The records of a ``torch.save`` archive before and after its tensor's bytes, by the
-    tensor's layout, made once by :func:`write_tensor_archive` and then reused.
+    tensor's layout, made once by :func:`write_tensor_archive` and then reused (only where it
+    writes no CRC: a CRC record would depend on the bytes).
 
     Only a plain CPU tensor whose storage is exactly its bytes has one (what
     :func:`own_storage` gives): anything that ``torch.save`` pickles more of (a subclass,
@@ -89,9 +90,9 @@ class ArchiveLayouts:
             self._records.move_to_end(key)
             return records
         sink = _ChunkSink(tensor)
-        write_tensor_archive(tensor, sink)
+        crc_free = write_tensor_archive(tensor, sink)  # else the records hold the data's CRC
         chunks = sink.finish()
-        if sink.data_index is None or len(chunks) != 3 or sink.data_index != 1:
+        if not crc_free or len(chunks) != 3 or sink.data_index != 1:
             return None
         records = (bytes(chunks[0]), bytes(chunks[2]))
         self._records[key] = records
