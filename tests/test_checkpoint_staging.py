@@ -259,3 +259,32 @@ def test_a_transposed_tensor_is_written_in_its_storage_order_by_both_write_paths
         expected = state[item.index.fqn]
         for data in (archive, b"".join(bytes(c) for c in chunks)):
             assert torch.equal(torch.load(io.BytesIO(data), weights_only=True), expected)
+
+
+def test_a_ranks_files_are_sized_by_its_shards_bytes_not_the_whole_tensors():
+    """A sharded tensor's write item names the whole tensor's size and this rank's chunk:
+    the files (and the disk-space and S3 stream sizing) count the chunk, the bytes this rank
+    writes. Counted whole, each layer of a 2-way shard looked twice its size, and a run of
+    layers that fills a file got cut in half."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItemType
+    from torch.distributed.checkpoint.planner import WriteItem as Item
+
+    from fsdp_ext.checkpoint.file_groups import group_items
+    from fsdp_ext.checkpoint.layers import default_layer_key
+    from fsdp_ext.checkpoint.planner import item_nbytes
+
+    def shard(layer: int) -> Item:  # rows 0-3 of an 8 x 8 fp32 tensor: 128 of its 256 bytes
+        chunk = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([4, 8]))
+        data = TensorWriteData(chunk, TensorProperties(dtype=torch.float32), torch.Size([8, 8]))
+        fqn = f"layers.{layer}.w"
+        return Item(MetadataIndex(fqn, torch.Size([0, 0])), WriteItemType.SHARD, tensor_data=data)
+
+    items = [shard(i) for i in range(4)]
+    assert item_nbytes(items[0]) == 128
+    files = group_items(SavePlan(items), default_layer_key, min_file_bytes=256, thread_count=1)
+    assert [name for name, _ in files] == ["layers.0..layers.1", "layers.2..layers.3"]

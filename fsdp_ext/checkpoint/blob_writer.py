@@ -48,7 +48,6 @@ from fsdp_ext.checkpoint.catalog import (
 )
 from fsdp_ext.checkpoint.file_groups import (
     group_items,
-    item_file_bytes,
     safe_name,
     split_results,
 )
@@ -63,6 +62,7 @@ from fsdp_ext.checkpoint.manifest import (
     Manifest,
     crc32_hex,
 )
+from fsdp_ext.checkpoint.planner import item_nbytes
 from fsdp_ext.checkpoint.serialize import item_chunks
 
 __all__ = ["BlobStorageWriter", "step_name"]
@@ -190,7 +190,7 @@ class BlobStorageWriter(StorageWriter):
         least = self.store.min_stream_bytes
         if not least:
             return self.thread_count
-        share = sum(item_file_bytes(i) for i in plan.items)
+        share = sum(item_nbytes(i) for i in plan.items)
         return max(1, min(self.thread_count, share // least))
 
     # -- writing -----------------------------------------------------------------------------

@@ -9,16 +9,16 @@ until each of the ``thread_count`` writer threads has one.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Any
 
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from fsdp_ext.checkpoint.layers import LayerKey, layer_of
+from fsdp_ext.checkpoint.planner import item_nbytes
 
-__all__ = ["group_items", "item_file_bytes", "safe_name", "split_results"]
+__all__ = ["group_items", "safe_name", "split_results"]
 
 OTHER = "other"
 
@@ -33,7 +33,7 @@ def group_items(
     bins: list[tuple[str, list]] = []
     run_names: list[str] = []
     for name in sorted(groups, key=_natural):
-        if run_names and sum(item_file_bytes(i) for i in bins[-1][1]) < min_file_bytes:
+        if run_names and sum(item_nbytes(i) for i in bins[-1][1]) < min_file_bytes:
             run_names.append(name)
             bins[-1] = (f"{run_names[0]}..{name}", bins[-1][1] + groups[name])
         else:
@@ -41,26 +41,19 @@ def group_items(
             bins.append((name, list(groups[name])))
     while len(bins) < thread_count:
         name, items = max(
-            bins, key=lambda b: (sum(item_file_bytes(i) for i in b[1]), b[0]), default=(None, [])
+            bins, key=lambda b: (sum(item_nbytes(i) for i in b[1]), b[0]), default=(None, [])
         )
         if len(items) < 2:
             break
         halves: tuple[list, list] = ([], [])
         sizes = [0, 0]
-        for item in sorted(items, key=lambda i: -item_file_bytes(i)):
+        for item in sorted(items, key=lambda i: -item_nbytes(i)):
             k = 0 if sizes[0] <= sizes[1] else 1
             halves[k].append(item)
-            sizes[k] += item_file_bytes(item)
+            sizes[k] += item_nbytes(item)
         bins.remove((name, items))
         bins += [(f"{name}-a", halves[0]), (f"{name}-b", halves[1])]
     return bins
-
-
-def item_file_bytes(item: WriteItem) -> int:
-    """Bytes a write item puts in its file (a tensor item's whole local tensor)."""
-    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-        return 0
-    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
 
 
 def _natural(name: str) -> tuple:

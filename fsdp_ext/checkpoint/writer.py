@@ -49,7 +49,7 @@ from torch.futures import Future
 
 from fsdp_ext._torch import write_files
 from fsdp_ext.checkpoint.fence import DirectoryFencedError, Fence
-from fsdp_ext.checkpoint.file_groups import group_items, item_file_bytes, safe_name, split_results
+from fsdp_ext.checkpoint.file_groups import group_items, safe_name, split_results
 from fsdp_ext.checkpoint.layers import LayerKey, default_layer_key, layer_of
 from fsdp_ext.checkpoint.location import posix_storage
 from fsdp_ext.checkpoint.lock import LockOwner, acquire, release
@@ -65,7 +65,7 @@ from fsdp_ext.checkpoint.manifest import (
     Manifest,
     plan_record_bytes,
 )
-from fsdp_ext.checkpoint.planner import item_key
+from fsdp_ext.checkpoint.planner import item_key, item_nbytes
 from fsdp_ext.checkpoint.serialize import write_items
 from fsdp_ext.checkpoint.storage import MISSING, CheckpointStorage, is_out_of_space
 from fsdp_ext.checkpoint.versions import (
@@ -294,7 +294,7 @@ class SpreadFileSystemWriter(FileSystemWriter):
         staging = Path(assignment.staging)
         by_key = {item_key(i.index): i for i in plan.items}
         files = [(staging / n, n, [by_key[k] for k in keys]) for n, keys in assignment.files]
-        need = sum(item_file_bytes(i) for i in plan.items)
+        need = sum(item_nbytes(i) for i in plan.items)
         # fsync once every file is written, not after each one (what the stock loop does), so
         # the kernel flushes one file while the next is being written
         sync, self.sync_files = self.sync_files, False
