@@ -21,8 +21,9 @@ background thread. The parameters and the optimizer state are copied in that thr
 while the next step's forward and backward run; the next ``optimizer.step()`` waits for the
 copy. The thread's collectives (the ownership check's broadcast, DCP's planning and commit)
 run on a process group of their own: ``save`` itself runs no collective, and nothing of the
-save touches the training's group. The write runs at nice 19, so it takes the cycles a step
-leaves, not the step's (``background_nice``). Automatic garbage collection is paused from
+save touches the training's group. The thread, its copy and its write, runs at nice 19, so
+it takes the cycles a step leaves, not the step's (``background_nice``; the step never had to
+wait for the copy at nice 19 in the benchmark's runs). Automatic garbage collection is paused from
 ``save`` to the end of its write (and left as the caller had it): a collection of the oldest
 generation, set off by the save's own allocations, took 150-200 ms holding the GIL in the
 write's thread, and stopped the step for as long. The next save waits for the previous write
@@ -330,11 +331,11 @@ class Checkpointer:
 
             def write() -> None:
                 try:
-                    try:  # at the training's priority: the next optimizer step waits for it
+                    _lower_priority(self.background_nice)
+                    try:  # the next optimizer step waits for it
                         self._staging.copy_deferred()
                     finally:
                         job.staged.set()
-                    _lower_priority(self.background_nice)
                     # the fence's check too: its broadcast is a collective, off the training's group
                     self._check_fence(path, group)
                     self._write(step, path, staged, group)
