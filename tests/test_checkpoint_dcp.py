@@ -286,13 +286,14 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
 # -- who checks what on a load ---------------------------------------------------------------
 
 
-class _CountingZlib:
-    """Stands in for ``zlib`` in the reader: counts the bytes each CRC-32 covers."""
+class _CountingCrc32:
+    """Stands in for the reader's ``crc32``: counts the bytes each CRC-32 covers, and computes
+    it with zlib's own (the files' CRCs came from zlib-ng's: an independent check)."""
 
     def __init__(self) -> None:
         self.sizes: list[int] = []  # appended from the read-ahead threads too
 
-    def crc32(self, data, value: int = 0) -> int:
+    def __call__(self, data, value: int = 0) -> int:
         self.sizes.append(memoryview(data).nbytes)
         return zlib.crc32(data, value)
 
@@ -304,8 +305,8 @@ def _load_and_report_checks(path: str, layout: str) -> tuple[list[str], str | No
     tensors = full_state()
     target = empty_like(build_state(layout, world, tensors))
     reader = VerifiedFileSystemReader(path)
-    counting = _CountingZlib()
-    reader_module.zlib = counting  # this rank's process only
+    counting = _CountingCrc32()
+    reader_module.crc32 = counting  # this rank's process only
     try:
         dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner())
     except BaseException as exc:  # CheckpointException is a BaseException

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import uuid
-import zlib
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 
@@ -60,6 +59,7 @@ from fsdp_ext.checkpoint.manifest import (
     METADATA_NAME,
     FileRecord,
     Manifest,
+    crc32,
     crc32_hex,
 )
 from fsdp_ext.checkpoint.planner import item_nbytes
@@ -209,7 +209,7 @@ class BlobStorageWriter(StorageWriter):
                     chunks, result = item_chunks(by_index[index], planner, name, size)
                     results.append(result)
                     for chunk in chunks:
-                        crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+                        crc, size = crc32(chunk, crc), size + len(chunk)
                         yield chunk
 
             self.store.put(f"{assignment.prefix}/{name}", items())
@@ -254,9 +254,7 @@ class BlobStorageWriter(StorageWriter):
         meta_bytes = pickle.dumps(metadata)
         manifest = Manifest(
             files=records,
-            metadata=FileRecord(
-                METADATA_NAME, -1, len(meta_bytes), crc32_hex(zlib.crc32(meta_bytes))
-            ),
+            metadata=FileRecord(METADATA_NAME, -1, len(meta_bytes), crc32_hex(crc32(meta_bytes))),
             world_size=len(results),
             checksum=CHECKSUM,
             target=step_name(self.step),

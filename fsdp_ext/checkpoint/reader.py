@@ -39,7 +39,6 @@ import os
 import sys
 import warnings
 import weakref
-import zlib
 from collections import deque
 from concurrent.futures import Future as PoolFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +68,7 @@ from fsdp_ext.checkpoint.manifest import (
     UnsafeCheckpointError,
     check_record,
     checksum_bytes,
+    crc32,
     crc32_hex,
     parse_manifest,
 )
@@ -121,7 +121,7 @@ def _read_whole(directory: StoredDirectory, name: str, size: int, checksums: boo
             return _Fetched(on_disk, None, None)
         data = bytearray(size)
         _read_exactly(stream, memoryview(data), 0)
-    return _Fetched(size, data, crc32_hex(zlib.crc32(data)) if checksums else None)
+    return _Fetched(size, data, crc32_hex(crc32(data)) if checksums else None)
 
 
 def _read_exactly(stream: BinaryIO, view: memoryview, offset: int) -> int:
@@ -578,7 +578,7 @@ class VerifiedFileSystemReader(FileSystemReader):
     def _hash(self, source: _FileBytes, chunk: bytearray) -> str:
         view, crc, offset = memoryview(chunk), 0, 0
         while n := _read_exactly(source.stream, view, offset):
-            crc = zlib.crc32(view[:n], crc)
+            crc = crc32(view[:n], crc)
             offset += n
         return crc32_hex(crc)
 

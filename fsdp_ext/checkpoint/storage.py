@@ -45,7 +45,6 @@ import errno
 import io
 import os
 import threading
-import zlib
 from abc import abstractmethod
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
@@ -54,7 +53,7 @@ from typing import BinaryIO
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from fsdp_ext.checkpoint.manifest import crc32_hex
+from fsdp_ext.checkpoint.manifest import crc32, crc32_hex
 
 __all__ = [
     "DIRECTORY",
@@ -135,7 +134,7 @@ class _ChecksumStream:
             self._storage.write_errors.setdefault(self._path, exc)
             raise
         if self._storage.checksums:
-            self.crc = zlib.crc32(view, self.crc)
+            self.crc = crc32(view, self.crc)
         self.size += view.nbytes
         return written
 
