@@ -315,3 +315,19 @@ def test_the_deferred_copy_runs_at_the_writes_lower_priority(tmp_path):
     ckpt.close()
     assert seen == [min(19, own + 19)]
     assert verify_checkpoint(tmp_path / "out" / "step-0000001").ok
+
+
+def test_the_kept_archives_are_bounded_and_stay_right_after_an_eviction():
+    from fsdp_ext.checkpoint.serialize import ArchiveLayouts, SavedValues
+
+    layouts, values = ArchiveLayouts(size=2), SavedValues(size=2)
+    tensors = [torch.randn(2, 3), torch.randn(3, 2), torch.randn(6)]  # three layouts
+    for tensor in tensors + tensors:  # the first is dropped, then made again
+        before, after = layouts.records(tensor)
+        data = before + tensor.numpy().tobytes() + after
+        assert torch.equal(torch.load(io.BytesIO(data), weights_only=True), tensor)
+    for value in [0.1, 0.2, 0.3, 0.1]:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        assert values.archive(value) == buffer.getvalue()
+    assert len(layouts._records) == 2 and len(values._archives) == 2

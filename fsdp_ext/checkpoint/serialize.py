@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
 from collections import OrderedDict
 from typing import Any, BinaryIO
 
@@ -78,6 +79,7 @@ class ArchiveLayouts:
     def __init__(self, size: int = 8192) -> None:
         self.size = size
         self._records: OrderedDict[tuple, tuple[bytes, bytes]] = OrderedDict()
+        self._lock = threading.Lock()  # a writer's threads share it
 
     def records(self, tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
         """The archive's bytes before and after the tensor's bytes; None where the tensor
@@ -85,19 +87,21 @@ class ArchiveLayouts:
         key = _layout(tensor)
         if key is None:
             return None
-        records = self._records.get(key)
-        if records is not None:
-            self._records.move_to_end(key)
-            return records
+        with self._lock:
+            records = self._records.get(key)
+            if records is not None:
+                self._records.move_to_end(key)
+                return records
         sink = _ChunkSink(tensor)
         crc_free = write_tensor_archive(tensor, sink)  # else the records hold the data's CRC
         chunks = sink.finish()
         if not crc_free or len(chunks) != 3 or sink.data_index != 1:
             return None
         records = (bytes(chunks[0]), bytes(chunks[2]))
-        self._records[key] = records
-        if len(self._records) > self.size:
-            self._records.popitem(last=False)
+        with self._lock:
+            self._records[key] = records
+            if len(self._records) > self.size:
+                self._records.popitem(last=False)
         return records
 
 
@@ -149,18 +153,22 @@ class SavedValues:
     def __init__(self, size: int = 8192) -> None:
         self.size = size
         self._archives: OrderedDict[bytes, bytes] = OrderedDict()
+        self._lock = threading.Lock()  # a writer's threads share it
 
     def archive(self, value: Any) -> bytes:
         if not _is_plain(value):
             return _torch_save(value)
         key = pickle.dumps(value, protocol=2)
-        found = self._archives.get(key)
-        if found is not None:
-            self._archives.move_to_end(key)
-            return found
-        found = self._archives[key] = _torch_save(value)
-        if len(self._archives) > self.size:
-            self._archives.popitem(last=False)
+        with self._lock:
+            found = self._archives.get(key)
+            if found is not None:
+                self._archives.move_to_end(key)
+                return found
+        found = _torch_save(value)
+        with self._lock:
+            self._archives[key] = found
+            if len(self._archives) > self.size:
+                self._archives.popitem(last=False)
         return found
 
 
