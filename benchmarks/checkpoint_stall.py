@@ -108,13 +108,7 @@ WRITERS = (
 )
 SYNC_WRITERS = ("stock_sync", "ours_sync")
 STOCK_ASYNC_MODES = ("stock_async_thread", "stock_async_process")
-REPORTED = (
-    "stock_sync",
-    "stock_async",
-    "torch_checkpointing",
-    "ours_sync",
-    "ours_async",
-)
+REPORTED = ("stock_sync", "stock_async", "torch_checkpointing", "ours_sync", "ours_async")
 METRICS = (
     "blocked_ms",
     "background_s",
@@ -349,11 +343,7 @@ class Ours(_Saver):
         super().__init__(root)
         self.blocking = blocking
         self.ckpt = Checkpointer(  # as train.py makes it: its loop writes through the optimizer
-            root,
-            model=model,
-            optimizer=optimizer,
-            keep=None,
-            overlap_staging=True,
+            root, model=model, optimizer=optimizer, keep=None, overlap_staging=True
         )
 
     def save(self, step: int) -> None:
@@ -767,9 +757,10 @@ def summarize_writer(writer: str, run: dict) -> dict:
     during = [s["s"] for s in measured if overlaps(s, writing)]
     slowdown = lost = None
     if writer not in SYNC_WRITERS and during and clean:
-        slowdown = _median(during) / _median(clean)
+        base = _median(clean)
+        slowdown = _median(during) / base
         # what the saves cost the steps in all, whatever the number of steps it is spread on
-        lost = sum(d - _median(clean) for d in during) / len(rank0["saves"])
+        lost = sum(d - base for d in during) / len(rank0["saves"])
     state = sum(t["state_bytes"] for t in timelines)
     growth = sum(e - c for e, c in zip(run["end_hwm"], run["clean_hwm"], strict=True))
     train_peak = sum(c - b for c, b in zip(run["clean_hwm"], run["base_rss"], strict=True))

@@ -65,6 +65,32 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return alias.view(tensor.dtype).view(tensor.shape)
 
 
+class _Kept:
+    """At most ``size`` entries, the least recently used dropped first; a writer's threads
+    share it."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._lock:
+            self._entries[key] = value
+            if len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+
 class ArchiveLayouts:
     """The records of a ``torch.save`` archive before and after its tensor's bytes, by the
     tensor's layout, made once by :func:`write_tensor_archive` and then reused (only where it
@@ -77,9 +103,7 @@ class ArchiveLayouts:
     layouts are kept, the least recently used dropped first."""
 
     def __init__(self, size: int = 8192) -> None:
-        self.size = size
-        self._records: OrderedDict[tuple, tuple[bytes, bytes]] = OrderedDict()
-        self._lock = threading.Lock()  # a writer's threads share it
+        self._records = _Kept(size)  # layout -> (bytes before, bytes after)
 
     def records(self, tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
         """The archive's bytes before and after the tensor's bytes; None where the tensor
@@ -87,21 +111,16 @@ class ArchiveLayouts:
         key = _layout(tensor)
         if key is None:
             return None
-        with self._lock:
-            records = self._records.get(key)
-            if records is not None:
-                self._records.move_to_end(key)
-                return records
+        records = self._records.get(key)
+        if records is not None:
+            return records
         sink = _ChunkSink(tensor)
         crc_free = write_tensor_archive(tensor, sink)  # else the records hold the data's CRC
         chunks = sink.finish()
         if not crc_free or len(chunks) != 3 or sink.data_index != 1:
             return None
         records = (bytes(chunks[0]), bytes(chunks[2]))
-        with self._lock:
-            self._records[key] = records
-            if len(self._records) > self.size:
-                self._records.popitem(last=False)
+        self._records.put(key, records)
         return records
 
 
@@ -151,24 +170,16 @@ class SavedValues:
     used dropped first."""
 
     def __init__(self, size: int = 8192) -> None:
-        self.size = size
-        self._archives: OrderedDict[bytes, bytes] = OrderedDict()
-        self._lock = threading.Lock()  # a writer's threads share it
+        self._archives = _Kept(size)  # pickle -> archive
 
     def archive(self, value: Any) -> bytes:
         if not _is_plain(value):
             return _torch_save(value)
         key = pickle.dumps(value, protocol=2)
-        with self._lock:
-            found = self._archives.get(key)
-            if found is not None:
-                self._archives.move_to_end(key)
-                return found
-        found = _torch_save(value)
-        with self._lock:
-            self._archives[key] = found
-            if len(self._archives) > self.size:
-                self._archives.popitem(last=False)
+        found = self._archives.get(key)
+        if found is None:
+            found = _torch_save(value)
+            self._archives.put(key, found)
         return found
 
 
