@@ -2,6 +2,7 @@
 
     python benchmarks/recovery.py [--quick] [--plot docs/recovery_loss.png]
     python benchmarks/recovery.py --peer torchft [--quick] [--torchft-path DIR]
+                                 [--no-warm-workers]
 
 The lab: 2 nodes x 2 ranks, 1 Gbit/s links and storage, examples/train.py (tiny model,
 --comm stock) with checkpoints on the shared directory, torchrun --max-restarts 3
@@ -208,11 +209,18 @@ def main(argv: list[str] | None = None) -> dict:
         default=os.environ.get("TORCHFT_PATH"),
         help="directories to import torchft from (pip install --target DIR torchft==0.2.0)",
     )
+    parser.add_argument(
+        "--warm-workers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --peer: our workers forked from a warm server per node, and a fresh node "
+        "from a pre-booted spare, as chaos.py runs them (default); or fresh interpreters",
+    )
     args = parser.parse_args(argv)
     if args.peer == "torchft":
         from benchmarks.recovery_peer import compare
 
-        summary = compare(args.quick, args.timeout, args.torchft_path)
+        summary = compare(args.quick, args.timeout, args.torchft_path, args.warm_workers)
         print(json.dumps(summary))
         return summary
     steps, every = (16, 4) if args.quick else (60, 10)

@@ -5,8 +5,10 @@ train.py). Each system runs twice: without a fault, and with node 1 lost, unanno
 process of its namespace killed), when rank 0 prints step 30 of 100 (--quick: 12 of 40).
 
 - ours: train.py under the lab's torchrun, ``--max-restarts 3 --min-nodes 1``, checkpoints
-  every 10 steps and ``--snapshot-every 1``: the survivors restart and resume on node 0, from
-  the disk (a snapshot holds one world size's shards, and the world went from 4 to 2);
+  every 10 steps and ``--snapshot-every 1``, its workers forked from a warm server per node
+  and a fresh node from a pre-booted spare (``warm``, as chaos.py runs them): the survivors
+  restart and resume on node 0, from the disk (a snapshot holds one world size's shards,
+  and the world went from 4 to 2);
 - ``ours_replaced``: the same with ``--replace-failed`` instead: a fresh node 1 joins, the
   world stays 4, and the ranks resume from the in-memory snapshot (node 1's from node 0's copy);
 - torchft 0.2.0: one replica group per node (benchmarks/torchft_train.py), its lighthouse on
@@ -92,7 +94,7 @@ def _ours(
     return lines, struck, result.seconds, result.returncode
 
 
-def compare(quick: bool, timeout: float, torchft_path: str | None) -> dict:
+def compare(quick: bool, timeout: float, torchft_path: str | None, warm: bool = True) -> dict:
     steps, fault_step, every = (40, 12, 5) if quick else (100, 30, 10)
     flags = ["--batch-size", "4", "--seq-len", "32", "--dim", "32", "--n-layers", "2"]
     flags += ["--n-heads", "2", "--hidden-dim", "32", "--num-experts", "2"]
@@ -104,6 +106,7 @@ def compare(quick: bool, timeout: float, torchft_path: str | None) -> dict:
         env["PYTHONPATH"] = os.pathsep.join([torchft_path, str(REPO), env.get("PYTHONPATH", "")])
     missing = torchft_missing(env=env)
     out: dict = {"benchmark": "recovery --peer torchft", "lab": "2 nodes x 2 ranks, 1gbit"}
+    out["warm_workers"] = warm
     out |= {
         "steps": steps,
         "fault": f"node 1 lost (SIGKILL to all its processes) at step {fault_step}",
@@ -114,7 +117,9 @@ def compare(quick: bool, timeout: float, torchft_path: str | None) -> dict:
     # again (a fresh sshfs mount), which torchft's own launch (lab.popen) does not
     order = [("ours", "free"), ("torchft", "free"), ("torchft", "fault"), ("ours", "fault")]
     order += [("ours_replaced", "fault")]
-    with Cluster(2, 2, "1gbit") as lab:
+    # torch._dynamo: FSDP2's and DTensor's paths import it on first use (as in chaos.py)
+    options = {"warm_preload": ["examples.train", "torch._dynamo"], "warm_spare": True}
+    with Cluster(2, 2, "1gbit", warm_workers=warm, **(options if warm else {})) as lab:
         runs = {}
         for system, name in order:
             if system.startswith("ours"):
