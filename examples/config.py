@@ -216,8 +216,8 @@ class TrainConfig:
     )
     straggler_every: int = _arg(
         0,
-        "every N steps, name a rank whose own work per step (its forward without the waits "
-        "for the others) is 1.5x the median rank's, in one line (0: never)",
+        "every N steps, name a rank whose own work per step (the time it ran or waited for a "
+        "CPU, not for the others) is 1.5x the median rank's, in one line (0: never)",
         low=0,
     )
     stop_after: int = _arg(

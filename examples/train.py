@@ -175,7 +175,7 @@ def _train_loop(run: Run, mode: str, clock: StartupClock) -> dict:
     start_step = step
     end_step = min(cfg.steps, start_step + cfg.stop_after) if cfg.stop_after else cfg.steps
     every = cfg.straggler_every
-    watch = fsdp_ext.StragglerWatch(par.parts, every=every) if every else None
+    watch = fsdp_ext.StragglerWatch(every=every) if every else None
     while step < end_step:
         t0 = time.perf_counter()
         if watch is not None:

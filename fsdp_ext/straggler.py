@@ -2,15 +2,21 @@
 
 In synchronous data parallelism every rank's step lasts as long as the slowest rank's, so
 step times alone cannot say who is slow: the fast ranks spend the difference waiting in
-the collectives. What differs is each rank's *own* time. ``StragglerWatch`` measures it in
-the forward pass, per FSDP unit: a forward pre-hook in front of FSDP's (which waits for the
-unit's all-gather) and one behind it give the wait; a forward hook in front of FSDP's
-post-forward ends the unit. The rank's own time is its forward wall time (first unit in to
-last unit out) minus those waits. Every ``every`` steps one small all-gather (two floats per step
-and the node index, per rank) brings every rank's times to all, and ``name_straggler``
-judges them on each rank's own median, against the median rank: a single slow step (a
-garbage collection, a page fault) is no straggler, and a slow node of two ranks does not
-drag the yardstick up with it, as a mean would.
+the collectives. What differs is each rank's *own* time. ``StragglerWatch`` takes it from
+the kernel's accounting of the training thread (``/proc/thread-self/schedstat``): the time
+it ran plus the time it was ready to run and waited for a CPU, over the whole step. A slower
+CPU shows in the first, a CPU share cut by a cgroup quota or a noisy neighbour in the
+second, and time blocked in a collective (waiting for the others) in neither, wherever in
+the step it falls: forward, backward, the optimizer, an MoE layer's own all-reduce. Every
+``every`` steps one small all-gather (two floats per step and the node index, per rank)
+brings every rank's times to all, and ``name_straggler`` judges them on each rank's own
+median, against the median rank: a single slow step (a garbage collection, a page fault) is
+no straggler, and a slow node of two ranks does not drag the yardstick up with it, as a mean
+would. Where schedstat cannot be read (a kernel without ``CONFIG_SCHED_INFO``, not Linux),
+the thread's CPU time alone is used, which misses a cut share.
+
+This times the CPU's work. On CUDA the step's own work is the GPU's, which the CPU thread
+waits for in ways that count here as run time; it is not measured there.
 """
 
 from __future__ import annotations
@@ -18,15 +24,13 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["Straggler", "StragglerWatch", "name_straggler"]
+__all__ = ["Straggler", "StragglerWatch", "name_straggler", "thread_demand_s"]
 
 DEFAULT_FACTOR = 1.5  # a rank whose own time is 1.5x the median rank's is named
 
@@ -86,16 +90,29 @@ def name_straggler(
     )
 
 
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def thread_demand_s() -> float:
+    """Seconds the calling thread has run plus waited for a CPU while ready to run
+    (schedstat's first two fields); its CPU time where schedstat cannot be read."""
+    try:
+        with open(SCHEDSTAT, "rb") as f:
+            ran_ns, waited_ns, _slices = f.read().split()
+    except (OSError, ValueError):
+        return time.thread_time()
+    return (int(ran_ns) + int(waited_ns)) / 1e9
+
+
 class StragglerWatch:
     """Times this rank's own work per step; every ``every`` steps names a straggler, if any.
 
-    Call ``begin()`` before a step's forward and ``end(step)`` after its optimizer step;
-    ``end`` returns the line to print (on every rank; print it on one) or None. ``modules``:
-    the model parts; the FSDP units among them (``fully_shard``) are timed."""
+    Call ``begin()`` before a step's forward and ``end(step)`` after its optimizer step, on
+    the thread that trains; ``end`` returns the line to print (on every rank; print it on
+    one) or None."""
 
     def __init__(
         self,
-        modules: Iterable[nn.Module],
         *,
         every: int,
         factor: float = DEFAULT_FACTOR,
@@ -107,42 +124,17 @@ class StragglerWatch:
         self.node = int(os.environ.get("GROUP_RANK", "0"))
         self._own: list[float] = []
         self._step: list[float] = []
-        self._wait = 0.0
-        self._entered = self._start = 0.0
-        self._first: float | None = None
-        self._last: float | None = None
-        self._handles = []
-        units = [m for part in modules for m in part.modules() if isinstance(m, FSDPModule)]
-        if not units:
-            raise ValueError("modules: no FSDP unit to time (apply fully_shard first)")
-        for unit in units:
-            self._handles.append(unit.register_forward_pre_hook(self._before, prepend=True))
-            self._handles.append(unit.register_forward_pre_hook(self._after))
-            self._handles.append(unit.register_forward_hook(self._done, prepend=True))
-
-    def _before(self, *_args) -> None:
-        self._entered = time.perf_counter()
-        if self._first is None:
-            self._first = self._entered
-
-    def _after(self, *_args) -> None:
-        self._wait += time.perf_counter() - self._entered
-
-    def _done(self, *_args) -> None:
-        self._last = time.perf_counter()
+        self._start = self._demand = 0.0
 
     def begin(self) -> None:
         """A step starts (before its forward)."""
-        self._wait, self._first, self._last = 0.0, None, None
-        self._start = time.perf_counter()
+        self._start, self._demand = time.perf_counter(), thread_demand_s()
 
     def end(self, step: int) -> str | None:
         """The step ended (after its optimizer step): the line naming a straggler, every
         ``every`` steps, when there is one (the same on every rank)."""
-        now = time.perf_counter()
-        forward = 0.0 if self._first is None else (self._last or now) - self._first
-        self._own.append(max(0.0, forward - self._wait))
-        self._step.append(now - self._start)
+        self._own.append(thread_demand_s() - self._demand)
+        self._step.append(time.perf_counter() - self._start)
         if len(self._own) < self.every:
             return None
         mine = torch.tensor([*self._own, *self._step, float(self.node)], dtype=torch.float64)
@@ -159,9 +151,3 @@ class StragglerWatch:
             factor=self.factor,
         )
         return None if found is None else found.line()
-
-    def remove(self) -> None:
-        """Take the hooks off the model."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []

@@ -4,7 +4,8 @@ One lab of 3 nodes x 1 rank (no storage); examples/train.py runs with --straggle
 When rank 0 prints step 5, every process of node 2 is moved into a cgroup (v1 cpu
 controller) whose quota is a tenth of one core, as a noisy neighbour or a throttled host
 would cut it; the job is told nothing. The job must print ``straggler: rank 2 on node 2``
-for a window ending by step 25, and every window wholly after the cut must name node 2.
+for a window ending by step 25, every window wholly after the cut must name node 2, and
+every window from step 11 on (a whole window after the one the cut lands in) must name it.
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ def test_the_slowed_node_is_named_within_20_steps(job):
     assert first is not None and first[:2] == (2, 2), named
     assert first[3] <= CUT_AT + WITHIN, named
     assert all((r, n) == (2, 2) for r, n, a, _b in named if a > CUT_AT), named
+    # not now and then: every window after the first whole one (forward-only timing, before
+    # round 11, named 2 of 7 and missed it whenever the quota's throttling fell elsewhere)
+    later = [(a, b) for _r, _n, a, b in named if a > CUT_AT + 5]
+    assert later == [(a, a + 4) for a in range(CUT_AT + 6, 40, 5)], named
 
 
 def test_nothing_is_left(job):
