@@ -329,6 +329,11 @@ class Checkpointer:
             group = self._background_group()
             job = _Background(step, threading.Thread(), time.perf_counter())
 
+            _sw = float(os.environ.get("FSDP_EXT_SWITCH", "0") or 0)
+            _old_sw = sys.getswitchinterval()
+            if _sw:
+                sys.setswitchinterval(_sw)
+
             def write() -> None:
                 try:
                     _lower_priority(self.background_nice)
@@ -343,6 +348,8 @@ class Checkpointer:
                     job.error = exc
                 finally:
                     self.stats.background_s.append(time.perf_counter() - job.started)
+                    if _sw:
+                        sys.setswitchinterval(_old_sw)
                     if collecting:
                         gc.enable()
 
