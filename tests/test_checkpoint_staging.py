@@ -10,6 +10,7 @@ import threading
 import traceback
 import zipfile
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -237,6 +238,41 @@ def test_no_garbage_collection_runs_in_the_background_write(tmp_path):
         gc.callbacks.remove(record)
     assert not [name for name in collected_in if name.startswith("fsdp_ext-save")]
     assert verify_checkpoint(tmp_path / "out" / "step-0000002").ok
+
+
+def test_the_gil_comes_back_to_the_step_sooner_while_a_background_write_runs(tmp_path):
+    """From ``save`` to the end of its write the interpreter's switch interval is 0.5 ms, so
+    a step that gave up the GIL in a torch op gets it back from the write's thread sooner;
+    after the write it is the caller's again, whatever the caller had set, and a save that
+    fails before its write starts leaves it as it was too."""
+    import sys
+
+    from fsdp_ext.job.checkpointer import BACKGROUND_SWITCH_INTERVAL_S
+
+    seen: list[float] = []
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
+    ckpt = Checkpointer(tmp_path / "out", model=model, keep=None)
+    own = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.002)  # the caller's choice
+        original = ckpt._write
+
+        def write(*args, **kwargs):  # the interval inside the write's own thread
+            seen.append(sys.getswitchinterval())
+            return original(*args, **kwargs)
+
+        ckpt._write = write
+        ckpt.save(1, blocking=False)
+        ckpt.wait()
+        assert seen == [BACKGROUND_SWITCH_INTERVAL_S] and BACKGROUND_SWITCH_INTERVAL_S == 0.0005
+        assert sys.getswitchinterval() == pytest.approx(0.002)  # the caller's, back
+        ckpt._staging.stage = None  # the next save fails while staging, before any write
+        with pytest.raises(TypeError):
+            ckpt.save(2, blocking=False)
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        sys.setswitchinterval(own)
+        ckpt.close()
 
 
 def test_a_transposed_tensor_is_written_in_its_storage_order_by_both_write_paths():
