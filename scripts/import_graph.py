@@ -720,6 +720,7 @@ CHECKPOINT_ROOMS = ("fsdp_ext/checkpoint", "fsdp_ext/job")
 # the checkpoint modules that may touch files, and why
 STORAGE_IO_OK = {
     "fsdp_ext/checkpoint/fs.py": "the local storage implementation",
+    "fsdp_ext/checkpoint/direct_file.py": "the local storage's data files, around the page cache",
     "fsdp_ext/checkpoint/blob_posix.py": "the blob primitives on a POSIX directory",
     "fsdp_ext/checkpoint/processes.py": "reads /proc about this machine's processes",
 }

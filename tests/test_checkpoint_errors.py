@@ -280,9 +280,11 @@ _TMPFS_SAVE = textwrap.dedent(
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root")
-def test_a_real_full_tmpfs_says_space(tmp_path):
+@pytest.mark.parametrize("direct_io", ["", "1"], ids=["buffered", "o_direct"])
+def test_a_real_full_tmpfs_says_space(tmp_path, direct_io):
     """A 256 KiB tmpfs, mounted in a private mount namespace (gone with the process):
-    the overwrite of a 64 KB checkpoint by an 800 KB one runs out of space."""
+    the overwrite of a 64 KB checkpoint by an 800 KB one runs out of space, whether the
+    data files are written buffered (a tmpfs's default) or ``O_DIRECT`` (forced)."""
     mount = tmp_path / "small"
     mount.mkdir()
     script = tmp_path / "save.py"
@@ -299,6 +301,7 @@ def test_a_real_full_tmpfs_says_space(tmp_path):
         text=True,
         timeout=120,
         cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, "FSDP_EXT_DIRECT_IO": direct_io},
     )
     if "mount:" in proc.stderr:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")

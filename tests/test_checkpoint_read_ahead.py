@@ -178,7 +178,9 @@ def test_the_bytes_held_stay_within_the_budget_plus_one_chunk(tmp_path, monkeypa
     and caches), far below a file's 512 KB."""
     root = save(tmp_path / "ckpt", rows=ROWS)
     sizes = sorted(f.stat().st_size for f in data_files(root))
-    assert sizes[0] > FILE_BYTES and sizes[-2] < FILE_BYTES + 4096  # layers; embed is 2x
+    # layers (each with its framing, and the zeros under one block that a file written
+    # around the page cache puts before a large tensor); embed is 2x
+    assert sizes[0] > FILE_BYTES and sizes[-2] < FILE_BYTES + 2 * 4096
     budget, chunk, allowance = 3 * sizes[-2] + 100, 64 << 10, 128 << 10
     monkeypatch.setattr(reader_module, "READ_AHEAD_BUDGET", budget)
     monkeypatch.setattr(reader_module, "READ_CHUNK_BYTES", chunk)

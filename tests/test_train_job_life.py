@@ -1,8 +1,10 @@
 """The main job across a cluster's habits: two jobs on one --out, a dead host, a corrupt
 newest checkpoint. Each job is a real `examples/train.py --nproc-per-node 2` process."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,7 +15,9 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp_ext.checkpoint import checkpoint_steps
-from fsdp_ext.warm import SOCKET_ENV
+from fsdp_ext.checkpoint.fence import holder
+from fsdp_ext.checkpoint.fs import LocalStorage
+from fsdp_ext.warm import CLIENT_ENV, SOCKET_ENV
 from tests.host_helpers import power_off, start_on_host
 from tests.train_flags import TINY as TINY_FLAGS
 from tests.train_flags import train_in_ranks
@@ -59,13 +63,83 @@ def same(a, b) -> bool:
     return a == b
 
 
+def _children_by_parent() -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            found.setdefault(ppid, []).append(int(entry.name))
+    return found
+
+
+def _job_processes(launcher: int) -> set[int]:
+    """The launcher, its descendants, and the warm workers forked for them (the warm
+    server's children whose environment names one of those as their client)."""
+    children = _children_by_parent()
+    found, todo = set(), [launcher]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += children.get(pid, [])
+    clients = {f"{CLIENT_ENV}={pid}".encode() for pid in found}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) not in found:
+            with contextlib.suppress(OSError):
+                if clients & set((entry / "environ").read_bytes().split(b"\0")):
+                    found.add(int(entry.name))
+                    found.update(children.get(int(entry.name), []))
+    return found
+
+
+def _stop(launcher: int) -> set[int]:
+    """SIGSTOP every process of a job, until a second look finds no new one (a worker the
+    warm server forked for an already stopped client)."""
+    stopped: set[int] = set()
+    while True:
+        new = _job_processes(launcher) - stopped
+        if not new:
+            return stopped
+        for pid in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        stopped |= new
+        time.sleep(0.2)
+
+
 def two_jobs(tmp_path: Path, delay: float, env: dict | None = None) -> None:
+    """Whichever job claims --out first is held (SIGSTOP, all its processes, well within
+    its 60 s lease) until the other has been refused, then let go: the refusal meets a
+    live owner however slowly the second job starts, never an owner that already finished
+    its 6 steps (which a loaded machine's second start could otherwise let happen)."""
     out = tmp_path / "run"
     flags = ["--steps", "6", "--ckpt-every", "2", "--keep", "5"]
     first = job(out, *flags, "--seed", "0", env=env)
     time.sleep(delay)
     second = job(out, *flags, "--seed", "1", env=env)
-    results = {0: finish(first), 1: finish(second)}
+    jobs = {first.pid: first, second.pid: second}
+    deadline = time.monotonic() + 120
+    while (owner := holder(LocalStorage(), out / "checkpoints", 1)) is None:
+        assert time.monotonic() < deadline, "no job claimed --out in 120 s"
+        assert first.poll() is None or second.poll() is None, "both jobs ended unclaimed"
+        time.sleep(0.01)
+    assert owner.pid in jobs, (owner, list(jobs))  # the launcher holds the record
+    held = _stop(owner.pid)
+    try:
+        (other,) = [p for pid, p in jobs.items() if pid != owner.pid]
+        other_result = finish(other)
+    finally:
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    owner_result = finish(jobs[owner.pid])
+    results = {
+        seed: owner_result if proc.pid == owner.pid else other_result
+        for seed, proc in ((0, first), (1, second))
+    }
     ran = [seed for seed, (rc, _o, _e) in results.items() if rc == 0]
     assert len(ran) == 1, {s: (rc, e[-1500:]) for s, (rc, _o, e) in results.items()}
     winner, loser = ran[0], 1 - ran[0]

@@ -11,6 +11,10 @@ it, and there the checkpoint path stays a link (``versions.py``).
 :meth:`LocalStorage.open_directory` opens the checkpoint's directory once and opens every
 file relative to it, so a save that publishes over the path meanwhile cannot mix two
 checkpoints into one load.
+
+:meth:`LocalStorage.open_data_write` writes a data file around the page cache
+(``direct_file.py``) on a filesystem that sits on a block device; elsewhere (tmpfs, FUSE
+mounts such as sshfs, NFS, overlay) buffered, as ``open`` does.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
+from fsdp_ext.checkpoint.direct_file import open_direct
 from fsdp_ext.checkpoint.storage import (
     DIRECTORY,
     FILE,
@@ -33,7 +38,11 @@ from fsdp_ext.checkpoint.storage import (
     StoredDirectory,
 )
 
-__all__ = ["LocalStorage"]
+__all__ = ["DIRECT_IO_ENV", "LocalStorage"]
+
+# "0": data files always buffered; "1": O_DIRECT wherever the filesystem takes it (FUSE and
+# network filesystems included); unset: on filesystems that sit on a block device
+DIRECT_IO_ENV = "FSDP_EXT_DIRECT_IO"
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -78,7 +87,35 @@ class _OpenedDirectory(StoredDirectory):
 
 
 class LocalStorage(CheckpointStorage):
-    """Checkpoints on the local filesystem (or one mounted there: NFS, sshfs, Lustre)."""
+    """Checkpoints on the local filesystem (or one mounted there: NFS, sshfs, Lustre).
+
+    ``direct_io``: write data files around the page cache: None (default) where the
+    filesystem sits on a block device and takes ``O_DIRECT`` (``$FSDP_EXT_DIRECT_IO``: ``0``
+    never, ``1`` wherever it takes it); False never; True wherever it takes it."""
+
+    def __init__(
+        self, checksums: bool = True, *, swap: bool | None = None, direct_io: bool | None = None
+    ) -> None:
+        super().__init__(checksums, swap=swap)
+        if direct_io is not None and not isinstance(direct_io, bool):
+            raise TypeError(
+                f"direct_io must be None (decide per filesystem), True or False, got {direct_io!r}"
+            )
+        self.direct_io = direct_io
+        self._refused: set[int] = set()  # filesystems (st_dev) that refused O_DIRECT
+
+    def _wants_direct(self, path: str | os.PathLike) -> int | None:
+        """The filesystem id of ``path``'s directory where its data files go ``O_DIRECT``."""
+        choice = self.direct_io
+        if choice is None:
+            env = os.environ.get(DIRECT_IO_ENV, "").strip()
+            choice = {"0": False, "1": True}.get(env)
+        if choice is False:
+            return None
+        device = os.stat(os.path.dirname(os.path.abspath(path))).st_dev
+        if device in self._refused or (choice is None and os.major(device) == 0):
+            return None  # major 0: no block device under it (tmpfs, FUSE, NFS, overlay)
+        return device
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -128,6 +165,16 @@ class LocalStorage(CheckpointStorage):
 
     def open_write(self, path: str | os.PathLike) -> BinaryIO:
         self.observe("write", path)
+        return open(path, "wb")
+
+    def open_data_write(self, path: str | os.PathLike) -> BinaryIO:
+        self.observe("write", path)
+        device = self._wants_direct(path)
+        if device is not None:
+            stream = open_direct(path)
+            if stream is not None:
+                return stream
+            self._refused.add(device)
         return open(path, "wb")
 
     def makedirs(self, path: str | os.PathLike) -> None:

@@ -212,6 +212,7 @@ def write_items(
     results = []
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
     ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
+    gap_before = getattr(stream, "gap_before", None)
     for item in ordered:
         offset = stream.tell()
         data: Any = planner.resolve_data(item)
@@ -223,8 +224,13 @@ def write_items(
             if records is None:
                 write_tensor_archive(tensor, stream)
             else:
+                payload = _tensor_bytes(tensor)
+                gap = 0 if gap_before is None else gap_before(payload, len(records[0]))
+                if gap:  # zeros between two items, in neither: the bytes then go uncopied
+                    stream.write(bytes(gap))
+                    offset += gap
                 stream.write(records[0])
-                stream.write(_tensor_bytes(tensor))
+                stream.write(payload)
                 stream.write(records[1])
                 stream.flush()
         length = stream.tell() - offset

@@ -28,9 +28,10 @@ storage of another kind is one file, a subclass that implements the primitives:
 Leases need nothing more: a heartbeat is a link rewritten by ``symlink`` + ``rename``, judged
 by the observer's own clock (``lock.py``), never by a modification time.
 
-A missing path raises ``FileNotFoundError``. Three more have defaults a backend may
+A missing path raises ``FileNotFoundError``. Four more have defaults a backend may
 override: :meth:`~CheckpointStorage.open_directory` (read every file of a checkpoint from
 the version that was there when it was opened; by default, by path),
+:meth:`~CheckpointStorage.open_data_write` (a data file; by default ``open_write``),
 :meth:`~CheckpointStorage.free_bytes` and :meth:`~CheckpointStorage.filesystem_id`.
 
 It is also DCP's ``FileSystemBase`` (what a ``FileSystemWriter`` / ``FileSystemReader``
@@ -140,6 +141,11 @@ class _ChecksumStream:
 
     def tell(self) -> int:
         return self._raw.tell()
+
+    def gap_before(self, data: memoryview, ahead: int) -> int:
+        """Zero bytes the file wants before ``data`` (``DirectFile.gap_before``), else 0."""
+        gap = getattr(self._raw, "gap_before", None)
+        return 0 if gap is None else gap(data, ahead)
 
     def flush(self) -> None:
         self._raw.flush()
@@ -253,6 +259,11 @@ class CheckpointStorage(FileSystemBase):
             raise FileNotFoundError(errno.ENOENT, "no such checkpoint directory", str(root))
         return StoredDirectory(self, root)
 
+    def open_data_write(self, path: str | os.PathLike) -> BinaryIO:
+        """A checkpoint data file, created for writing once, front to back (by default
+        :meth:`open_write`; ``LocalStorage`` writes around the page cache where it can)."""
+        return self.open_write(path)
+
     def free_bytes(self, path: str | os.PathLike) -> int:
         """Bytes free for new files at ``path`` (named in a disk-full error)."""
         raise OSError(errno.ENOTSUP, f"{type(self).__name__} cannot tell its free space")
@@ -316,7 +327,7 @@ class CheckpointStorage(FileSystemBase):
             with self.open_read(path) as stream:
                 yield stream
             return
-        stream = _ChecksumStream(self.open_write(path), self, str(path))
+        stream = _ChecksumStream(self.open_data_write(path), self, str(path))
         try:
             yield stream
         finally:
