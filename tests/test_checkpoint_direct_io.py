@@ -83,6 +83,7 @@ def test_a_large_tensor_goes_to_the_device_from_its_own_memory(tmp_path):
     stream.write(payload)
     stream.write(tail)
     stream.close()
+    assert stream.direct  # every write went to the device whole-block aligned
     # its first partial block and its last one: not the 12 MiB
     assert stream.copied < 7 + gap + len(header) + 2 * BLOCK + len(tail)
     data = (tmp_path / "data.bin").read_bytes()
