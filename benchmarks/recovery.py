@@ -48,6 +48,7 @@ from fsdp_ext.lab import Cluster, Fault, teardown_on_termination  # noqa: E402
 TINY = ["--batch-size", "4", "--seq-len", "32", "--dim", "32", "--n-layers", "2"]
 TINY += ["--n-heads", "2", "--hidden-dim", "32", "--num-experts", "2", "--val-batches", "1"]
 TINY += ["--log-every", "1", "--comm", "stock"]
+TINY += ["--no-async-save"]  # synchronous saves: the steps lost are theirs, as in docs/recovery.md
 STEP = re.compile(r"^step\s+(\d+) \| loss (\S+) .*\|\s+(\S+) ms/step")
 RESUMED = re.compile(r"resumed from \S+step-(\d+) at step")
 STARTUP = re.compile(r"startup \| (.*) \| process start (\S+)")

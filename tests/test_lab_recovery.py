@@ -30,7 +30,11 @@ TRAIN = str(REPO / "examples" / "train.py")
 
 
 def _train(out: Path, steps: int, ckpt_every: int) -> list[str]:
-    return [TRAIN, *TINY, "--steps", str(steps), "--ckpt-every", str(ckpt_every), "--out", str(out)]
+    """Synchronous saves: the bound checked here is theirs, a resume at most one interval of
+    steps before the kill. A background save's is one more interval (the steps that ran
+    during the write the kill struck; on sshfs a write of this tiny model outlasts 3 steps)."""
+    flags = ["--steps", str(steps), "--ckpt-every", str(ckpt_every), "--no-async-save"]
+    return [TRAIN, *TINY, *flags, "--out", str(out)]
 
 
 def _kill_node_1_at(step: int) -> Fault:
