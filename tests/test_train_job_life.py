@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fsdp_ext.checkpoint import checkpoint_steps
-from fsdp_ext.checkpoint.fence import holder
+from fsdp_ext.checkpoint.fence import generations, holder
 from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.warm import CLIENT_ENV, SOCKET_ENV
 from tests.host_helpers import power_off, start_on_host
@@ -222,7 +222,8 @@ def test_a_dead_host_holding_a_lock_is_resumed_here(tmp_path, same_run):
         power_off(host_b)
     locks = sorted(p.name for p in root.glob(".step-*.lock"))
     assert locks, "host B was not caught holding a lock"
-    assert json.loads(os.readlink(root / ".owner"))["host"] == "node-b"
+    (generation,) = generations(LocalStorage(), root)  # host B's claim, the only one
+    assert holder(LocalStorage(), root, generation).host == "node-b"
     here = {"FSDP_EXT_RUN_ID": "run-b"} if same_run else {}
     t0 = time.monotonic()
     rc, stdout, err = finish(job(out, *flags, "--resume", env=here))
