@@ -18,7 +18,7 @@ from fsdp_ext.checkpoint import checkpoint_steps
 from fsdp_ext.checkpoint.fence import generations, holder
 from fsdp_ext.checkpoint.fs import LocalStorage
 from fsdp_ext.warm import CLIENT_ENV, SOCKET_ENV
-from tests.host_helpers import power_off, start_on_host
+from tests.host_helpers import power_off, signal_host, start_on_host
 from tests.train_flags import TINY as TINY_FLAGS
 from tests.train_flags import train_in_ranks
 
@@ -216,7 +216,12 @@ def test_a_dead_host_holding_a_lock_is_resumed_here(tmp_path, same_run):
         while time.monotonic() < deadline:
             locks = [p for p in root.glob(".step-*.lock")] if root.is_dir() else []
             if locks and checkpoint_steps(root):
-                break
+                # frozen whole (SIGSTOP, a stopped VM), the host can no longer let its lock
+                # go: power off if it still holds one, else let it run on and look again
+                signal_host(host_b, signal.SIGSTOP)
+                if list(root.glob(".step-*.lock")):
+                    break
+                signal_host(host_b, signal.SIGCONT)
             time.sleep(0.002)
     finally:
         power_off(host_b)
