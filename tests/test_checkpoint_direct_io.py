@@ -164,3 +164,33 @@ def test_direct_io_is_chosen_per_filesystem(tmp_path, monkeypatch):
 def test_direct_io_is_none_true_or_false():
     with pytest.raises(TypeError, match="direct_io must be None"):
         LocalStorage(direct_io="yes")
+
+
+def test_a_forked_child_writes_through_bounce_buffers_of_its_own(tmp_path):
+    """The bounce buffers kept for reuse are private memory: a child forked after the parent
+    wrote (a data loader's worker, a launcher's fork) and the parent, writing at once, do not
+    write into each other's buffer."""
+    stream = open_direct(tmp_path / "warm")
+    stream.write(b"w" * 10)
+    stream.close()  # its bounce buffer is kept for the next file, in this process
+    to_parent, to_child = os.pipe(), os.pipe()  # (read end, write end) each
+    pid = os.fork()
+    if pid == 0:  # the child: fill a file with "c" through the kept buffer
+        try:
+            child = open_direct(tmp_path / "child")
+            child.write(b"c" * 3000)
+            os.write(to_parent[1], b"1")
+            os.read(to_child[0], 1)  # the parent has written its "p" meanwhile
+            child.write(b"c" * 3000)
+            child.close()
+        finally:
+            os._exit(0)
+    parent = open_direct(tmp_path / "parent")
+    parent.write(b"p" * 3000)
+    assert os.read(to_parent[0], 1) == b"1"
+    parent.write(b"p" * 3000)
+    os.write(to_child[1], b"1")
+    parent.close()
+    assert os.waitpid(pid, 0)[1] == 0
+    assert (tmp_path / "child").read_bytes() == b"c" * 6000
+    assert (tmp_path / "parent").read_bytes() == b"p" * 6000

@@ -43,7 +43,8 @@ def _take_bounce() -> mmap.mmap:
     with _spare_lock:
         if _spare:
             return _spare.pop()
-    return mmap.mmap(-1, _BOUNCE)  # anonymous: page-aligned
+    # anonymous: page-aligned; private: a forked child that writes gets pages of its own
+    return mmap.mmap(-1, _BOUNCE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def _give_bounce(bounce: mmap.mmap) -> None:
