@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -194,3 +195,23 @@ def test_a_forked_child_writes_through_bounce_buffers_of_its_own(tmp_path):
     assert os.waitpid(pid, 0)[1] == 0
     assert (tmp_path / "child").read_bytes() == b"c" * 6000
     assert (tmp_path / "parent").read_bytes() == b"p" * 6000
+
+
+def test_a_child_forked_while_another_thread_takes_a_bounce_buffer_can_write(tmp_path):
+    """The lock around the kept bounce buffers, held by another thread at the fork, is free
+    in the child: its first data file does not wait forever."""
+    from fsdp_ext.checkpoint import direct_file
+
+    with direct_file._spare_lock:  # what a writer thread holds for a moment
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a child stuck on the lock dies of SIGALRM
+            try:
+                stream = open_direct(tmp_path / "child")
+                stream.write(b"c" * 10)
+                stream.close()
+            finally:
+                os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    assert (tmp_path / "child").read_bytes() == b"c" * 10

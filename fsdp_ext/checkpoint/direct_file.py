@@ -39,6 +39,15 @@ _spare: list[mmap.mmap] = []  # bounce buffers of closed files, for the next one
 _spare_lock = threading.Lock()
 
 
+def _after_fork() -> None:
+    """A child starts with the lock free: another thread may have held it at the fork."""
+    global _spare_lock
+    _spare_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def _take_bounce() -> mmap.mmap:
     with _spare_lock:
         if _spare:
