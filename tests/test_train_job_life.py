@@ -63,36 +63,28 @@ def same(a, b) -> bool:
     return a == b
 
 
-def _children_by_parent() -> dict[int, list[int]]:
-    found: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            found.setdefault(ppid, []).append(int(entry.name))
+def _with_descendants(pids: list[int]) -> set[int]:
+    found, todo = set(), list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += _children(pid)
     return found
 
 
 def _job_processes(launcher: int) -> set[int]:
     """The launcher, its descendants, and the warm workers forked for them (the warm
     server's children whose environment names one of those as their client)."""
-    children = _children_by_parent()
-    found, todo = set(), [launcher]
-    while todo:
-        pid = todo.pop()
-        if pid not in found:
-            found.add(pid)
-            todo += children.get(pid, [])
+    found = _with_descendants([launcher])
     clients = {f"{CLIENT_ENV}={pid}".encode() for pid in found}
+    workers = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) not in found:
             with contextlib.suppress(OSError):
                 if clients & set((entry / "environ").read_bytes().split(b"\0")):
-                    found.add(int(entry.name))
-                    found.update(children.get(int(entry.name), []))
-    return found
+                    workers.append(int(entry.name))
+    return found | _with_descendants(workers)
 
 
 def _stop(launcher: int) -> set[int]:
@@ -254,15 +246,11 @@ def test_a_dead_host_holding_a_lock_is_resumed_here(tmp_path, same_run):
 
 
 def _children(pid: int) -> list[int]:
+    """``pid``'s child processes (every thread's, from /proc/PID/task/*/children)."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rpartition(")")[2].split()[1]) == pid:
-                found.append(int(entry.name))
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(k) for k in (task / "children").read_text().split()]
     return found
 
 

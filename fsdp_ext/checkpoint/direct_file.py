@@ -1,13 +1,11 @@
 """A checkpoint data file written around the page cache (Linux ``O_DIRECT``).
 
-A buffered write copies every byte into the page cache, and the kernel must find a free page
-for each: once the cache fills the host's memory, that means reclaiming one first, in the
-writing thread. A checkpoint is written once and read back rarely, so the cache buys it
-nothing, and on a host whose cores train, every cycle the write spends comes out of the step.
-Measured on this project's 2-core machine (ext4 on a virtio disk), 119 MiB written and
-fsynced: 0.38-0.44 s of the thread's CPU buffered once the cache had filled the memory, 0.05
-through this file (a 4 MiB bounce buffer), 0.004 with the copy left out. The device reads
-the aligned bounce buffer; the written bytes never enter the cache.
+A buffered write copies every byte into the page cache, and the kernel must find a page for
+each. A checkpoint is written once and read back rarely, so the cache buys it nothing, and on
+a host whose cores train, every cycle the write spends comes out of the step. Measured on
+this project's 2-core machine (ext4 on a virtio disk), 119 MiB written and fsynced: 0.38-0.44 s
+of the thread's CPU buffered into new page-cache pages, 0.05 through a bounce buffer here,
+0.004 with the copy left out (docs/checkpoint.md, "Around the page cache").
 
 ``O_DIRECT`` needs the memory, the file offset and the length aligned to the device's block,
 so small writes go through a page-aligned bounce buffer, and only whole blocks are written;
@@ -15,9 +13,9 @@ the last block is padded, then the file is cut back to its length. A large write
 address has the same offset within a block as the file's position (:meth:`DirectFile.gap_before`
 says how many zero bytes to put first to make it so) goes to the device from its own memory:
 its first partial block through the bounce buffer, then its whole blocks straight from the
-tensor, with no copy at all. Where the filesystem refuses
-``O_DIRECT`` (``EINVAL`` on a write, a short write that leaves the offset unaligned), the
-file goes on buffered from where it was: nothing is lost or written twice.
+tensor, with no copy at all. Where the filesystem refuses ``O_DIRECT`` at a write (``EINVAL``,
+or a short write that leaves the offset unaligned), the file goes on buffered from where it
+was: nothing is lost or written twice.
 """
 
 from __future__ import annotations
